@@ -82,6 +82,9 @@ class TrainBatch:
 class Trainer(abc.ABC):
     """Steps the policy on GRPO batches; owns the optimizer and checkpoints."""
 
+    #: Steps taken so far (restored by `load`); the policy version the engine serves after `named_weights` sync.
+    step_count: int
+
     @abc.abstractmethod
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One policy update; returns metrics (loss, clip fraction, KL, entropy, rewards, tokens, seconds)."""

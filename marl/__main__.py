@@ -1,0 +1,3 @@
+from marl.cli import main
+
+main()

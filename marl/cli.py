@@ -1,0 +1,65 @@
+"""The `marl` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _serve(args: argparse.Namespace) -> None:
+    # The only place marl/ imports servers/: starting a server process is what `serve` is for.
+    from servers.serve import ServeOptions, serve
+
+    serve(ServeOptions(
+        model=args.model, port=args.port, host=args.host, admin_token=args.admin_token,
+        data_dir=Path(args.data_dir) if args.data_dir else None, static=args.static,
+        served_model_name=args.served_model_name, public_url=args.public_url, device=args.device,
+        log_level=args.log_level,
+    ))
+
+
+def _status(args: argparse.Namespace) -> None:
+    from marl.client import SwarmClient
+
+    with SwarmClient(args.url, admin_token=args.admin_token) as client:
+        print(json.dumps(client.status().model_dump(mode="json"), indent=2))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="marl", description="Multi-agent RL for heterogeneous teams of LLM agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run a swarm server for one model",
+                           description="Serve one model: leases, an OpenAI-compatible endpoint, and (unless --static)"
+                                       " GRPO training on the episodes its clients report.")
+    serve.add_argument("--model", required=True, help="a Hugging Face model directory, or an alias: smollm2-135m")
+    serve.add_argument("--port", type=int, default=10086)
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 to accept remote clients)")
+    serve.add_argument("--admin-token", help="token for control calls (default: $MARL_ADMIN_TOKEN, else generated)")
+    serve.add_argument("--data-dir", help="ledger and checkpoints (default: runs/servers/<model>-<port>)")
+    serve.add_argument("--static", action="store_true", help="serve the model only: no leases, no training")
+    serve.add_argument("--served-model-name", help="model id clients send (default: the --model value)")
+    serve.add_argument("--public-url", help="base URL handed to agents (default: the URL the client used)")
+    serve.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=_serve)
+
+    status = sub.add_parser("status", help="print a server's status as JSON")
+    status.add_argument("url")
+    status.add_argument("--admin-token", help="default: $MARL_ADMIN_TOKEN")
+    status.set_defaults(func=_status)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

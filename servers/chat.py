@@ -1,0 +1,142 @@
+"""From OpenAI chat messages to prompt token ids, and from generated ids back to an OpenAI reply.
+
+Invariant: the model trained on is the model sampled from. An agent sends its history back as *text*; re-tokenizing
+that text may not give the ids the model generated (tokenizers are not injective across merges). So when a new
+prompt's rendered text starts with the decoded text of an earlier call of the same lease (its prompt + completion),
+the prompt is spliced: those exact earlier ids, then the tokenized remainder. That is also what makes timeline
+merging (servers.samples) find the earlier call as a token prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+from marl.protocol import ChatCompletionRequest, FunctionCall, ToolCall
+from servers.samples import CallRecord
+
+
+class PromptError(ValueError):
+    """The request cannot be rendered into a prompt (bad template input); a 400 for the caller."""
+
+
+class ChatFormatter:
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    # --- prompts ---------------------------------------------------------------------------------------------
+
+    def render_text(self, request: ChatCompletionRequest) -> str:
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        for message in messages:
+            message["content"] = _text_content(message.get("content"))
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tools=request.tools, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # jinja errors: the messages do not fit the model's template
+            raise PromptError(f"the model's chat template rejected these messages: {exc}") from exc
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def prompt_ids(self, request: ChatCompletionRequest, history: list[CallRecord]) -> list[int]:
+        """Token ids of the prompt, reusing the exact ids of the longest earlier call the prompt extends."""
+        text = self.render_text(request)
+        best: CallRecord | None = None
+        for call in history:
+            if not call.text:
+                call.text = self.decode(call.prompt_ids + call.completion_ids)
+            if text.startswith(call.text) and (best is None or len(call.text) > len(best.text)):
+                best = call
+        if best is None:
+            return self.encode(text)
+        return best.prompt_ids + best.completion_ids + self.encode(text[len(best.text) :])
+
+    # --- replies ---------------------------------------------------------------------------------------------
+
+    def reply_text(self, completion_ids: list[int], stop: tuple[str, ...]) -> str:
+        """The reply as OpenAI returns it: special tokens dropped, cut before the first stop string."""
+        return cut_at_stop(self.decode(completion_ids, skip_special_tokens=True), stop)
+
+
+def _text_content(content: Any) -> Any:
+    """Flatten OpenAI content parts ([{"type": "text", "text": ...}, ...]) into plain text."""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    cut = min((i for s in stop if (i := text.find(s)) >= 0), default=-1)
+    return text if cut < 0 else text[:cut]
+
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Split Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks out of a reply.
+
+    Blocks that are not valid JSON with a name stay in the text: the model's mistake is the agent's to see.
+    """
+    calls: list[ToolCall] = []
+
+    def take(match: re.Match[str]) -> str:
+        try:
+            body = json.loads(match.group(1))
+            name = body["name"]
+        except (ValueError, KeyError, TypeError):
+            return match.group(0)
+        arguments = body.get("arguments", {})
+        calls.append(
+            ToolCall(
+                id=f"call_{uuid.uuid4().hex[:24]}",
+                function=FunctionCall(
+                    name=str(name), arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)
+                ),
+            )
+        )
+        return ""
+
+    rest = _TOOL_CALL.sub(take, text).strip()
+    return (rest or None) if calls else text, calls
+
+
+class StreamDecoder:
+    """Turns a growing list of generated ids into safe text deltas for SSE.
+
+    Holds back a possibly incomplete UTF-8 character (decoded as U+FFFD) and the tail that could still become a
+    stop string, so the streamed text always equals the final non-streamed reply.
+    """
+
+    def __init__(self, formatter: ChatFormatter, stop: tuple[str, ...]):
+        self.formatter = formatter
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        text = self.formatter.decode(self.ids, skip_special_tokens=True)
+        if self.stop and cut_at_stop(text, self.stop) != text:
+            return ""  # the stop string has appeared; finish() emits the text before it
+        safe = len(text) - self.holdback
+        while safe > self.sent and text[safe - 1] == "\ufffd":
+            safe -= 1
+        delta, self.sent = text[self.sent : max(safe, self.sent)], max(safe, self.sent)
+        return delta
+
+    def finish(self) -> str:
+        text = self.formatter.reply_text(self.ids, self.stop)
+        delta = text[self.sent :]
+        self.sent = len(text)
+        return delta

@@ -1,0 +1,89 @@
+"""Leases: the live episodes of a server, and the opaque keys that let agents call the model for them.
+
+A key is a random server-issued token mapped to its lease in memory: it carries no meaning of its own, and it stops
+working the instant its lease ends, is aborted, expires, or the engine restarts (a new generation). Dead keys are
+remembered for a while so a late caller learns *why* it was refused.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from servers.samples import CallRecord
+
+_DEAD_KEYS_REMEMBERED = 10_000
+
+
+@dataclass
+class Lease:
+    episode_id: str
+    key: str
+    client_id: str
+    generation: int
+    patience_s: float
+    created_at: float = field(default_factory=time.monotonic)
+    last_active: float = field(default_factory=time.monotonic)
+    inflight: int = 0  # data-plane calls running now: a lease is never idle while the model works for it
+    calls: list[CallRecord] = field(default_factory=list)
+
+    def idle_s(self, now: float | None = None) -> float:
+        return 0.0 if self.inflight else (now or time.monotonic()) - self.last_active
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+
+class NoFreeSlot(Exception):
+    pass
+
+
+class LeaseTable:
+    def __init__(self) -> None:
+        self.by_episode: dict[str, Lease] = {}
+        self._by_key: dict[str, Lease] = {}
+        self._dead_keys: OrderedDict[str, str] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.by_episode)
+
+    def open(self, *, client_id: str, generation: int, patience_s: float, max_leases: int) -> Lease:
+        if len(self.by_episode) >= max_leases:
+            raise NoFreeSlot
+        lease = Lease(
+            episode_id=uuid.uuid4().hex,
+            key="marl-ep-" + secrets.token_urlsafe(24),
+            client_id=client_id,
+            generation=generation,
+            patience_s=patience_s,
+        )
+        self.by_episode[lease.episode_id] = lease
+        self._by_key[lease.key] = lease
+        return lease
+
+    def get(self, episode_id: str) -> Lease | None:
+        return self.by_episode.get(episode_id)
+
+    def by_key(self, key: str) -> Lease | None:
+        return self._by_key.get(key)
+
+    def is_live(self, lease: Lease) -> bool:
+        return self.by_episode.get(lease.episode_id) is lease
+
+    def close(self, lease: Lease, reason: str) -> None:
+        """Remove the lease; its key is refused from now on with `reason`."""
+        self.by_episode.pop(lease.episode_id, None)
+        self._by_key.pop(lease.key, None)
+        self._dead_keys[lease.key] = reason
+        while len(self._dead_keys) > _DEAD_KEYS_REMEMBERED:
+            self._dead_keys.popitem(last=False)
+
+    def why_dead(self, key: str) -> str | None:
+        return self._dead_keys.get(key)
+
+    def expired(self) -> list[Lease]:
+        now = time.monotonic()
+        return [lease for lease in self.by_episode.values() if lease.idle_s(now) > lease.patience_s]

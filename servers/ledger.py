@@ -1,0 +1,240 @@
+"""The durable sample ledger: SQLite in WAL mode, one file per server data directory.
+
+Guarantees (invariant 1: no acknowledged sample is lost or counted twice):
+- `record_episode` commits the episode and all its samples in one transaction, fsynced (synchronous=FULL), before
+  the server answers end_episode.
+- `claim_batch(step, ...)` marks the batch's samples with the step that consumes them, in one transaction; a sample is
+  claimed at most once.
+- A claim becomes final with `commit_step(step)` once the step's result is durable (its checkpoint written). After a
+  crash, `recover(resume_step)` returns the claims of steps the restored model never took to the pool, so the
+  resumed lineage trains on every sample exactly once.
+
+Rows are small: token ids, masks and logprobs are stored as packed arrays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import time
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from marl.protocol import Sample
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS episodes (
+    episode_id TEXT PRIMARY KEY,
+    job TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    client_id TEXT NOT NULL,
+    reward REAL NOT NULL,
+    agent_rewards TEXT,
+    metadata TEXT NOT NULL,
+    num_calls INTEGER NOT NULL,
+    ended_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS samples (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    episode_id TEXT NOT NULL REFERENCES episodes(episode_id),
+    job TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    agent TEXT NOT NULL,
+    reward REAL NOT NULL,
+    policy_version INTEGER NOT NULL,
+    num_calls INTEGER NOT NULL,
+    num_tokens INTEGER NOT NULL,
+    token_ids BLOB NOT NULL,
+    loss_mask BLOB NOT NULL,
+    logprobs BLOB NOT NULL,
+    -- NULL: in the pool; N > 0: claimed by training step N; -1: dropped as too stale to train on
+    consumed_step INTEGER
+);
+CREATE INDEX IF NOT EXISTS samples_pool ON samples (consumed_step, job, task_id, agent);
+CREATE TABLE IF NOT EXISTS steps (step INTEGER PRIMARY KEY, committed_at REAL NOT NULL, metrics TEXT NOT NULL);
+"""
+
+DROPPED_STALE = -1
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    job: str
+    task_id: str
+    agent: str
+
+
+class Ledger:
+    """Not thread-safe by itself: the server calls it from one worker thread."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")  # an acknowledged episode survives power loss, not just a crash
+        self.db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # --- meta ----------------------------------------------------------------------------------------------------
+
+    def get_meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    # --- writing ---------------------------------------------------------------------------------------------
+
+    def record_episode(
+        self,
+        *,
+        episode_id: str,
+        job: str,
+        task_id: str,
+        client_id: str,
+        reward: float,
+        agent_rewards: dict[str, float] | None,
+        metadata: dict,
+        num_calls: int,
+        samples: list[Sample],
+    ) -> None:
+        with self._transaction():
+            self.db.execute(
+                "INSERT INTO episodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    episode_id,
+                    job,
+                    task_id,
+                    client_id,
+                    reward,
+                    json.dumps(agent_rewards) if agent_rewards is not None else None,
+                    json.dumps(metadata),
+                    num_calls,
+                    time.time(),
+                ),
+            )
+            self.db.executemany(
+                "INSERT INTO samples (episode_id, job, task_id, agent, reward, policy_version, num_calls, num_tokens,"
+                " token_ids, loss_mask, logprobs, consumed_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+                [
+                    (
+                        episode_id,
+                        job,
+                        task_id,
+                        s.agent,
+                        s.reward,
+                        s.policy_version,
+                        s.num_calls,
+                        len(s.token_ids),
+                        array("i", s.token_ids).tobytes(),
+                        array("b", s.loss_mask).tobytes(),
+                        array("f", s.logprobs).tobytes(),
+                    )
+                    for s in samples
+                ],
+            )
+
+    # --- the pool ----------------------------------------------------------------------------------------------
+
+    def pool_groups(self) -> dict[GroupKey, int]:
+        """Episodes per (job, task, agent) group among samples not yet consumed, oldest group first."""
+        rows = self.db.execute(
+            "SELECT job, task_id, agent, COUNT(DISTINCT episode_id) FROM samples WHERE consumed_step IS NULL"
+            " GROUP BY job, task_id, agent ORDER BY MIN(id)"
+        ).fetchall()
+        return {GroupKey(job, task, agent): n for job, task, agent, n in rows}
+
+    def pending_episodes(self) -> int:
+        row = self.db.execute("SELECT COUNT(DISTINCT episode_id) FROM samples WHERE consumed_step IS NULL").fetchone()
+        return row[0]
+
+    def drop_stale(self, min_version: int) -> int:
+        """Take samples older than `min_version` out of the pool (never silently: returns how many)."""
+        with self._transaction():
+            cur = self.db.execute(
+                "UPDATE samples SET consumed_step = ? WHERE consumed_step IS NULL AND policy_version < ?",
+                (DROPPED_STALE, min_version),
+            )
+        return cur.rowcount
+
+    def claim_batch(self, step: int, groups: Iterable[GroupKey]) -> dict[GroupKey, list[Sample]]:
+        """Mark every pooled sample of these groups as consumed by `step` and return them."""
+        claimed: dict[GroupKey, list[Sample]] = {}
+        with self._transaction():
+            for key in groups:
+                rows = self.db.execute(
+                    "SELECT id, episode_id, agent, token_ids, loss_mask, logprobs, reward, policy_version, num_calls"
+                    " FROM samples WHERE consumed_step IS NULL AND job = ? AND task_id = ? AND agent = ? ORDER BY id",
+                    (key.job, key.task_id, key.agent),
+                ).fetchall()
+                self.db.executemany("UPDATE samples SET consumed_step = ? WHERE id = ?", [(step, r[0]) for r in rows])
+                claimed[key] = [_sample(r[1:]) for r in rows]
+        return claimed
+
+    def commit_step(self, step: int, metrics: dict[str, float]) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO steps (step, committed_at, metrics) VALUES (?, ?, ?)",
+            (step, time.time(), json.dumps(metrics)),
+        )
+
+    def recover(self, resume_step: int) -> int:
+        """Return to the pool the samples claimed by steps after `resume_step` (the model never kept them)."""
+        with self._transaction():
+            cur = self.db.execute(
+                "UPDATE samples SET consumed_step = NULL WHERE consumed_step > ?", (resume_step,)
+            )
+            self.db.execute("DELETE FROM steps WHERE step > ?", (resume_step,))
+        return cur.rowcount
+
+    # --- reading -----------------------------------------------------------------------------------------------
+
+    def samples_of(self, episode_id: str) -> list[Sample]:
+        rows = self.db.execute(
+            "SELECT episode_id, agent, token_ids, loss_mask, logprobs, reward, policy_version, num_calls"
+            " FROM samples WHERE episode_id = ? ORDER BY id",
+            (episode_id,),
+        ).fetchall()
+        return [_sample(r) for r in rows]
+
+    def has_episode(self, episode_id: str) -> bool:
+        return self.db.execute("SELECT 1 FROM episodes WHERE episode_id = ?", (episode_id,)).fetchone() is not None
+
+    def consumed_by(self, episode_id: str) -> list[int | None]:
+        rows = self.db.execute("SELECT consumed_step FROM samples WHERE episode_id = ? ORDER BY id", (episode_id,))
+        return [r[0] for r in rows]
+
+    def last_step(self) -> int:
+        row = self.db.execute("SELECT MAX(step) FROM steps").fetchone()
+        return row[0] or 0
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+
+def _sample(row) -> Sample:
+    episode_id, agent, token_ids, loss_mask, logprobs, reward, version, num_calls = row
+    return Sample(
+        episode_id=episode_id,
+        agent=agent,
+        token_ids=array("i", token_ids).tolist(),
+        loss_mask=array("b", loss_mask).tolist(),
+        logprobs=array("f", logprobs).tolist(),
+        reward=reward,
+        policy_version=version,
+        num_calls=num_calls,
+    )

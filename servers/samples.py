@@ -1,0 +1,82 @@
+"""Recorded calls and timeline merging: how an episode's calls become training samples.
+
+A multi-turn agent re-sends its whole conversation on every call, so call k's prompt usually starts with the exact
+tokens of call k-1's prompt + completion. Training on each call separately would train the shared prefix many times
+and the earlier completions again as context; merging such calls into one sequence trains every generated token
+exactly once, with a loss mask that is 1 on generated tokens and 0 on everything the model did not sample
+(system/user/tool text and chat-template glue).
+
+Calls are merged only within one agent tag, and only when the new prompt extends a sample token for token; anything
+else (another agent, a retry that diverges, an unrelated conversation) starts a sample of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from marl.protocol import Sample
+
+
+@dataclass
+class CallRecord:
+    """One data-plane call exactly as the engine saw and produced it."""
+
+    agent: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # aligned with completion_ids
+    finish_reason: str
+    policy_version: int
+    #: Decoded prompt + completion with special tokens, cached for prompt splicing (see servers.chat).
+    text: str = ""
+
+
+@dataclass
+class _Building:
+    agent: str
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    policy_version: int = 0
+    num_calls: int = 0
+
+    def extends(self, prompt_ids: list[int]) -> bool:
+        n = len(self.token_ids)
+        return n <= len(prompt_ids) and prompt_ids[:n] == self.token_ids
+
+    def append(self, call: CallRecord) -> None:
+        context = call.prompt_ids[len(self.token_ids) :]
+        self.token_ids += context + call.completion_ids
+        self.loss_mask += [0] * len(context) + [1] * len(call.completion_ids)
+        self.logprobs += [0.0] * len(context) + list(call.logprobs)
+        self.policy_version = min(self.policy_version, call.policy_version) if self.num_calls else call.policy_version
+        self.num_calls += 1
+
+
+def merge_calls(
+    episode_id: str, calls: list[CallRecord], reward: float, agent_rewards: dict[str, float] | None = None
+) -> list[Sample]:
+    """Merge an episode's calls (in the order they were made) into samples; each gets its agent's reward."""
+    building: list[_Building] = []
+    for call in calls:
+        candidates = [b for b in building if b.agent == call.agent and b.extends(call.prompt_ids)]
+        if candidates:
+            target = max(candidates, key=lambda b: len(b.token_ids))  # the most recent turn of the conversation
+        else:
+            target = _Building(agent=call.agent)
+            building.append(target)
+        target.append(call)
+    rewards = agent_rewards or {}
+    return [
+        Sample(
+            episode_id=episode_id,
+            agent=b.agent,
+            token_ids=b.token_ids,
+            loss_mask=b.loss_mask,
+            logprobs=b.logprobs,
+            reward=rewards.get(b.agent, reward),
+            policy_version=b.policy_version,
+            num_calls=b.num_calls,
+        )
+        for b in building
+    ]

@@ -1,0 +1,84 @@
+"""`marl serve`: one swarm server process for one model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from servers.app import create_app
+from servers.swarm import SwarmServer
+
+
+@dataclass
+class ServeOptions:
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    admin_token: str | None = None
+    data_dir: Path | None = None
+    static: bool = False
+    served_model_name: str | None = None
+    public_url: str | None = None
+    device: str | None = None
+    log_level: str = "info"
+
+
+def torch_engine_factory(device: str | None):
+    def build(model_dir: Path):
+        from servers.engines.torch_engine import TorchEngine
+
+        return TorchEngine(model_dir, device=device)
+
+    return build
+
+
+def grpo_trainer_factory(device: str | None):
+    def build(model_dir: Path, config):
+        from servers.trainers.grpo import GRPOTrainer
+
+        return GRPOTrainer(model_dir, config, device=device)
+
+    return build
+
+
+def resolve(name: str) -> Path:
+    from servers.models import resolve_model
+
+    return resolve_model(name)
+
+
+def build_server(options: ServeOptions) -> tuple[SwarmServer, str]:
+    token = options.admin_token or os.environ.get("MARL_ADMIN_TOKEN")
+    if not token:
+        token = secrets.token_urlsafe(24)
+        print(f"marl serve: no admin token given; generated one for this run:\n  MARL_ADMIN_TOKEN={token}",
+              file=sys.stderr, flush=True)
+    safe_name = options.model.strip("/").replace("/", "_") or "model"
+    data_dir = options.data_dir or Path("runs") / "servers" / f"{safe_name}-{options.port}"
+    server = SwarmServer(
+        model=options.model,
+        served_name=options.served_model_name or options.model,
+        data_dir=Path(data_dir),
+        engine_factory=torch_engine_factory(options.device),
+        trainer_factory=None if options.static else grpo_trainer_factory(options.device),
+        resolve_model=resolve,
+        static=options.static,
+        public_url=options.public_url,
+    )
+    return server, token
+
+
+def serve(options: ServeOptions) -> None:
+    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    server, token = build_server(options)
+    mode = "static" if options.static else "trainable"
+    print(f"marl serve: {mode} server for '{server.served_name}' on http://{options.host}:{options.port}"
+          f" (data: {server.data_dir})", file=sys.stderr, flush=True)
+    uvicorn.run(create_app(server, token), host=options.host, port=options.port, log_level=options.log_level,
+                timeout_graceful_shutdown=5)

@@ -1,0 +1,132 @@
+"""Shared fixtures: tiny models built on the fly, and real swarm servers on 127.0.0.1 on free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from marl.protocol import TrainConfig
+from servers.app import create_app
+from servers.serve import grpo_trainer_factory, resolve, torch_engine_factory
+from servers.swarm import SwarmServer
+from servers.tiny_model import build_tiny_model
+
+ADMIN = "test-admin-token"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+class LocalServer:
+    """A swarm server running in this process (uvicorn in a thread), for tests that look inside it."""
+
+    def __init__(self, model: Path, data_dir: Path, *, static: bool = False):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.swarm = SwarmServer(
+            model=str(model), served_name="tiny", data_dir=data_dir,
+            engine_factory=torch_engine_factory("cpu"),
+            trainer_factory=None if static else grpo_trainer_factory("cpu"),
+            resolve_model=resolve, static=static,
+        )
+        config = uvicorn.Config(create_app(self.swarm, ADMIN), host="127.0.0.1", port=self.port, log_level="warning")
+        self._uvicorn = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
+
+    def __enter__(self) -> LocalServer:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._uvicorn.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout=15)
+
+
+@pytest.fixture
+def local_server(tiny_model, tmp_path):
+    """Factory: `with local_server() as srv:` starts a fresh server on its own data dir."""
+
+    def make(static: bool = False, data_dir: Path | None = None) -> LocalServer:
+        return LocalServer(tiny_model, data_dir or tmp_path / "server", static=static)
+
+    return make
+
+
+def admin_http(url: str) -> httpx.Client:
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
+
+
+def start_rolling(http: httpx.Client, **config) -> None:
+    """Sync a config and start the engine; return once ROLLING."""
+    r = http.post("/control/config", json=TrainConfig(**config).model_dump(mode="json"))
+    assert r.status_code == 200, r.text
+    r = http.post("/control/start")
+    assert r.status_code == 200, r.text
+    wait_state(http, "ROLLING")
+
+
+def wait_state(http: httpx.Client, *states: str, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = http.get("/control/status").json()
+        if status["state"] in states:
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server stayed {status['state']} (wanted {states}): {status.get('last_error')}")
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def server_process(model: Path, data_dir: Path, *extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`marl serve` as a real subprocess (for crash tests); yields (process, url)."""
+    port = free_port()
+    log = open(data_dir.parent / f"server-{port}.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "marl.cli", "serve", "--model", str(model), "--port", str(port),
+         "--admin-token", ADMIN, "--data-dir", str(data_dir), "--served-model-name", "tiny", "--device", "cpu",
+         "--log-level", "warning", *extra],
+        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server process failed to start; see {log.name}")
+            time.sleep(0.1)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        log.close()

@@ -1,0 +1,73 @@
+"""Durability: the ledger survives SIGKILL, and every acknowledged episode reaches the trainer exactly once."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import openai
+
+from conftest import admin_http, server_process, start_rolling, wait_state
+from marl.protocol import Sample
+from servers.ledger import GroupKey, Ledger
+
+
+def _episode(http, reward: float) -> str:
+    lease = http.post("/episodes/begin", json={"client_id": "c"}).json()
+    client = openai.OpenAI(base_url=lease["base_url"], api_key=lease["api_key"])
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    r = http.post(f"/episodes/{lease['episode_id']}/end", json={"client_id": "c", "task_id": "t", "reward": reward})
+    assert r.status_code == 200, r.text
+    return lease["episode_id"]
+
+
+def test_sigkill_right_after_end_loses_nothing_and_trains_once(tiny_model, tmp_path):
+    data = tmp_path / "data"
+    config = dict(batch_size=1, num_repeat=2, save_freq=1)
+    with server_process(tiny_model, data) as (proc, url), admin_http(url) as http:
+        start_rolling(http, **config)
+        first = _episode(http, reward=1.0)
+        proc.kill()  # SIGKILL the instant end returned
+    with server_process(tiny_model, data) as (proc, url), admin_http(url) as http:
+        assert http.get("/control/pool").json()["pending_episodes"] == 1  # recovered before the engine starts
+        start_rolling(http, **config)
+        second = _episode(http, reward=0.0)  # completes the group of two: one training step
+        status = wait_state(http, "ROLLING")
+        while status["policy_version"] < 1:
+            status = wait_state(http, "ROLLING")
+        proc.kill()
+    db = sqlite3.connect(data / "ledger.sqlite")
+    consumed = dict(db.execute("SELECT episode_id, consumed_step FROM samples").fetchall())
+    assert consumed == {first: 1, second: 1}
+    (metrics,) = [json.loads(m) for (m,) in db.execute("SELECT metrics FROM steps")]
+    assert metrics["samples"] == 2
+    db.close()
+    with server_process(tiny_model, data) as (proc, url), admin_http(url) as http:
+        start_rolling(http, **config)
+        status = http.get("/control/status").json()
+        assert status["policy_version"] == 1  # resumed from the step-1 checkpoint
+        assert status["pool"]["pending_episodes"] == 0  # nothing is handed to the trainer again
+
+
+def _sample(episode: str, agent: str = "a") -> Sample:
+    return Sample(episode_id=episode, agent=agent, token_ids=[1, 2, 3], loss_mask=[0, 1, 1],
+                  logprobs=[0.0, -0.5, -0.25], reward=1.0, policy_version=0, num_calls=1)
+
+
+def test_ledger_claims_once_and_recovers_uncheckpointed_steps(tmp_path):
+    ledger = Ledger(tmp_path / "l.sqlite")
+    for i in range(3):
+        ledger.record_episode(episode_id=f"e{i}", job="j", task_id="t", client_id="c", reward=1.0,
+                              agent_rewards=None, metadata={}, num_calls=1, samples=[_sample(f"e{i}")])
+    key = GroupKey("j", "t", "a")
+    assert ledger.pool_groups() == {key: 3}
+    claimed = ledger.claim_batch(1, [key])
+    assert [s.episode_id for s in claimed[key]] == ["e0", "e1", "e2"]
+    assert claimed[key][0].logprobs == [0.0, -0.5, -0.25]
+    assert ledger.claim_batch(2, [key]) == {key: []}  # claimed at most once
+    ledger.close()
+    reopened = Ledger(tmp_path / "l.sqlite")
+    assert reopened.recover(resume_step=1) == 0  # step 1 was kept: its claim stands
+    assert reopened.recover(resume_step=0) == 3  # step 1 was lost: its samples return to the pool
+    assert reopened.pool_groups() == {key: 3}
+    assert reopened.drop_stale(min_version=1) == 3 and reopened.pool_groups() == {}

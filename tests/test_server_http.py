@@ -1,0 +1,222 @@
+"""The swarm server over real HTTP on 127.0.0.1: OpenAI SDK calls, exact token recording, merging, leases, errors."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import ADMIN, admin_http, start_rolling, wait_state
+from servers.ledger import Ledger
+from servers.trainers.grpo import token_logprobs
+
+CLIENT = "client-a"
+
+
+def begin(http: httpx.Client, client_id: str = CLIENT) -> dict:
+    r = http.post("/episodes/begin", json={"client_id": client_id})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def end(http: httpx.Client, episode_id: str, reward: float = 1.0, client_id: str = CLIENT, **extra) -> httpx.Response:
+    return http.post(f"/episodes/{episode_id}/end",
+                     json={"client_id": client_id, "task_id": "t0", "reward": reward, **extra})
+
+
+def samples(srv, episode_id):
+    ledger = Ledger(srv.swarm.data_dir / "ledger.sqlite")
+    try:
+        return ledger.samples_of(episode_id)
+    finally:
+        ledger.close()
+
+
+@pytest.fixture
+def rolling(local_server):
+    """A trainable server, ROLLING, with a batch too big to fill during a test (no training interferes)."""
+    with local_server() as srv, admin_http(srv.url) as http:
+        start_rolling(http, batch_size=100, num_repeat=4, lease_patience_s=60)
+        yield srv, http
+
+
+def test_openai_sdk_streaming_and_not(rolling):
+    srv, http = rolling
+    lease = begin(http)
+    client = openai.OpenAI(base_url=lease["base_url"], api_key=lease["api_key"])
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, seed=7, temperature=1.0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens >= 1
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, seed=7, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == reply.choices[0].message.content  # same seed, same tokens, same text
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    assert end(http, lease["episode_id"]).json()["samples"] == 2  # same prompt twice: two separate samples
+
+
+def test_recorded_ids_and_logprobs_are_the_engines(rolling, tiny_model):
+    srv, http = rolling
+    lease = begin(http)
+    client = openai.OpenAI(base_url=lease["base_url"], api_key=lease["api_key"])
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Say yes."}], max_tokens=16, logprobs=True,
+        extra_body={"return_token_ids": True})
+    body = reply.model_dump()
+    prompt_ids, completion_ids = body["prompt_token_ids"], body["choices"][0]["token_ids"]
+    returned_logprobs = [t["logprob"] for t in body["choices"][0]["logprobs"]["content"]]
+    end(http, lease["episode_id"])
+    (sample,) = samples(srv, lease["episode_id"])
+    assert sample.token_ids == prompt_ids + completion_ids
+    assert sample.loss_mask == [0] * len(prompt_ids) + [1] * len(completion_ids)
+    recorded = sample.logprobs[len(prompt_ids):]
+    assert recorded == pytest.approx(returned_logprobs, abs=1e-6)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ids = torch.tensor([sample.token_ids])
+    with torch.no_grad():
+        fresh = token_logprobs(model, ids, torch.ones_like(ids))[0, len(prompt_ids) - 1:]
+    assert fresh.tolist() == pytest.approx(recorded, abs=1e-4)
+
+
+def test_multi_turn_conversation_merges_into_one_sample(rolling):
+    srv, http = rolling
+    lease = begin(http)
+    client = openai.OpenAI(base_url=lease["base_url"], api_key=lease["api_key"],
+                           default_headers={"X-Marl-Agent": "speaker"})
+    messages = [{"role": "system", "content": "You are a helpful assistant."}]
+    completion_tokens = 0
+    for turn in range(5):
+        messages.append({"role": "user", "content": f"Turn {turn}: what is {turn} + 1?"})
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=1.0)
+        completion_tokens += reply.usage.completion_tokens
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    # a second agent in the same episode, tagged through the `user` field
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                   user="listener")
+    result = end(http, lease["episode_id"], agent_rewards={"speaker": 1.0, "listener": 0.0}).json()
+    assert result["samples"] == 2
+    speaker, listener = samples(srv, lease["episode_id"])
+    assert (speaker.agent, speaker.num_calls, speaker.reward) == ("speaker", 5, 1.0)
+    assert sum(speaker.loss_mask) == completion_tokens
+    assert (listener.agent, listener.num_calls, listener.reward) == ("listener", 1, 0.0)
+
+
+def test_lease_expiry_requeues_and_kills_the_key(local_server):
+    with local_server() as srv, admin_http(srv.url) as http:
+        start_rolling(http, batch_size=100, lease_patience_s=0.5)
+        lease = begin(http)
+        client = openai.OpenAI(base_url=lease["base_url"], api_key=lease["api_key"], max_retries=0)
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        time.sleep(1.5)
+        pool = http.get("/control/pool").json()
+        assert (pool["expired"], pool["requeued"], pool["running_leases"]) == (1, 1, 0)
+        with pytest.raises(openai.AuthenticationError, match="expired"):
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        r = end(http, lease["episode_id"])
+        assert r.status_code == 404 and "expired" in r.json()["error"]["message"]
+        state = http.get(f"/episodes/{lease['episode_id']}").json()
+        assert state["can_continue"] is False
+
+
+def test_abort_requeues_while_rolling_and_discards_after_batch_is_full(local_server):
+    with local_server() as srv, admin_http(srv.url) as http:
+        start_rolling(http, batch_size=1, num_repeat=1, lease_patience_s=60)
+        first, second, third = begin(http), begin(http), begin(http)
+        r = http.post(f"/episodes/{first['episode_id']}/abort", json={"client_id": CLIENT})
+        assert r.json()["disposition"] == "requeued"
+        client = openai.OpenAI(base_url=second["base_url"], api_key=second["api_key"])
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert end(http, second["episode_id"]).status_code == 200  # the batch (1 group of 1) is complete
+        wait_state(http, "ROLLING_POST")  # drained only when `third` goes
+        refused = http.post("/episodes/begin", json={"client_id": CLIENT})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["state"] == "ROLLING_POST" and refused.json()["error"]["retry_after_s"]
+        r = http.post(f"/episodes/{third['episode_id']}/abort", json={"client_id": CLIENT})
+        assert r.json()["disposition"] == "discarded"
+        status = wait_state(http, "ROLLING")
+        assert status["policy_version"] == 1 and status["metrics"]["train_steps"] == 1
+
+
+def test_only_the_holder_may_end_or_abort(rolling):
+    _, http = rolling
+    lease = begin(http, client_id="alice")
+    r = end(http, lease["episode_id"], client_id="mallory")
+    assert r.status_code == 403 and "another client" in r.json()["error"]["message"]
+    r = http.post(f"/episodes/{lease['episode_id']}/abort", json={"client_id": "mallory"})
+    assert r.status_code == 403
+    assert http.post(f"/episodes/{lease['episode_id']}/renew", json={"client_id": "alice"}).json()["can_continue"]
+    assert end(http, lease["episode_id"], client_id="alice").status_code == 200
+
+
+def test_control_plane_needs_the_admin_token(rolling):
+    srv, http = rolling
+    lease = begin(http)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {lease['api_key']}"}):
+        for method, route in (("GET", "/control/status"), ("POST", "/control/stop"), ("POST", "/episodes/begin")):
+            r = httpx.request(method, srv.url + route, headers=headers, json={"client_id": "x"})
+            assert r.status_code == 401, (route, headers)
+    r = httpx.get(srv.url + "/control/status", headers={"Authorization": f"Bearer {lease['api_key']}"})
+    assert "episode key cannot reach the control plane" in r.json()["error"]["message"]
+    assert http.get("/control/status").json()["state"] == "ROLLING"  # nothing was stopped
+
+
+def test_bad_input_is_refused_with_a_clear_message_and_records_nothing(rolling):
+    srv, http = rolling
+    lease = begin(http)
+    chat = httpx.Client(base_url=lease["base_url"], headers={"Authorization": f"Bearer {lease['api_key']}"})
+    ok = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [
+        (chat.post("/chat/completions", content=b"{not json", headers={"content-type": "application/json"}),
+         400, "not valid JSON"),
+        (chat.post("/chat/completions", json={"model": "tiny"}), 400, "messages"),
+        (chat.post("/chat/completions", json={**ok, "model": "gpt-9"}), 404, "not served here"),
+        (chat.post("/chat/completions", json={**ok, "messages": [{"role": "user", "content": "x " * 3000}]}),
+         400, "context limit"),
+        (chat.post("/chat/completions", json={**ok, "max_tokens": 10**6}), 400, "context limit"),
+        (chat.post("/chat/completions", json={**ok, "temperature": 9}), 400, "temperature"),
+        (http.post("/episodes/nope/end", json={"client_id": CLIENT, "task_id": "t", "reward": 1}), 404, "nope"),
+        (http.post(f"/episodes/{lease['episode_id']}/end", json={"client_id": CLIENT}), 400, "task_id"),
+        (http.post("/control/config", json={"batch_size": 0}), 400, "batch_size"),
+        (http.post("/control/config", json={"bacth_size": 4}), 400, "bacth_size"),
+    ]
+    for response, status, words in cases:
+        assert response.status_code == status, response.text
+        assert words in response.json()["error"]["message"], response.text
+    r = end(http, lease["episode_id"])
+    assert r.status_code == 200 and r.json()["samples"] == 0  # none of the bad calls was recorded
+
+
+def test_engine_states_and_refusals(local_server):
+    with local_server() as srv, admin_http(srv.url) as http:
+        assert http.get("/control/status").json()["state"] == "OFFLINE"
+        r = http.post("/episodes/begin", json={"client_id": CLIENT})
+        assert r.status_code == 409 and "start the engine" in r.json()["error"]["message"]
+        assert http.post("/control/start").status_code == 200
+        second = http.post("/control/start")
+        assert second.status_code == 409 and second.json()["error"]["code"] == "engine_not_offline"
+        wait_state(http, "ROLLING")
+        r = http.post("/control/config", json={"batch_size": 7})
+        assert r.status_code == 409 and "stop the engine first" in r.json()["error"]["message"]
+        lease = begin(http)
+        assert http.post("/control/stop").json()["state"] == "OFFLINE"
+        r = httpx.post(lease["base_url"] + "/chat/completions", headers={"Authorization": f"Bearer {lease['api_key']}"},
+                       json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 401 and "stopped" in r.json()["error"]["message"]
+
+
+def test_static_server_serves_without_leases(local_server):
+    with local_server(static=True) as srv, admin_http(srv.url) as http:
+        wait_state(http, "STATIC")
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="anything")
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=4)
+        assert reply.usage.completion_tokens >= 1
+        r = http.post("/episodes/begin", json={"client_id": CLIENT})
+        assert r.status_code == 409 and "static" in r.json()["error"]["message"]
