@@ -23,8 +23,9 @@ class PromptError(ValueError):
 
 
 class ChatFormatter:
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]):
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
 
     # --- prompts ---------------------------------------------------------------------------------------------
 
@@ -63,8 +64,15 @@ class ChatFormatter:
     # --- replies ---------------------------------------------------------------------------------------------
 
     def reply_text(self, completion_ids: list[int], stop: tuple[str, ...]) -> str:
-        """The reply as OpenAI returns it: special tokens dropped, cut before the first stop string."""
-        return cut_at_stop(self.decode(completion_ids, skip_special_tokens=True), stop)
+        """The reply: the generated text without its closing end-of-turn token, cut before the first stop string.
+
+        Special tokens the model emitted mid-reply stay in the text (unlike vLLM's default): the agent then sends
+        back exactly what was generated, the template re-renders it to the same ids, and the next prompt is spliced
+        onto this call (see `prompt_ids`) instead of silently diverging from what the model saw.
+        """
+        if completion_ids and completion_ids[-1] in self.eos_token_ids:
+            completion_ids = completion_ids[:-1]
+        return cut_at_stop(self.decode(completion_ids), stop)
 
 
 def _text_content(content: Any) -> Any:
@@ -126,7 +134,7 @@ class StreamDecoder:
 
     def push(self, ids: list[int]) -> str:
         self.ids += ids
-        text = self.formatter.decode(self.ids, skip_special_tokens=True)
+        text = self.formatter.reply_text(self.ids, ())
         if self.stop and cut_at_stop(text, self.stop) != text:
             return ""  # the stop string has appeared; finish() emits the text before it
         safe = len(text) - self.holdback

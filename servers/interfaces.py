@@ -42,6 +42,8 @@ class InferenceEngine(abc.ABC):
     tokenizer: Any
     #: Longest prompt + completion the model accepts.
     context_length: int
+    #: Token ids that end a generation (finish_reason "stop"); they are part of the generated ids.
+    eos_token_ids: frozenset[int]
 
     @abc.abstractmethod
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:

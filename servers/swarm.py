@@ -198,7 +198,7 @@ class SwarmServer:
                 engine.close()
                 return
             self.engine, self.trainer, self.step = engine, trainer, step
-            self.formatter = ChatFormatter(engine.tokenizer)
+            self.formatter = ChatFormatter(engine.tokenizer, engine.eos_token_ids)
             self.state = EngineState.STATIC if self.static else EngineState.ROLLING
             log.info("engine %s: serving %s at policy version %d", self.state.value, self.served_name, step)
             self._wake.set()

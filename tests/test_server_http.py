@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import ADMIN, admin_http, start_rolling, wait_state
+from conftest import admin_http, start_rolling, wait_state
 from servers.ledger import Ledger
 from servers.trainers.grpo import token_logprobs
 
@@ -81,7 +81,7 @@ def test_recorded_ids_and_logprobs_are_the_engines(rolling, tiny_model):
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     ids = torch.tensor([sample.token_ids])
     with torch.no_grad():
-        fresh = token_logprobs(model, ids, torch.ones_like(ids))[0, len(prompt_ids) - 1:]
+        fresh = token_logprobs(model, ids, torch.ones_like(ids))[0, len(prompt_ids):]  # aligned like Sample.logprobs
     assert fresh.tolist() == pytest.approx(recorded, abs=1e-4)
 
 
@@ -98,8 +98,9 @@ def test_multi_turn_conversation_merges_into_one_sample(rolling):
         completion_tokens += reply.usage.completion_tokens
         messages.append({"role": "assistant", "content": reply.choices[0].message.content})
     # a second agent in the same episode, tagged through the `user` field
-    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                   user="listener")
+    other = openai.OpenAI(base_url=lease["base_url"], api_key=lease["api_key"])
+    other.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                  user="listener")
     result = end(http, lease["episode_id"], agent_rewards={"speaker": 1.0, "listener": 0.0}).json()
     assert result["samples"] == 2
     speaker, listener = samples(srv, lease["episode_id"])
