@@ -81,4 +81,4 @@ def serve(options: ServeOptions) -> None:
     print(f"marl serve: {mode} server for '{server.served_name}' on http://{options.host}:{options.port}"
           f" (data: {server.data_dir})", file=sys.stderr, flush=True)
     uvicorn.run(create_app(server, token), host=options.host, port=options.port, log_level=options.log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, access_log=options.log_level == "debug")
