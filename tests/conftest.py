@@ -101,6 +101,31 @@ def wait_state(http: httpx.Client, *states: str, timeout: float = 60) -> dict:
         time.sleep(0.05)
 
 
+def play_episode(http: httpx.Client, task_id: str, reward: float, client_id: str = "c") -> str:
+    """One leased episode with one chat call, ended with `reward`; returns its id."""
+    import openai
+
+    lease = http.post("/episodes/begin", json={"client_id": client_id}).json()
+    client = openai.OpenAI(base_url=lease["base_url"], api_key=lease["api_key"])
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"task {task_id}"}],
+                                   max_tokens=4)
+    r = http.post(f"/episodes/{lease['episode_id']}/end",
+                  json={"client_id": client_id, "task_id": task_id, "reward": reward})
+    assert r.status_code == 200, r.text
+    return lease["episode_id"]
+
+
+def wait_version(http: httpx.Client, version: int, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        status = wait_state(http, "ROLLING", timeout=timeout)
+        if status["policy_version"] >= version:
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"policy version stayed {status['policy_version']} (wanted {version})")
+        time.sleep(0.05)
+
+
 @contextlib.contextmanager
 def server_process(model: Path, data_dir: Path, *extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
     """`marl serve` as a real subprocess (for crash tests); yields (process, url)."""

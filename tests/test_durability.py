@@ -5,20 +5,9 @@ from __future__ import annotations
 import json
 import sqlite3
 
-import openai
-
-from conftest import admin_http, server_process, start_rolling, wait_state
+from conftest import admin_http, play_episode, server_process, start_rolling, wait_version
 from marl.protocol import Sample
 from servers.ledger import GroupKey, Ledger
-
-
-def _episode(http, reward: float) -> str:
-    lease = http.post("/episodes/begin", json={"client_id": "c"}).json()
-    client = openai.OpenAI(base_url=lease["base_url"], api_key=lease["api_key"])
-    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-    r = http.post(f"/episodes/{lease['episode_id']}/end", json={"client_id": "c", "task_id": "t", "reward": reward})
-    assert r.status_code == 200, r.text
-    return lease["episode_id"]
 
 
 def test_sigkill_right_after_end_loses_nothing_and_trains_once(tiny_model, tmp_path):
@@ -26,15 +15,13 @@ def test_sigkill_right_after_end_loses_nothing_and_trains_once(tiny_model, tmp_p
     config = dict(batch_size=1, num_repeat=2, save_freq=1)
     with server_process(tiny_model, data) as (proc, url), admin_http(url) as http:
         start_rolling(http, **config)
-        first = _episode(http, reward=1.0)
+        first = play_episode(http, "t", reward=1.0)
         proc.kill()  # SIGKILL the instant end returned
     with server_process(tiny_model, data) as (proc, url), admin_http(url) as http:
         assert http.get("/control/pool").json()["pending_episodes"] == 1  # recovered before the engine starts
         start_rolling(http, **config)
-        second = _episode(http, reward=0.0)  # completes the group of two: one training step
-        status = wait_state(http, "ROLLING")
-        while status["policy_version"] < 1:
-            status = wait_state(http, "ROLLING")
+        second = play_episode(http, "t", reward=0.0)  # completes the group of two: one training step
+        wait_version(http, 1)
         proc.kill()
     db = sqlite3.connect(data / "ledger.sqlite")
     consumed = dict(db.execute("SELECT episode_id, consumed_step FROM samples").fetchall())

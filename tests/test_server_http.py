@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import admin_http, start_rolling, wait_state
+from conftest import admin_http, play_episode, start_rolling, wait_state, wait_version
 from servers.ledger import Ledger
 from servers.trainers.grpo import token_logprobs
 
@@ -221,3 +221,18 @@ def test_static_server_serves_without_leases(local_server):
         assert reply.usage.completion_tokens >= 1
         r = http.post("/episodes/begin", json={"client_id": CLIENT})
         assert r.status_code == 409 and "static" in r.json()["error"]["message"]
+
+
+def test_samples_too_stale_to_train_on_are_dropped_and_counted(local_server):
+    with local_server() as srv, admin_http(srv.url) as http:
+        start_rolling(http, batch_size=1, num_repeat=2, max_staleness=0, save_freq=0)
+        play_episode(http, "old", 1.0)  # its group never completes at version 0
+        play_episode(http, "a", 1.0)
+        play_episode(http, "a", 0.0)
+        wait_version(http, 1)
+        assert {g["task_id"] for g in http.get("/control/pool").json()["groups"]} == {"old"}
+        play_episode(http, "b", 1.0)
+        play_episode(http, "b", 0.0)
+        status = wait_version(http, 2)
+        assert status["metrics"]["samples_dropped_stale"] == 1 and status["metrics"]["dropped_stale"] == 1
+        assert http.get("/control/pool").json()["groups"] == []

@@ -1,0 +1,57 @@
+"""SwarmClient against a real server: the seed's call style, idempotent start, waiting through a weight sync."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import ADMIN
+from marl import EpisodeOutput, SwarmClient, SwarmRefused
+
+
+def test_seed_style_episode_lifecycle(local_server):
+    with local_server() as srv, SwarmClient(srv.url, admin_token=ADMIN) as client:
+        config = {"batch_size": 100, "num_repeat": 2}
+        assert client.auto_sync_train_config_and_start_engine(config).state.value == "ROLLING"
+        generation = client.status().generation
+        client.auto_sync_train_config_and_start_engine(config)  # already ROLLING with this config: no restart
+        assert client.status().generation == generation
+
+        episode_id, lease = client.begin_episode()
+        oai = client.openai_client(lease, agent="solver")
+        oai.chat.completions.create(model=lease.model, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert client.can_continue_episode(episode_id)
+        result = client.end_episode("task-1", episode_id, EpisodeOutput(reward=1.0, metadata={"note": "ok"}))
+        assert result.samples == 1 and result.pool.pending_episodes == 1
+        assert not client.can_continue_episode(episode_id)
+
+        episode_id, _ = client.begin_episode()
+        client.abort_episode(episode_id)
+        assert not client.can_continue_episode(episode_id)
+
+        other = SwarmClient(srv.url, admin_token=ADMIN)
+        episode_id, _ = client.begin_episode()
+        with pytest.raises(SwarmRefused, match="another client"):
+            other.end_episode("task-1", episode_id, 1.0)
+        other.close()
+        with pytest.raises(SwarmRefused):
+            client.auto_sync_train_config_and_start_engine({"batch_size": 3})  # running with another config
+
+
+def test_begin_waits_through_rolling_post_and_weight_sync(local_server):
+    with local_server() as srv, SwarmClient(srv.url, admin_token=ADMIN) as client:
+        client.auto_sync_train_config_and_start_engine({"batch_size": 1, "num_repeat": 4, "save_freq": 0})
+
+        def play(i: int) -> int:
+            with client.episode("same-task") as ep:
+                ep.openai().chat.completions.create(
+                    model=ep.model, messages=[{"role": "user", "content": f"{i}"}], max_tokens=2)
+                ep.reward = float(i % 2)
+            return i
+
+        # 12 episodes through a server that trains after every 4: later begins wait, none fails
+        with ThreadPoolExecutor(6) as pool:
+            assert sorted(pool.map(play, range(12))) == list(range(12))
+        client.wait_until_state("ROLLING")
+        assert client.status().policy_version >= 2
