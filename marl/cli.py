@@ -27,6 +27,21 @@ def _status(args: argparse.Namespace) -> None:
         print(json.dumps(client.status().model_dump(mode="json"), indent=2))
 
 
+def _topology_show(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from marl.topology import Topology, TopologyError
+
+    try:
+        topology = Topology.load(args.file, args.overrides, check_env=not args.no_env_check)
+    except TopologyError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(2)
+    # Piped output: no colours (rich drops them) and no wrapping at 80 columns.
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    console.print(topology.tree())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marl", description="Multi-agent RL for heterogeneous teams of LLM agents.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("url")
     status.add_argument("--admin-token", help="default: $MARL_ADMIN_TOKEN")
     status.set_defaults(func=_status)
+
+    topology = sub.add_parser("topology", help="inspect a topology file",
+                              description="Topologies say which model server plays each role (topologies/*.yaml).")
+    topology_sub = topology.add_subparsers(dest="topology_command", required=True)
+    show = topology_sub.add_parser("show", help="validate a topology and print its servers, roles, teams, env, run",
+                                   description="Load and validate a topology (with key=value overrides, as `marl run`"
+                                               " takes them) and print it; exits 2 with every problem found.")
+    show.add_argument("file", help="topology YAML, e.g. topologies/signalling-cpu.yaml")
+    show.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. run.max_steps=5")
+    show.add_argument("--no-env-check", action="store_true", help="do not import env.class")
+    show.set_defaults(func=_topology_show)
     return parser
 
 

@@ -180,6 +180,7 @@ class EpisodeLease(BaseModel):
     model: str
     generation: int
     patience_s: float
+    policy_version: int  # the weights that serve this whole episode (weights change only once leases drained)
 
 
 class EndEpisodeRequest(_Strict):

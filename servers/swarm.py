@@ -310,6 +310,7 @@ class SwarmServer:
             model=self.served_name,
             generation=lease.generation,
             patience_s=lease.patience_s,
+            policy_version=self.step,
         )
 
     def _held_lease(self, episode_id: str, client_id: str) -> Lease:
@@ -492,6 +493,8 @@ class SwarmServer:
         self.counters["samples_dropped_stale"] += dropped
         self.counters["train_steps"] += 1
         self.last_metrics = {k: float(v) for k, v in metrics.items()}
+        with open(self.data_dir / "metrics.jsonl", "a") as f:  # the training record of this server, one line a step
+            f.write(json.dumps({"step": step, "time": time.time(), **self.last_metrics}) + "\n")
         self.step = step
         self.state = EngineState.ROLLING
         log.info("step %d done: %s", step, json.dumps({k: round(v, 4) for k, v in self.last_metrics.items()}))

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +12,7 @@ import httpx
 import pytest
 import uvicorn
 
+from marl.launch import ServerProcess, free_port
 from marl.protocol import TrainConfig
 from servers.app import create_app
 from servers.serve import grpo_trainer_factory, resolve, torch_engine_factory
@@ -23,13 +20,6 @@ from servers.swarm import SwarmServer
 from servers.tiny_model import build_tiny_model
 
 ADMIN = "test-admin-token"
-REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -127,31 +117,12 @@ def wait_version(http: httpx.Client, version: int, timeout: float = 60) -> dict:
 
 
 @contextlib.contextmanager
-def server_process(model: Path, data_dir: Path, *extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    """`marl serve` as a real subprocess (for crash tests); yields (process, url)."""
-    port = free_port()
-    log = open(data_dir.parent / f"server-{port}.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "marl.cli", "serve", "--model", str(model), "--port", str(port),
-         "--admin-token", ADMIN, "--data-dir", str(data_dir), "--served-model-name", "tiny", "--device", "cpu",
-         "--log-level", "warning", *extra],
-        stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
+def server_process(model: Path, data_dir: Path, *, static: bool = False) -> Iterator[tuple[ServerProcess, str]]:
+    """`marl serve` as a real subprocess (for crash tests); yields (process, url). `process.kill()` is SIGKILL."""
+    proc = ServerProcess(model=str(model), admin_token=ADMIN, data_dir=data_dir, static=static, device="cpu",
+                         served_name="tiny", log_path=data_dir.parent / f"server-{data_dir.name}.log").start()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server process failed to start; see {log.name}")
-            time.sleep(0.1)
-        yield proc, url
+        proc.wait_healthy(timeout=60)
+        yield proc, proc.url
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-        log.close()
+        proc.kill()

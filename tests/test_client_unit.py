@@ -185,7 +185,7 @@ def make_app(fake: Fake) -> FastAPI:
         fake.leases[episode_id] = body.client_id
         base = str(request.base_url).rstrip("/")
         return EpisodeLease(episode_id=episode_id, base_url=f"{base}/v1", api_key=f"key-{episode_id}", model="tiny",
-                            generation=1, patience_s=300.0)
+                            generation=1, patience_s=300.0, policy_version=0)
 
     @app.post(ROUTE_END)
     async def end(episode_id: str, body: EndEpisodeRequest) -> EndEpisodeResponse:
@@ -376,7 +376,7 @@ def test_transport_errors_retried_only_when_safe(
     monkeypatch.setattr("marl.client._TRANSPORT_RETRY_S", 0.01)
     calls: collections.Counter[str] = collections.Counter()
     lease = EpisodeLease(episode_id="e1", base_url="http://x/v1", api_key="k", model="m", generation=1,
-                         patience_s=1.0)
+                         patience_s=1.0, policy_version=0)
 
     def handler(request: httpx.Request) -> httpx.Response:
         path = request.url.path

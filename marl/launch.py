@@ -1,0 +1,75 @@
+"""Start `marl serve` processes on free local ports and stop them again (used by `marl run` and the tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One `marl serve` subprocess; its output goes to `log_path`."""
+
+    def __init__(self, *, model: str, admin_token: str, data_dir: Path, log_path: Path, static: bool = False,
+                 device: str | None = None, served_name: str | None = None, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.args = [sys.executable, "-m", "marl.cli", "serve", "--model", model, "--port", str(self.port),
+                     "--admin-token", admin_token, "--data-dir", str(data_dir), "--log-level", "warning"]
+        if static:
+            self.args.append("--static")
+        if device:
+            self.args += ["--device", device]
+        if served_name:
+            self.args += ["--served-model-name", served_name]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ServerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            # Own process group: Ctrl-C in the terminal reaches `marl run`, which then stops servers in order.
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return self
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server on port {self.port} exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server on port {self.port} not healthy after {timeout:g}s; see {self.log_path}")
+
+    def kill(self) -> None:
+        """SIGKILL (crash tests)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)

@@ -1,0 +1,421 @@
+"""Topologies: loading, overrides, the graph, validation errors that name their key, `marl topology show`."""
+
+from __future__ import annotations
+
+import copy
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from marl.cli import main
+from marl.protocol import TrainConfig
+from marl.topology import ServerKind, Topology, TopologyError, import_class
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = REPO / "topologies" / "signalling-cpu.yaml"
+THREE = REPO / "topologies" / "signalling-3-servers.yaml"
+
+ENV_MODULE = """
+class Game:
+    def __init__(self, num_items: int = 3, render_mode=None):
+        self.num_items = num_items
+
+def not_a_class():
+    pass
+"""
+
+
+@pytest.fixture
+def env_path(tmp_path, monkeypatch) -> str:
+    """A stand-in env class in a module of its own (the import check really imports it)."""
+    (tmp_path / "topo_standin_env.py").write_text(ENV_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "topo_standin_env:Game"
+
+
+def train(**kw):
+    return {"job": "t", "batch_size": 2, "num_repeat": 4, **kw}
+
+
+@pytest.fixture
+def base(env_path) -> dict:
+    """A werewolves-like topology using every server kind."""
+    return {
+        "name": "wolves",
+        "servers": {
+            "small": {"model": "smollm2-135m", "trainable": True, "device": "cpu", "train": train()},
+            "remote_7b": {"swarm_url": "http://gpu-box:10086", "admin_token_env": "MARL_ADMIN_TOKEN",
+                          "trainable": True, "train": train(learning_rate=1e-6)},
+            "frozen": {"model": "smollm2-135m", "trainable": False},
+            "big": {"url": "http://localhost:8000/v1", "model": "Qwen/Qwen3-235B-A22B-Instruct-2507",
+                    "api_key_env": "BIG_MODEL_API_KEY"},
+        },
+        "roles": {
+            "werewolf": {"server": "remote_7b", "count": 3, "team": "wolves"},
+            "seer": {"server": "remote_7b", "team": "village"},
+            "witch": {"server": "small", "team": "village"},
+            "hunter": {"server": "big", "team": "village"},
+            "guard": {"server": "frozen", "team": "village"},
+            "villager": {"scripted": True, "count": 3, "team": "village"},
+        },
+        "env": {"class": env_path, "args": {"num_items": 3}},
+        "run": {"max_steps": 5, "repeats": 4, "concurrency": 8},
+    }
+
+
+def load_error(data: dict, overrides=()) -> TopologyError:
+    with pytest.raises(TopologyError) as info:
+        Topology.from_dict(data, overrides)
+    return info.value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading, overrides, the shipped files
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_shipped_cpu_topology():
+    topo = Topology.load(CPU, check_env=False)
+    spec = topo.spec
+    assert spec.name == "signalling-cpu"
+    assert topo.trainable_servers() == ["speaker_model", "listener_model"]
+    assert topo.local_servers() == ["speaker_model", "listener_model"]
+    assert topo.static_endpoints() == []
+    assert spec.servers["speaker_model"].kind is ServerKind.LOCAL_TRAINABLE
+    assert spec.servers["speaker_model"].train == TrainConfig(job="signalling", batch_size=4, num_repeat=4,
+                                                              learning_rate=2e-5)
+    assert topo.server_of("speaker") == "speaker_model" and topo.server_of("listener") == "listener_model"
+    assert spec.env.class_path == "envs.signalling:SignallingGame" and spec.env.args == {"num_items": 3}
+    assert spec.run.repeats == 4 and spec.run.max_steps == 20 and spec.run.games is None
+    assert spec.run.run_dir == Path("runs/signalling-cpu")  # ${name} resolved
+    assert topo.warnings == []
+
+
+def test_shipped_three_server_topology():
+    topo = Topology.load(THREE, check_env=False)
+    assert list(topo.spec.servers) == ["speaker_model", "listener_model", "frozen"]
+    assert topo.trainable_servers() == ["speaker_model", "listener_model"]
+    assert topo.static_endpoints() == ["frozen"]
+    assert topo.spec.servers["frozen"].kind is ServerKind.LOCAL_STATIC
+    assert topo.roles_of("frozen") == ["observer"]
+    assert len(topo.spec.roles) == 3
+
+
+def test_shipped_topologies_import_their_env():
+    pytest.importorskip("envs.signalling")
+    for path in (CPU, THREE):
+        topo = Topology.load(path)  # env.class imported and env.args checked against its signature
+        assert topo.env_class().__name__ == "SignallingGame"
+
+
+def test_overrides_are_merged_and_interpolated():
+    topo = Topology.load(CPU, ["run.max_steps=5", "servers.speaker_model.train.learning_rate=1e-5", "name=quick",
+                               "run.games=40", "env.args.num_items=4"], check_env=False)
+    assert topo.spec.run.max_steps == 5 and topo.spec.run.games == 40
+    assert topo.spec.servers["speaker_model"].train.learning_rate == 1e-5
+    assert topo.spec.servers["listener_model"].train.learning_rate == 2e-5
+    assert topo.spec.env.args == {"num_items": 4}
+    assert topo.spec.run.run_dir == Path("runs/quick")  # run_dir: runs/${name} follows the overridden name
+    assert topo.overrides[0] == "run.max_steps=5"
+
+
+def test_name_defaults_to_file_stem_and_env_interpolation(tmp_path, env_path, monkeypatch):
+    monkeypatch.setenv("TOPO_TEST_URL", "http://big-box:9000/v1")
+    path = tmp_path / "my-exp.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        servers:
+          big: {{url: "${{oc.env:TOPO_TEST_URL,http://localhost:8000/v1}}", model: Qwen/Qwen3-235B-A22B}}
+        roles:
+          hunter: {{server: big}}
+        env: {{class: "{env_path}"}}
+        run: {{games: 8}}
+        """))
+    topo = Topology.load(path)
+    assert topo.name == "my-exp" and topo.spec.run.run_dir == Path("runs/my-exp")
+    assert topo.spec.servers["big"].url == "http://big-box:9000/v1"
+    assert topo.spec.servers["big"].kind is ServerKind.EXTERNAL_OPENAI
+    assert topo.spec.run.repeats == 1  # nothing trainable
+
+
+def test_to_dict_round_trips(base):
+    topo = Topology.from_dict(base)
+    again = Topology.from_dict(topo.to_dict())
+    assert again.spec == topo.spec
+    assert topo.to_dict()["servers"]["small"]["train"] == train()  # only the keys the file set
+
+
+def test_repeats_default_to_num_repeat(base):
+    del base["run"]["repeats"]
+    assert Topology.from_dict(base).spec.run.repeats == 4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The graph
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_graph_and_helpers(base):
+    topo = Topology.from_dict(base)
+    g = topo.graph
+    kinds = {n: d["kind"] for n, d in g.nodes(data=True)}
+    assert {n for n, k in kinds.items() if k == "role"} == {f"role:{r}" for r in base["roles"]}
+    assert {n for n, k in kinds.items() if k == "server"} == {f"server:{s}" for s in base["servers"]}
+    assert {n for n, k in kinds.items() if k == "team"} == {"team:wolves", "team:village"}
+    assert g.edges["role:werewolf", "server:remote_7b"]["kind"] == "played_by"
+    assert g.edges["role:werewolf", "team:wolves"]["kind"] == "member_of"
+    assert not any(d["kind"] == "played_by" for _, _, d in g.out_edges("role:villager", data=True))
+    assert g.nodes["role:werewolf"]["count"] == 3
+    assert g.nodes["server:big"]["server_kind"] is ServerKind.EXTERNAL_OPENAI
+    assert Topology.node("role", "seer") == "role:seer"
+
+    assert topo.server_of("werewolf") == "remote_7b"
+    assert topo.server_of("villager") is None
+    assert topo.roles_of("remote_7b") == ["werewolf", "seer"]
+    assert topo.trainable_servers() == ["small", "remote_7b"]
+    assert topo.local_servers() == ["small", "frozen"]
+    assert topo.remote_servers() == ["remote_7b", "big"]
+    assert topo.static_endpoints() == ["frozen", "big"]
+    assert topo.scripted_roles() == ["villager"]
+    assert topo.teams() == {"wolves": ["werewolf"], "village": ["seer", "witch", "hunter", "guard", "villager"]}
+    assert [s.kind for s in topo.spec.servers.values()] == [
+        ServerKind.LOCAL_TRAINABLE, ServerKind.REMOTE_SWARM, ServerKind.LOCAL_STATIC, ServerKind.EXTERNAL_OPENAI]
+    assert topo.env_class().__name__ == "Game"
+    with pytest.raises(KeyError, match="unknown role 'wolf'"):
+        topo.server_of("wolf")
+
+
+def test_team_defaults_to_role_name(base):
+    del base["roles"]["seer"]["team"]
+    topo = Topology.from_dict(base)
+    assert topo.team_of("seer") == "seer" and topo.teams()["seer"] == ["seer"]
+    assert topo.graph.has_edge("role:seer", "team:seer")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Validation errors name their key
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _set(data: dict, dotted: str, value) -> None:
+    *parents, last = dotted.split(".")
+    for p in parents:
+        data = data[p]
+    if value is _DEL:
+        del data[last]
+    else:
+        data[last] = value
+
+
+_DEL = object()
+
+CASES = {
+    "unknown server": ({"roles.hunter.server": "bgi"}, "roles.hunter.server",
+                       ["unknown server 'bgi'", "known servers: small, remote_7b, frozen, big", "did you mean 'big'"]),
+    "unassigned role": ({"roles.villager.scripted": False}, "roles.villager", ["no one plays this role"]),
+    "server and scripted": ({"roles.villager.server": "big"}, "roles.villager", ["not both"]),
+    "trainable without train": ({"servers.small.train": _DEL}, "servers.small.train", ["needs its training config"]),
+    "static with train": ({"servers.frozen.train": train()}, "servers.frozen.train", ["does not train"]),
+    "env module missing": ({"env.class": "no_such_module_xyz:Game"}, "env.class",
+                           ["cannot import module 'no_such_module_xyz'", "No module named"]),
+    "env class missing": ({"env.class": "topo_standin_env:Gam"}, "env.class", ["no attribute 'Gam'",
+                                                                                 "did you mean 'Game'"]),
+    "env not a class": ({"env.class": "topo_standin_env:not_a_class"}, "env.class", ["not a class"]),
+    "env path format": ({"env.class": "topo_standin_env.Game"}, "env.class",
+                        ["not an import path 'module:Class'", "did you mean 'topo_standin_env:Game'"]),
+    "env arg typo": ({"env.args": {"num_itemz": 3}}, "env.args.num_itemz",
+                     ["takes no argument 'num_itemz'", "did you mean 'num_items'"]),
+    "local and remote": ({"servers.big.swarm_url": "http://x:1"}, "servers.big", ["both url", "swarm_url"]),
+    "neither model nor url": ({"servers.frozen.model": _DEL}, "servers.frozen", ["neither what nor where"]),
+    "device on remote": ({"servers.big.device": "cuda"}, "servers.big.device", ["only applies to a local server"]),
+    "trainable external": ({"servers.big.trainable": True, "servers.big.train": train()}, "servers.big.trainable",
+                           ["cannot be trained"]),
+    "static remote swarm": ({"servers.remote_7b.trainable": False, "servers.remote_7b.train": _DEL},
+                            "servers.remote_7b.trainable", ["set trainable: true"]),
+    "external without model": ({"servers.big.model": _DEL}, "servers.big.model", ["needs the model id"]),
+    "bad url": ({"servers.big.url": "localhost:8000/v1"}, "servers.big.url", ["not an http(s) URL"]),
+    "unknown top-level key": ({"rols": {}}, "rols", ["unknown key 'rols'", "did you mean 'roles'"]),
+    "unknown server key": ({"servers.small.trainble": True}, "servers.small.trainble",
+                           ["did you mean 'trainable'", "the keys of a server are"]),
+    "unknown role key": ({"roles.seer.sever": "small"}, "roles.seer.sever", ["did you mean 'server'"]),
+    "unknown train key": ({"servers.small.train.learning_rat": 1e-5}, "servers.small.train.learning_rat",
+                          ["did you mean 'learning_rate'"]),
+    "unknown run key": ({"run.max_stepz": 3}, "run.max_stepz", ["did you mean 'max_steps'"]),
+    "unknown env key": ({"env.argz": {}}, "env.argz", ["did you mean 'args'"]),
+    "bad type": ({"run.concurrency": "lots"}, "run.concurrency", ["valid integer", "'lots'"]),
+    "bad train value": ({"servers.small.train.learning_rate": -1}, "servers.small.train.learning_rate",
+                        ["greater than 0"]),
+    "missing env": ({"env": _DEL}, "env", ["required key is missing"]),
+    "repeats != num_repeat": ({"run.repeats": 6}, "run.repeats",
+                              ["is 6 but servers.small.train.num_repeat is 4", "drop run.repeats"]),
+    "num_repeat disagree": ({"run.repeats": _DEL, "servers.remote_7b.train.num_repeat": 6},
+                            "servers.remote_7b.train.num_repeat", ["same GRPO group size"]),
+    "unused trainable": ({"roles.witch.server": "big"}, "servers.small", ["no role uses"]),
+    "never stops": ({"run.max_steps": None}, "run", ["never stops"]),
+    "max_steps without training": ({"roles.werewolf.server": "big", "roles.seer.server": "big",
+                                    "roles.witch.server": "big", "servers.small": _DEL, "servers.remote_7b": _DEL},
+                                   "run.max_steps", ["no server is trainable"]),
+    "bad role name": ({"roles.bad name": {"scripted": True}}, "roles.bad name", ["letters, digits"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_validation_error_names_its_key(base, case):
+    changes, key, fragments = CASES[case]
+    data = copy.deepcopy(base)
+    for dotted, value in changes.items():
+        _set(data, dotted, value)
+    err = load_error(data)
+    keys = [p.key for p in err.problems]
+    assert key in keys, f"{case}: {err}"
+    problem = next(p for p in err.problems if p.key == key)
+    for fragment in fragments:
+        assert fragment in problem.message, f"{case}: {fragment!r} not in {problem.message!r}"
+    assert f"{key}: " in str(err)
+
+
+def test_unused_static_server_is_a_warning(base):
+    base["roles"]["guard"]["server"] = "big"
+    topo = Topology.from_dict(base)
+    assert [w.key for w in topo.warnings] == ["servers.frozen"]
+    assert "no role uses this server" in str(topo.warnings[0])
+
+
+def test_all_problems_reported_at_once(base):
+    base["roles"]["hunter"]["server"] = "bgi"
+    base["run"]["repeats"] = 6
+    err = load_error(base)
+    assert {"roles.hunter.server", "run.repeats"} <= {p.key for p in err.problems}
+    assert "problems" in str(err)
+
+
+def test_check_env_can_be_skipped(base):
+    base["env"]["class"] = "not_written_yet_xyz:Game"
+    assert Topology.from_dict(base, check_env=False).spec.env.module == "not_written_yet_xyz"
+    with pytest.raises(ImportError, match="cannot import module"):
+        import_class("not_written_yet_xyz:Game")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files: overrides, line numbers, missing files
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("run.max_steps", "expected key=value"),
+    ("=5", "bad key"),
+    ("run..max_steps=5", "bad key"),
+    ("run.max_steps=[1,", "cannot parse the value"),
+])
+def test_bad_override(override, fragment):
+    with pytest.raises(TopologyError) as info:
+        Topology.load(CPU, [override], check_env=False)
+    assert f"override {override!r}" in str(info.value) and fragment in str(info.value)
+
+
+def test_override_errors_point_at_the_override():
+    with pytest.raises(TopologyError) as info:
+        Topology.load(CPU, ["roles.listener.server=lstener"], check_env=False)
+    (problem,) = info.value.problems
+    assert problem.key == "roles.listener.server"
+    assert problem.where == "override 'roles.listener.server=lstener'"
+    assert "unknown server 'lstener'; known servers: speaker_model, listener_model (did you mean 'listener_model'?)" \
+        in str(problem)
+    with pytest.raises(TopologyError, match=r"override 'run.max_stepz=3': run.max_stepz: unknown key"):
+        Topology.load(CPU, ["run.max_stepz=3"], check_env=False)
+    with pytest.raises(TopologyError, match=r"signalling-cpu.yaml:\d+: run.max_steps: Input should be a valid int"):
+        Topology.load(CPU, ["run.max_steps.x=3"], check_env=False)  # the key is in the file: its line
+    with pytest.raises(TopologyError) as info:  # a server only the override mentions
+        Topology.load(CPU, ["servers.extra.trainable=false"], check_env=False)
+    (problem,) = info.value.problems
+    assert (problem.key, problem.where) == ("servers.extra", "override 'servers.extra.trainable=false'")
+
+
+def test_errors_carry_line_numbers(tmp_path, env_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        name: typo
+        servers:
+          a:
+            model: smollm2-135m
+            trainable: true
+            train: {{num_repeat: 4}}
+        roles:
+          r:
+            server: b
+        env:
+          class: "{env_path}"
+        run: {{max_steps: 2}}
+        """))
+    with pytest.raises(TopologyError) as info:
+        Topology.load(path)
+    assert info.value.problems[0].where == f"{path}:9"
+    assert f"{path}:9: roles.r.server: unknown server 'b'" in str(info.value)
+
+    path.write_text(path.read_text().replace("trainable: true", "trainable: true\n    devise: cpu"))
+    with pytest.raises(TopologyError) as info:
+        Topology.load(path)
+    assert f"{path}:6: servers.a.devise: unknown key 'devise' (did you mean 'device'?)" in str(info.value)
+
+
+def test_yaml_syntax_error_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nroles: [a,\nenv: 1\n")
+    with pytest.raises(TopologyError, match="not valid YAML"):
+        Topology.load(bad)
+    with pytest.raises(TopologyError, match="no such topology file") as info:
+        Topology.load(tmp_path / "nope.yaml")
+    assert "bad.yaml" in str(info.value)  # lists the topologies next to it
+    with pytest.raises(TopologyError, match="did you mean") as info:
+        Topology.load(REPO / "topologies" / "signalling-cpu.yml")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(TopologyError, match="a topology is a YAML mapping"):
+        Topology.load(empty)
+
+
+def test_unresolvable_interpolation_names_its_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("TOPO_UNSET_VAR", raising=False)
+    path = tmp_path / "t.yaml"
+    path.write_text("name: t\nservers:\n  big: {url: '${oc.env:TOPO_UNSET_VAR}', model: m}\n"
+                    "roles: {r: {server: big}}\nenv: {class: 'argparse:Namespace'}\nrun: {games: 1}\n")
+    with pytest.raises(TopologyError) as info:
+        Topology.load(path)
+    assert "servers.big.url" in str(info.value) and "TOPO_UNSET_VAR" in str(info.value)
+    assert f"{path}:3" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# marl topology show
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_cli_show(capsys):
+    main(["topology", "show", "--no-env-check", str(THREE), "run.max_steps=7"])
+    out = capsys.readouterr().out
+    for text in ["signalling-3-servers", "speaker_model", "local trainable", "frozen", "local static",
+                 "observer ×1", "envs.signalling:SignallingGame", "num_items=3", "max_steps=7", "repeats=4",
+                 "learning_rate=2e-05", "teams"]:
+        assert text in out, text
+    assert "\x1b[" not in out  # plain text when piped
+
+
+def test_cli_show_all_kinds(base, tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "wolves.yaml"
+    base["roles"]["guard"]["server"] = "big"  # leaves `frozen` unused: a warning
+    path.write_text(yaml.safe_dump(base, sort_keys=False))
+    main(["topology", "show", str(path)])
+    out = capsys.readouterr().out
+    for text in ["remote swarm", "external OpenAI", "swarm_url=http://gpu-box:10086", "werewolf ×3",
+                 "scripted roles", "villager ×3", "wolves", "village", "warnings", "no role uses this server"]:
+        assert text in out, text
+
+
+def test_cli_show_reports_errors(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["topology", "show", str(CPU), "roles.listener.server=lstener", "--no-env-check"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "roles.listener.server: unknown server 'lstener'" in err and "did you mean 'listener_model'" in err
