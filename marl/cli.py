@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -42,6 +43,20 @@ def _topology_show(args: argparse.Namespace) -> None:
     console.print(topology.tree())
 
 
+def _run(args: argparse.Namespace) -> None:
+    from marl.run import run
+    from marl.topology import TopologyError
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        summary = run(args.file, args.overrides)
+    except TopologyError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(2)
+    if summary.interrupted:
+        sys.exit(130)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marl", description="Multi-agent RL for heterogeneous teams of LLM agents.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. run.max_steps=5")
     show.add_argument("--no-env-check", action="store_true", help="do not import env.class")
     show.set_defaults(func=_topology_show)
+
+    run = sub.add_parser("run", help="play and train a topology: start local servers, play games, train each model",
+                         description="Start the topology's local servers (logs in the run directory), connect to its"
+                                     " remote ones, sync configs, start engines, and play games until run.games or"
+                                     " run.max_steps. Ctrl-C aborts open leases and stops what it started.")
+    run.add_argument("file", help="topology YAML, e.g. topologies/signalling-cpu.yaml")
+    run.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. run.max_steps=5")
+    run.set_defaults(func=_run)
     return parser
 
 

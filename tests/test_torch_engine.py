@@ -53,8 +53,9 @@ def engine(model_dir: Path):
 
 @pytest.fixture
 def own_engine(model_dir: Path):
-    """A private engine, for tests that change its weights or state."""
+    """A private engine, for tests that change its weights or state. It never samples an eos (lengths are exact)."""
     with TorchEngine(model_dir) as engine:
+        engine.eos_token_ids = frozenset()
         yield engine
 
 
@@ -75,6 +76,13 @@ async def collect(engine: TorchEngine, prompt: list[int], params: SamplingParams
     return ids, logprobs, finish
 
 
+def ended_properly(engine: TorchEngine, ids: list[int], finish: str, max_tokens: int) -> bool:
+    """Ended at max_tokens with "length", or earlier at an eos (the shared engine keeps the model's eos)."""
+    if finish == "length":
+        return len(ids) == max_tokens
+    return finish == "stop" and len(ids) <= max_tokens and ids[-1] in engine.eos_token_ids
+
+
 def run_all(engine: TorchEngine, requests: list[tuple[list[int], SamplingParams]]):
     async def main():
         return await asyncio.gather(*(collect(engine, p, params) for p, params in requests))
@@ -82,21 +90,22 @@ def run_all(engine: TorchEngine, requests: list[tuple[list[int], SamplingParams]
     return asyncio.run(main())
 
 
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+def hf_greedy(model, prompt: list[int], n: int, eos: frozenset[int]) -> list[int]:
+    """`model.generate` without sampling, stopping at the same eos tokens as the engine under test."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False)  # fmt: skip
+                             max_new_tokens=n, do_sample=False, eos_token_id=sorted(eos) or None)  # fmt: skip
     return out[0, len(prompt) :].tolist()
 
 
-def test_concurrent_requests_share_forward_passes(engine: TorchEngine) -> None:
-    before = engine.stats.forwards
+def test_concurrent_requests_share_forward_passes(own_engine: TorchEngine) -> None:
+    engine = own_engine
     n, tokens = 8, 12
     results = run_all(engine, [(prompts(engine)[i % 4], SamplingParams(max_tokens=tokens, seed=i)) for i in range(n)])
     assert all(len(ids) == tokens and finish == "length" for ids, _, finish in results)
-    forwards = engine.stats.forwards - before
-    assert forwards <= tokens + n  # at worst one prefill per request plus one decode step per token
-    assert forwards < n * tokens / 4  # one request after the other would take n * tokens forwards
+    assert engine.stats.generated_tokens == n * tokens
+    assert engine.stats.forwards <= tokens + n  # at worst one prefill per request plus one decode step per token
+    assert engine.stats.forwards < n * tokens / 4  # one request after the other would take n * tokens forwards
     assert engine.stats.max_batch == n
 
 
@@ -107,9 +116,9 @@ def test_logprobs_match_a_full_forward_pass_across_a_mixed_length_batch(engine: 
         SamplingParams(max_tokens=30, temperature=0.7, top_p=0.9, seed=2),  # logprobs stay raw: T=1, no top-p
         SamplingParams(max_tokens=9, temperature=1.3, seed=3),
     ]
-    batch = list(zip(prompts(engine), params))
+    batch = list(zip(prompts(engine), params, strict=True))
     results = run_all(engine, batch)
-    for (prompt, _), (ids, logprobs, _) in zip(batch, results):
+    for (prompt, _), (ids, logprobs, _) in zip(batch, results, strict=True):
         with torch.no_grad():
             logits = engine.model(torch.tensor([prompt + ids])).logits[0].float()
         expected = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1].gather(1, torch.tensor(ids)[:, None])
@@ -124,7 +133,7 @@ def test_requests_joining_and_leaving_a_running_batch_stay_exact(engine: TorchEn
     batch = [
         (torch.randint(3, engine.vocab_size, (n,), generator=generator).tolist(),
          SamplingParams(max_tokens=m, temperature=0.0 if i % 2 else 1.0, seed=i))
-        for i, (n, m) in enumerate(zip(lengths, max_tokens))
+        for i, (n, m) in enumerate(zip(lengths, max_tokens, strict=True))
     ]  # fmt: skip
     before = engine.stats.prefill_forwards
 
@@ -139,20 +148,20 @@ def test_requests_joining_and_leaving_a_running_batch_stay_exact(engine: TorchEn
 
     results = asyncio.run(main())
     assert engine.stats.prefill_forwards - before >= 4  # they really joined a running batch
-    for (prompt, params), (ids, logprobs, finish) in zip(batch, results):
-        assert len(ids) == params.max_tokens and finish == "length"
+    for (prompt, params), (ids, logprobs, finish) in zip(batch, results, strict=True):
+        assert ended_properly(engine, ids, finish, params.max_tokens)
         with torch.no_grad():
             logits = engine.model(torch.tensor([prompt + ids])).logits[0].float()
         expected = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1].gather(1, torch.tensor(ids)[:, None])
         torch.testing.assert_close(torch.tensor(logprobs), expected.squeeze(1), atol=1e-4, rtol=0)
         if params.temperature == 0:
-            assert ids == hf_greedy(engine.model, prompt, params.max_tokens)
+            assert ids == hf_greedy(engine.model, prompt, params.max_tokens, engine.eos_token_ids)
 
 
 def test_greedy_equals_hf_generate(engine: TorchEngine) -> None:
     batch = [(p, SamplingParams(max_tokens=20, temperature=0.0)) for p in prompts(engine)]
-    for (prompt, _), (ids, _, _) in zip(batch, run_all(engine, batch)):
-        assert ids == hf_greedy(engine.model, prompt, 20)
+    for (prompt, _), (ids, _, _) in zip(batch, run_all(engine, batch), strict=True):
+        assert ids == hf_greedy(engine.model, prompt, 20, engine.eos_token_ids)
 
 
 def test_seeded_requests_reproduce(engine: TorchEngine) -> None:
@@ -196,9 +205,10 @@ def test_load_weights_drains_running_requests_and_queues_new_ones(own_engine: To
     new_model = AutoModelForCausalLM.from_pretrained(build_lively_model(tmp_path / "new", seed=1))
     new_weights = list(new_model.state_dict().items())
     long_prompt, short_prompt = prompts(engine)[1], prompts(engine)[2]
-    old_long = hf_greedy(engine.model, long_prompt, 200)
-    new_short = hf_greedy(new_model, short_prompt, 10)
-    assert old_long != hf_greedy(new_model, long_prompt, 200)
+    no_eos = frozenset[int]()
+    old_long = hf_greedy(engine.model, long_prompt, 200, no_eos)
+    new_short = hf_greedy(new_model, short_prompt, 10, no_eos)
+    assert old_long != hf_greedy(new_model, long_prompt, 200, no_eos)
 
     async def main():
         running = asyncio.create_task(collect(engine, long_prompt, SamplingParams(max_tokens=200, temperature=0.0)))
@@ -261,8 +271,9 @@ def test_a_consumer_that_stops_reading_leaves_the_batch(own_engine: TorchEngine)
     assert len(run_all(engine, [(prompt, SamplingParams(max_tokens=3))])[0][0]) == 3
 
 
-def test_an_error_in_the_worker_fails_the_requests_and_the_engine_recovers(own_engine: TorchEngine,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_worker_error_fails_the_requests_and_the_engine_recovers(
+    own_engine: TorchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     engine = own_engine
 
     def broken(*args, **kwargs):
@@ -326,6 +337,7 @@ def test_generation_stops_at_the_context_length(tmp_path: Path) -> None:
 
 def test_close_fails_waiting_requests_and_refuses_new_ones(model_dir: Path) -> None:
     engine = TorchEngine(model_dir)
+    engine.eos_token_ids = frozenset()
 
     async def main():
         task = asyncio.create_task(collect(engine, [5, 6, 7], SamplingParams(max_tokens=100_000)))

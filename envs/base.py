@@ -1,0 +1,372 @@
+"""`TextAECEnv`: the base class of text games: PettingZoo AEC environments whose agents read and write text.
+
+An env author writes a handful of hooks; the base class does the PettingZoo plumbing (reset, observe, step, last,
+dead-agent steps, reward accumulation), lists the legal actions in every observation, asks again after an invalid
+reply, falls back after too many, and counts both per agent and per role::
+
+    class Guess(TextAECEnv):
+        possible_agents = ["guesser"]
+
+        def _reset_game(self, seed, options):
+            self.secret = self.rng.choice(["cat", "dog", "cow"])
+
+        def _observe_text(self, agent):
+            return "Guess the animal."
+
+        def _legal_actions(self, agent):
+            return ["cat", "dog", "cow"]          # None would mean free text
+
+        def _apply(self, agent, action):          # action: the matched legal string (default `_parse`)
+            self.rewards[agent] = float(action == self.secret)
+            self.terminations[agent] = True
+
+Observations are `TextObservation` strings (printable ASCII: see `printable`); actions are strings the env parses.
+See docs/envs.md. This package never imports `servers/` or `marl/`.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+import unicodedata
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from gymnasium.spaces import Text
+from pettingzoo import AECEnv
+
+__all__ = ["InvalidAction", "TextAECEnv", "TextObservation", "match_choice", "play", "printable"]
+
+#: Characters allowed in observations and actions (the charset of both `Text` spaces).
+CHARSET = string.printable
+_ALLOWED = frozenset(CHARSET)
+_REPLACEMENTS = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"', "\u2013": "-",
+                               "\u2014": "-", "\u2212": "-", "\u2026": "...", "\u00a0": " "})
+
+
+class TextObservation(str):
+    """A `str` that PettingZoo's `api_test` accepts as an observation (it checks `obs.dtype` against the space)."""
+
+    dtype = np.dtype("<U")
+
+
+class InvalidAction(ValueError):
+    """Raise from `_parse` to reject a reply with a specific reason (returning None gives a generic one)."""
+
+
+def printable(text: str) -> str:
+    """Map text onto printable ASCII: accents dropped, curly quotes and dashes straightened, anything else '?'."""
+    text = unicodedata.normalize("NFKD", str(text).translate(_REPLACEMENTS))
+    return "".join(c if c in _ALLOWED else "?" for c in text if not unicodedata.combining(c))
+
+
+def _norm(text: str) -> str:
+    return " ".join(re.sub(r"[^\w#]+", " ", text.lower()).split())
+
+
+_NUMBER = re.compile(r"^(?:(?:option|choice|number|no|item) )?#? ?(\d+)(?: (.*))?$")
+
+
+def match_choice(text: str, choices: Sequence[str]) -> int | None:
+    """The index of the option `text` picks from `choices`, or None if it picks none (or more than one).
+
+    Accepted, in this order (case, spacing and punctuation ignored):
+    1. an option's exact text;
+    2. its 1-based number: "2", "2.", "(2)", "#2", "option 2", "No. 2", or a number followed by that option's
+       text ("2. blue car");
+    3. a reply that contains exactly one option's text as whole words ("I pick the blue car"); an option contained
+       in another matched option does not count, so "top center" picks "top center", not "center".
+    Options that are themselves numbers ("3", "5") match by text (rule 1) before numbering (rule 2).
+    """
+    names = [_norm(c) for c in choices]
+    reply = _norm(text)
+    if not reply:
+        return None
+    if reply in names:
+        return names.index(reply)
+    number = _NUMBER.match(reply)
+    if number:
+        index, rest = int(number.group(1)) - 1, (number.group(2) or "").strip()
+        named = _contained(rest, names) if rest else []
+        if not rest or named:  # a bare number, or a number and an option's text, which must agree
+            return index if 0 <= index < len(names) and named in ([], [index]) else None
+    hits = _contained(reply, names)
+    return hits[0] if len(hits) == 1 else None
+
+
+def _contained(reply: str, names: Sequence[str]) -> list[int]:
+    padded = f" {reply} "
+    hits = [i for i, name in enumerate(names) if name and f" {name} " in padded]
+    hit_names = {names[i] for i in hits}
+    return [i for i in hits if not any(names[i] != other and f" {names[i]} " in f" {other} " for other in hit_names)]
+
+
+class TextAECEnv(AECEnv):
+    """Base class of text games. Subclasses set `possible_agents` and implement the hooks below.
+
+    Hooks (required): `_reset_game(seed, options)`, `_observe_text(agent)`, `_apply(agent, action)`.
+    Hooks (optional): `_legal_actions(agent)` (default None: free text), `_parse(agent, text)`,
+    `_fallback(agent)`, `system_prompt(agent)`, `role_of(agent)`, `team_of(agent)`, `scripted_action(agent)`.
+
+    State a hook may use or set: `self.rng` (a `random.Random` seeded by reset's seed), `self.agents`,
+    `self.agent_selection`, `self.rewards` (cleared before every step; set this step's rewards), `self.terminations`,
+    `self.truncations`, `self.infos` (add keys freely), `self.num_moves` (moves applied this game).
+    """
+
+    metadata: dict[str, Any] = {"name": "text_game", "render_modes": ["human", "ansi"], "is_parallelizable": False}
+    possible_agents: list[str] = []
+
+    #: Invalid replies in a row before `_fallback` is applied (0: fall back at once).
+    max_invalid_retries: int = 2
+    #: Moves after which every agent still playing is truncated (None: the game must end by itself).
+    max_steps: int | None = None
+    #: Line printed under a numbered list of legal actions.
+    choice_prompt: str = "Reply with the number of your choice."
+    max_observation_chars: int = 65536
+    max_action_chars: int = 4096
+
+    def __init__(self, render_mode: str | None = None):
+        super().__init__()
+        self.render_mode = render_mode
+        self.possible_agents = list(self.possible_agents)
+        self._spaces: dict[tuple[str, str], Text] = {}
+        self.rng = random.Random()
+        self.agents: list[str] = []
+        self.num_moves = 0
+        self.invalid_actions: dict[str, int] = {}
+        self.fallbacks: dict[str, int] = {}
+        self._returns: dict[str, float] = {}
+        self._invalid_streak: dict[str, int] = {}
+        self._feedback: dict[str, str] = {}
+
+    # --- hooks ---------------------------------------------------------------------------------------------------
+
+    def _reset_game(self, seed: int | None, options: dict | None) -> None:
+        """Set up a new game from `self.rng`; set `self.agent_selection` (default: the first agent)."""
+        raise NotImplementedError
+
+    def _observe_text(self, agent: str) -> str:
+        """What `agent` is told now (the base appends the legal actions and any invalid-reply line)."""
+        raise NotImplementedError
+
+    def _legal_actions(self, agent: str) -> list[str] | None:
+        """The options `agent` may pick from now, or None for free text (speech)."""
+        return None
+
+    def _parse(self, agent: str, text: str) -> Any:
+        """Turn a reply into an action, or None if invalid (raise `InvalidAction(reason)` to say why).
+
+        Default: with legal actions, the one `match_choice` picks (the option's string); free text: the stripped,
+        printable text, invalid when empty.
+        """
+        legal = self._legal_actions(agent)
+        if legal is None:
+            return printable(text).strip() or None
+        index = match_choice(text, legal)
+        return None if index is None else legal[index]
+
+    def _apply(self, agent: str, action: Any) -> None:
+        """Play a parsed (or fallback) action: advance the game, set rewards, terminations and agent_selection."""
+        raise NotImplementedError
+
+    def _fallback(self, agent: str) -> Any:
+        """The action applied after too many invalid replies. Default: the first legal action, or "" (free text)."""
+        legal = self._legal_actions(agent)
+        return legal[0] if legal else ""
+
+    def system_prompt(self, agent: str) -> str:
+        """Role instructions for an LLM playing `agent` (its system message)."""
+        return f"You are the {self.role_of(agent)} in a text game. Follow the instructions in each message."
+
+    def role_of(self, agent: str) -> str:
+        """The role `agent` plays this game (default: the agent's name). May change at every reset."""
+        return agent
+
+    def team_of(self, agent: str) -> str:
+        """The team `agent` belongs to this game (default: its role)."""
+        return self.role_of(agent)
+
+    def scripted_action(self, agent: str) -> str:
+        """A sensible rule-based reply (scripted opponents, tests). Default: the first legal action."""
+        legal = self._legal_actions(agent)
+        if not legal:
+            raise NotImplementedError(f"{type(self).__name__} has no scripted action for free-text turns")
+        return legal[0]
+
+    # --- public helpers ------------------------------------------------------------------------------------------
+
+    def legal_actions(self, agent: str | None = None) -> list[str] | None:
+        """The legal actions of `agent` (default: the agent to move), None for free text."""
+        return self._legal_actions(self.agent_selection if agent is None else agent)
+
+    def outcome(self) -> dict[str, float]:
+        """Every agent's total reward this game (all rewards, also those after an agent was removed)."""
+        return dict(self._returns)
+
+    def outcome_by_role(self) -> dict[str, float]:
+        """The mean total reward of the agents playing each role this game."""
+        by_role: dict[str, list[float]] = {}
+        for agent, value in self._returns.items():
+            by_role.setdefault(self.role_of(agent), []).append(value)
+        return {role: sum(v) / len(v) for role, v in by_role.items()}
+
+    @property
+    def invalid_actions_by_role(self) -> dict[str, int]:
+        return self._by_role(self.invalid_actions)
+
+    @property
+    def fallbacks_by_role(self) -> dict[str, int]:
+        return self._by_role(self.fallbacks)
+
+    def _by_role(self, counts: Mapping[str, int]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for agent, n in counts.items():
+            out[self.role_of(agent)] = out.get(self.role_of(agent), 0) + n
+        return out
+
+    # --- PettingZoo API ------------------------------------------------------------------------------------------
+
+    def observation_space(self, agent: str) -> Text:
+        return self._space("obs", agent, self.max_observation_chars)
+
+    def action_space(self, agent: str) -> Text:
+        return self._space("act", agent, self.max_action_chars)
+
+    def _space(self, kind: str, agent: str, length: int) -> Text:
+        if (kind, agent) not in self._spaces:
+            self._spaces[kind, agent] = Text(max_length=length, min_length=0, charset=CHARSET)
+        return self._spaces[kind, agent]
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> None:
+        if seed is not None:
+            self.rng = random.Random(seed)
+        self.agents = list(self.possible_agents)
+        self.rewards = {a: 0.0 for a in self.agents}
+        self._cumulative_rewards = {a: 0.0 for a in self.agents}
+        self.terminations = {a: False for a in self.agents}
+        self.truncations = {a: False for a in self.agents}
+        self.infos = {a: {} for a in self.agents}
+        self._returns = {a: 0.0 for a in self.agents}
+        self.invalid_actions = {a: 0 for a in self.agents}
+        self.fallbacks = {a: 0 for a in self.agents}
+        self._invalid_streak = {a: 0 for a in self.agents}
+        self._feedback = {}
+        self._skip_agent_selection = None
+        self.num_moves = 0
+        self.agent_selection = self.agents[0] if self.agents else None
+        self._reset_game(seed, options)
+        self._update_infos()
+
+    def observe(self, agent: str) -> TextObservation:
+        text = self._observe_text(agent)
+        alive = agent in self.terminations and not (self.terminations[agent] or self.truncations[agent])
+        if alive and agent == self.agent_selection:
+            legal = self._legal_actions(agent)
+            if legal is not None:
+                options = "\n".join(f"{i}. {label}" for i, label in enumerate(legal, 1))
+                text = f"{text.rstrip()}\n{options}\n{self.choice_prompt}".rstrip()
+            if agent in self._feedback:
+                text = f"{text}\n{self._feedback[agent]}"
+        text = printable(text)
+        if len(text) > self.max_observation_chars:  # keep the end: the latest news and the legal actions
+            text = "...\n" + text[-(self.max_observation_chars - 4):]
+        return TextObservation(text)
+
+    def step(self, action: Any) -> None:
+        agent = self.agent_selection
+        if self.terminations[agent] or self.truncations[agent]:
+            self._was_dead_step(action)
+            return
+        self._cumulative_rewards[agent] = 0.0
+        self._clear_rewards()
+        text = _as_text(action)[: self.max_action_chars]
+        try:
+            parsed, reason = self._parse(agent, text), None
+        except InvalidAction as exc:
+            parsed, reason = None, str(exc)
+        if parsed is None:
+            self.invalid_actions[agent] += 1
+            self._invalid_streak[agent] += 1
+            if self._invalid_streak[agent] <= self.max_invalid_retries:
+                left = self.max_invalid_retries - self._invalid_streak[agent] + 1
+                self._feedback[agent] = (
+                    f'Your reply "{_snippet(text)}" was not valid: {reason or self._default_reason(agent)}.'
+                    f" Try again ({left} {'try' if left == 1 else 'tries'} left)."
+                )
+                self._finish_step()
+                return
+            self.fallbacks[agent] += 1
+            parsed = self._fallback(agent)
+        self._invalid_streak[agent] = 0
+        self._feedback.pop(agent, None)
+        self._apply(agent, parsed)
+        self.num_moves += 1
+        if self.max_steps is not None and self.num_moves >= self.max_steps:
+            for a in self.agents:
+                self.truncations[a] = self.truncations[a] or not self.terminations[a]
+        self._deads_step_first()
+        self._finish_step()
+
+    def _finish_step(self) -> None:
+        self._accumulate_rewards()
+        for agent, reward in self.rewards.items():
+            self._returns[agent] = self._returns.get(agent, 0.0) + float(reward)
+        self._update_infos()
+
+    def _update_infos(self) -> None:
+        for agent in self.agents:
+            self.infos.setdefault(agent, {}).update(
+                role=self.role_of(agent), invalid_actions=self.invalid_actions.get(agent, 0),
+                fallbacks=self.fallbacks.get(agent, 0))
+
+    def _default_reason(self, agent: str) -> str:
+        legal = self._legal_actions(agent)
+        if legal is None:
+            return "say something"
+        return f"reply with one number from 1 to {len(legal)}" if legal else "there is nothing to choose"
+
+    def render(self) -> str | None:
+        if self.render_mode is None or not self.agents:
+            return None
+        text = str(self.observe(self.agent_selection))
+        if self.render_mode == "human":
+            print(f"[{self.agent_selection}]\n{text}\n")
+            return None
+        return text
+
+    def close(self) -> None:
+        pass
+
+
+def _as_text(action: Any) -> str:
+    if isinstance(action, bytes):
+        return action.decode("utf-8", "replace")
+    return "" if action is None else str(action)
+
+
+def _snippet(text: str, limit: int = 60) -> str:
+    text = " ".join(printable(text).replace('"', "'").split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def play(env: TextAECEnv, policies: Mapping[str, Callable[[str], str] | Any], *, seed: int | None = None,
+         options: dict | None = None) -> dict[str, float]:
+    """Play one game: `policies[agent]` is a callable (observation -> reply) or has `.act(observation)`.
+
+    Policies with a `reset()` (LLM agents) are reset first: a game starts a fresh conversation. Returns
+    `env.outcome()`.
+    """
+    env.reset(seed=seed, options=options)
+    for policy in policies.values():
+        if hasattr(policy, "reset"):
+            policy.reset()
+    for agent in env.agent_iter():
+        observation, _, terminated, truncated, _ = env.last()
+        if terminated or truncated:
+            env.step(None)
+            continue
+        policy = policies[agent]
+        env.step(policy.act(observation) if hasattr(policy, "act") else policy(observation))
+    return env.outcome()

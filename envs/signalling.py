@@ -1,0 +1,133 @@
+"""`SignallingGame`: the first learnable game. A speaker names a target; a listener picks it out.
+
+    speaker   sees the items and the target; says a short free-text message (at most 20 words are kept)
+    listener  sees the same items in its own shuffled order and the message; replies with a number (or a name)
+    reward    1.0 to both if the listener picked the target, else 0.0
+
+With `observers=N`, agents observer_0 ... observer_{N-1} (role "observer") are extra listeners: each sees the
+message and its own shuffled items, and guesses after the listener (nobody sees another's guess). Each guesser
+gets 1.0 for its own right guess; the speaker gets the fraction of guessers who were right (with no observers: the
+listener's reward), so it is rewarded for messages every guesser can decode.
+
+The same seed gives the same items, target and shuffled orders, so GRPO repeats of a task play the same game.
+Fallbacks (after `max_invalid_retries` invalid replies): the speaker says nothing; a guesser picks nothing, which
+loses (reward 0.0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from envs.base import InvalidAction, TextAECEnv, match_choice, printable
+
+#: Short, distinct items; no item's words contain another item's name.
+ITEMS = (
+    "red apple", "blue car", "green frog", "yellow sun", "black cat", "white cloud", "orange fish", "purple hat",
+    "brown dog", "pink flower", "gray rock", "silver key", "gold ring", "small boat", "big tree", "wooden chair",
+    "glass cup", "paper kite", "striped sock", "round cake", "old book", "tall tower", "soft pillow", "bright star",
+)
+
+MAX_WORDS = 20
+
+
+class SignallingGame(TextAECEnv):
+    metadata = {"name": "signalling_v0", "render_modes": ["human", "ansi"], "is_parallelizable": False}
+    possible_agents = ["speaker", "listener"]
+
+    def __init__(self, num_items: int = 3, items: tuple[str, ...] = ITEMS, observers: int = 0,
+                 render_mode: str | None = None):
+        if not 2 <= num_items <= len(items):
+            raise ValueError(f"num_items must be between 2 and {len(items)} (the number of items); got {num_items}")
+        if observers < 0:
+            raise ValueError(f"observers must be 0 or more; got {observers}")
+        self.guessers = ["listener"] + [f"observer_{i}" for i in range(observers)]
+        self.possible_agents = ["speaker", *self.guessers]
+        super().__init__(render_mode=render_mode)
+        self.num_items, self.item_pool = num_items, tuple(items)
+        self.items: list[str] = []
+        self.target = ""
+        self.orders: dict[str, list[str]] = {}  # each guesser's shuffled items
+        self.message: str | None = None
+        self.choices: dict[str, str] = {}  # guesser -> the item it picked ("" for none)
+
+    @property
+    def listener_items(self) -> list[str]:
+        return self.orders["listener"]
+
+    @property
+    def choice(self) -> str | None:
+        """The listener's pick (None before it picked, "" for none)."""
+        return self.choices.get("listener")
+
+    # --- hooks ---------------------------------------------------------------------------------------------------
+
+    def _reset_game(self, seed: int | None, options: dict | None) -> None:
+        self.items = self.rng.sample(self.item_pool, self.num_items)
+        self.target = self.rng.choice(self.items)
+        self.orders = {g: self.rng.sample(self.items, len(self.items)) for g in self.guessers}
+        self.message, self.choices = None, {}
+        self.agent_selection = "speaker"
+
+    def role_of(self, agent: str) -> str:
+        return "observer" if agent.startswith("observer") else agent
+
+    def system_prompt(self, agent: str) -> str:
+        if agent == "speaker":
+            return ("You are the speaker in a guessing game. You see some items and a target. Tell the listener "
+                    "which item is the target. Reply with a few words only.")
+        return (f"You are the {self.role_of(agent)} in a guessing game. The speaker describes one item. "
+                "Pick that item. Reply with the number of your choice.")
+
+    def _observe_text(self, agent: str) -> str:
+        if agent == "speaker":
+            if self.message is None:
+                return (f"Items: {', '.join(self.items)}.\nTarget: {self.target}.\n"
+                        "Say the target in a few words.")
+            if len(self.choices) < len(self.guessers):
+                return f"You said: {self.message or '(nothing)'}\nWaiting for the guesses."
+            right = sum(c == self.target for c in self.choices.values())
+            return (f"You said: {self.message or '(nothing)'}\n{right} of {len(self.guessers)} picked the target, "
+                    f"{self.target}.")
+        if self.message is None:
+            return "Wait for the speaker."
+        said = f'The speaker said: "{self.message}"' if self.message else "The speaker said nothing."
+        if agent not in self.choices:
+            return f"{said}\nWhich item did the speaker mean?"
+        picked = f"You picked {self.choices[agent]}." if self.choices[agent] else "You picked nothing."
+        won = "You win." if self.choices[agent] == self.target else "You lose."
+        return f"{said}\n{picked} The target was {self.target}. {won}"
+
+    def _legal_actions(self, agent: str) -> list[str] | None:
+        return None if agent == "speaker" else list(self.orders[agent])
+
+    def _parse(self, agent: str, text: str) -> Any:
+        if agent == "speaker":
+            words = printable(text).split()
+            if not words:
+                raise InvalidAction("say at least one word")
+            return " ".join(words[:MAX_WORDS])
+        return super()._parse(agent, text)
+
+    def _fallback(self, agent: str) -> Any:
+        return ""  # the speaker says nothing; the listener picks nothing (and loses)
+
+    def _apply(self, agent: str, action: Any) -> None:
+        if agent == "speaker":
+            self.message = action
+            self.agent_selection = self.guessers[0]
+            return
+        self.choices[agent] = action
+        if len(self.choices) < len(self.guessers):
+            self.agent_selection = self.guessers[len(self.choices)]
+            return
+        right = {g: 1.0 if self.choices[g] == self.target else 0.0 for g in self.guessers}
+        for a in self.agents:
+            self.rewards[a] = right[a] if a in right else sum(right.values()) / len(right)
+            self.terminations[a] = True
+            self.infos[a].update(target=self.target, choices=dict(self.choices))
+
+    def scripted_action(self, agent: str) -> str:
+        if agent == "speaker":
+            return self.target
+        index = match_choice(self.message or "", self.orders[agent])
+        return str(1 if index is None else index + 1)

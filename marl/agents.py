@@ -1,0 +1,66 @@
+"""Agents that play text games (envs.base.TextAECEnv): an LLM behind an OpenAI-compatible endpoint, or a script.
+
+    speaker = LLMAgent(openai.OpenAI(base_url=..., api_key=...), "tiny",
+                       system_prompt=env.system_prompt("speaker"), agent_tag="speaker")
+    reply = speaker.act(observation)
+
+One `LLMAgent` plays one agent for one game: every `act` sends the whole conversation so far (system, then each
+observation as a user turn and each reply, verbatim, as an assistant turn). Each call's prompt therefore extends the
+previous call's prompt + completion, and the swarm server merges the calls of one game into one training sample.
+`reset()` starts a new conversation (a new game).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from marl.protocol import AGENT_HEADER
+
+
+class LLMAgent:
+    def __init__(self, client: Any, model: str, *, system_prompt: str, max_tokens: int = 64,
+                 temperature: float = 1.0, agent_tag: str | None = None):
+        self.client, self.model, self.system_prompt = client, model, system_prompt
+        self.max_tokens, self.temperature, self.agent_tag = max_tokens, temperature, agent_tag
+        self.messages: list[dict[str, str]] = []
+        self.reset()
+
+    def reset(self, system_prompt: str | None = None) -> None:
+        """Forget the conversation (optionally with a new system prompt, e.g. a new role)."""
+        if system_prompt is not None:
+            self.system_prompt = system_prompt
+        self.messages = [{"role": "system", "content": self.system_prompt}]
+
+    def act(self, observation: str) -> str:
+        """Send `observation` as the next user turn; return the model's reply (also kept as the assistant turn)."""
+        self.messages.append({"role": "user", "content": str(observation)})
+        tagged: dict[str, Any] = {}
+        if self.agent_tag is not None:
+            tagged = {"user": self.agent_tag, "extra_headers": {AGENT_HEADER: self.agent_tag}}
+        try:
+            response = self.client.chat.completions.create(
+                model=self.model, messages=list(self.messages), max_tokens=self.max_tokens,
+                temperature=self.temperature, **tagged)
+        except Exception:
+            self.messages.pop()  # a failed call leaves the conversation as it was
+            raise
+        reply = response.choices[0].message.content or ""
+        self.messages.append({"role": "assistant", "content": reply})  # verbatim: the server splices on it
+        return reply
+
+    __call__ = act
+
+
+class ScriptedAgent:
+    """Plays `agent` in `env` by the env's rule-based `scripted_action` (scripted opponents, tests)."""
+
+    def __init__(self, env: Any, agent: str):
+        self.env, self.agent = env, agent
+
+    def reset(self) -> None:
+        pass
+
+    def act(self, observation: str) -> str:
+        return self.env.scripted_action(self.agent)
+
+    __call__ = act

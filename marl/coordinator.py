@@ -1,0 +1,411 @@
+"""The coordinator: every game is one transaction across the model servers of a topology.
+
+For each game it
+1. waits until every trainable server in the game is ROLLING, then leases on all of them at once; if any lease
+   fails, it aborts the others and waits again (it never holds a lease on one server while waiting for another);
+2. gives each agent its own model: a trainable role gets the credentials of its server's lease (tagged with the
+   role), a static role its fixed endpoint, a scripted role the env's scripted policy;
+3. plays the PettingZoo AEC game;
+4. commits: checks every lease is still alive, then ends each server's episode with the rewards of the roles that
+   server plays. Any exception before the commit aborts every lease of the game.
+
+GRPO repeats of one task share one task id (and env seed) on every server, so groups line up across servers. A
+failed game is replayed with the same task id, so every task still reaches `repeats` episodes on every server.
+
+Residual risk, documented rather than hidden: the commit is a sequence of end calls; if a server dies between two of
+them, the servers already ended keep their episode (each is individually durable). The window is one round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+
+from marl.agents import LLMAgent, ScriptedAgent
+from marl.client import EpisodeOutput, SwarmClient, SwarmError
+from marl.protocol import AGENT_HEADER, EngineState, EpisodeLease
+
+log = logging.getLogger("marl.coordinator")
+
+_STATUS_TTL_S = 0.5
+_LEASE_ATTEMPT_S = 2.0
+
+
+class GameFailed(Exception):
+    """A game could not be played or committed; all of its leases were aborted (or had already ended)."""
+
+
+@dataclass
+class Endpoint:
+    """How the coordinator reaches one server of the topology."""
+
+    name: str
+    client: SwarmClient | None = None  # a trainable swarm server: episodes are leased
+    base_url: str | None = None  # a static OpenAI-compatible endpoint
+    api_key: str = "none"
+    model: str | None = None
+    max_concurrency: int | None = None
+    #: Synced (and the engine started) whenever the server is found OFFLINE, e.g. after a crash and restart.
+    train_config: dict | None = None
+
+    @property
+    def trainable(self) -> bool:
+        return self.client is not None
+
+
+@dataclass
+class GameResult:
+    task_id: str
+    seed: int
+    agent_rewards: dict[str, float]  # per env agent
+    role_rewards: dict[str, float]  # mean over the agents of each role
+    episodes: dict[str, str]  # server -> episode id
+    policy_versions: dict[str, int]  # server -> version that played this game
+    invalid_actions: dict[str, int]  # per role
+    seconds: float
+    turns: int
+
+
+@dataclass
+class _Lease:
+    server: str
+    episode_id: str
+    lease: EpisodeLease
+
+
+@dataclass
+class GameSettings:
+    max_tokens: int = 64
+    temperature: float = 1.0
+    lease_timeout_s: float = 60.0  # give up leasing a game after this long (the game is then retried)
+
+
+class Coordinator:
+    def __init__(
+        self,
+        *,
+        env_factory: Callable[[], Any],
+        role_servers: dict[str, str | None],
+        endpoints: dict[str, Endpoint],
+        settings: GameSettings | None = None,
+    ):
+        """`role_servers` maps each role to the server that plays it (None: scripted by the env)."""
+        self.env_factory = env_factory
+        self.role_servers = role_servers
+        self.endpoints = endpoints
+        self.settings = settings or GameSettings()
+        self.trainable = sorted({s for s in role_servers.values() if s and endpoints[s].trainable})
+        self._limits = {
+            name: threading.BoundedSemaphore(ep.max_concurrency) for name, ep in endpoints.items() if ep.max_concurrency
+        }
+        self._io = ThreadPoolExecutor(max(4, 2 * len(endpoints)), thread_name_prefix="coordinator-io")
+        self._static_clients = {
+            name: openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=2, timeout=600)
+            for name, ep in endpoints.items()
+            if not ep.trainable
+        }
+        self._open: dict[tuple[str, str], _Lease] = {}  # every lease currently held, for abort_all
+        self._open_lock = threading.Lock()
+        self._status: dict[str, tuple[float, EngineState | None]] = {}
+        self._status_lock = threading.Lock()
+        self._reviving: set[str] = set()
+
+    # --- one game ------------------------------------------------------------------------------------------------
+
+    def play_game(self, task_id: str, seed: int) -> GameResult:
+        with self._concurrency_slots():
+            leases = self._lease_all()
+            try:
+                result = self._play(task_id, seed, leases)
+                self._commit(task_id, leases, result)
+                return result
+            except BaseException as exc:
+                self._abort(leases.values())
+                if isinstance(exc, GameFailed):
+                    raise
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                raise GameFailed(f"game {task_id} failed: {exc!r}") from exc
+
+    def _play(self, task_id: str, seed: int, leases: dict[str, _Lease]) -> GameResult:
+        start = time.monotonic()
+        env = self.env_factory()
+        env.reset(seed=seed)
+        players = {agent: self._player(env, agent, leases) for agent in env.possible_agents}
+        turns = 0
+        for agent in env.agent_iter():
+            observation, _, terminated, truncated, _ = env.last()
+            if terminated or truncated:
+                env.step(None)
+                continue
+            env.step(players[agent].act(str(observation)))
+            turns += 1
+        agent_rewards = {agent: float(r) for agent, r in env.outcome().items()}
+        role_rewards = {role: float(r) for role, r in env.outcome_by_role().items()}
+        invalid = dict(env.invalid_actions_by_role)
+        env.close()
+        return GameResult(
+            task_id=task_id,
+            seed=seed,
+            agent_rewards=agent_rewards,
+            role_rewards=role_rewards,
+            episodes={name: lease.episode_id for name, lease in leases.items()},
+            policy_versions={name: lease.lease.policy_version for name, lease in leases.items()},
+            invalid_actions=invalid,
+            seconds=time.monotonic() - start,
+            turns=turns,
+        )
+
+    def _player(self, env: Any, agent: str, leases: dict[str, _Lease]) -> Any:
+        role = env.role_of(agent)
+        if role not in self.role_servers:
+            raise GameFailed(f"the env dealt role '{role}' to {agent}, but the topology has no role '{role}'")
+        server = self.role_servers[role]
+        if server is None:
+            return ScriptedAgent(env, agent)
+        endpoint = self.endpoints[server]
+        if endpoint.trainable:
+            lease = leases[server].lease
+            client = openai.OpenAI(base_url=lease.base_url, api_key=lease.api_key, max_retries=0, timeout=600,
+                                   default_headers={AGENT_HEADER: role})
+            model = lease.model
+        else:
+            client, model = self._static_clients[server], endpoint.model
+        return LLMAgent(client, model, system_prompt=env.system_prompt(agent), max_tokens=self.settings.max_tokens,
+                        temperature=self.settings.temperature, agent_tag=role)
+
+    # --- leasing: all or nothing, never holding one while waiting for another -------------------------------------
+
+    def _lease_all(self) -> dict[str, _Lease]:
+        deadline = time.monotonic() + self.settings.lease_timeout_s
+        delay = 0.1
+        while True:
+            if self._all_rolling():
+                futures = {name: self._io.submit(self._begin, name) for name in self.trainable}
+                leases, errors = {}, {}
+                for name, future in futures.items():
+                    try:
+                        leases[name] = future.result()
+                    except (SwarmError, httpx.HTTPError) as exc:
+                        errors[name] = exc
+                if not errors:
+                    return leases
+                self._abort(leases.values())
+                self._forget_status(errors)
+                reason = "; ".join(f"{name}: {exc}" for name, exc in errors.items())
+            else:
+                reason = "waiting for every trainable server to be ROLLING"
+            if time.monotonic() > deadline:
+                raise GameFailed(f"could not lease on every server within {self.settings.lease_timeout_s:g}s ({reason})")
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def _begin(self, server: str) -> _Lease:
+        episode_id, lease = self.endpoints[server].client.begin_episode(timeout=_LEASE_ATTEMPT_S)
+        held = _Lease(server, episode_id, lease)
+        with self._open_lock:
+            self._open[(server, episode_id)] = held
+        return held
+
+    def _all_rolling(self) -> bool:
+        return all(self._state(name) == EngineState.ROLLING for name in self.trainable)
+
+    def _state(self, server: str) -> EngineState | None:
+        """A server's state, cached briefly: many games poll it at once."""
+        with self._status_lock:
+            when, state = self._status.get(server, (0.0, None))
+            if time.monotonic() - when < _STATUS_TTL_S:
+                return state
+        try:
+            state = self.endpoints[server].client.status(timeout=5).state
+        except (SwarmError, httpx.HTTPError):
+            state = None  # unreachable: counts as not ROLLING
+        with self._status_lock:
+            self._status[server] = (time.monotonic(), state)
+        if state == EngineState.OFFLINE:
+            self._revive(server)
+        return state
+
+    def _revive(self, server: str) -> None:
+        """A restarted server comes up OFFLINE: sync its config and start its engine again (once at a time)."""
+        endpoint = self.endpoints[server]
+        with self._status_lock:
+            if endpoint.train_config is None or server in self._reviving:
+                return
+            self._reviving.add(server)
+
+        def start() -> None:
+            try:
+                log.info("%s is OFFLINE: syncing its config and starting its engine", server)
+                endpoint.client.auto_sync_train_config_and_start_engine(endpoint.train_config)
+            except (SwarmError, httpx.HTTPError) as exc:
+                log.warning("could not restart %s: %s", server, exc)
+            finally:
+                with self._status_lock:
+                    self._reviving.discard(server)
+
+        self._io.submit(start)
+
+    def _forget_status(self, servers: Iterable[str]) -> None:
+        with self._status_lock:
+            for name in servers:
+                self._status.pop(name, None)
+
+    # --- commit and abort ------------------------------------------------------------------------------------------
+
+    def _commit(self, task_id: str, leases: dict[str, _Lease], result: GameResult) -> None:
+        # Phase 1: every lease still alive? (renew also resets its idle clock before the end calls)
+        checks = {name: self._io.submit(self.endpoints[name].client.renew_episode, lease.episode_id, timeout=10)
+                  for name, lease in leases.items()}
+        for name, future in checks.items():
+            try:
+                future.result()
+            except (SwarmError, httpx.HTTPError) as exc:
+                raise GameFailed(f"game {task_id}: lease on {name} was lost before the commit: {exc}") from exc
+        # Phase 2: end everywhere, each server with the rewards of the roles it plays.
+        outputs = {name: self._output(name, result) for name in leases}
+        ends = {name: self._io.submit(self.endpoints[name].client.end_episode, task_id, lease.episode_id,
+                                      outputs[name], timeout=60)
+                for name, lease in leases.items()}
+        failed = {}
+        for name, future in ends.items():
+            try:
+                future.result()
+            except (SwarmError, httpx.HTTPError) as exc:
+                failed[name] = exc
+            else:
+                self._forget(leases[name])
+        if failed:
+            raise GameFailed(f"game {task_id}: end failed on {', '.join(failed)}: {list(failed.values())[0]}")
+
+    def _output(self, server: str, result: GameResult) -> EpisodeOutput:
+        rewards = {role: r for role, r in result.role_rewards.items() if self.role_servers.get(role) == server}
+        return EpisodeOutput(
+            reward=sum(rewards.values()) / len(rewards) if rewards else 0.0,
+            agent_rewards=rewards,
+            metadata={"seed": result.seed, "role_rewards": result.role_rewards, "turns": result.turns},
+        )
+
+    def _abort(self, leases: Iterable[_Lease]) -> None:
+        for held in list(leases):
+            try:
+                self.endpoints[held.server].client.abort_episode(held.episode_id, timeout=10)
+            except (SwarmError, httpx.HTTPError) as exc:  # the server is gone: its lease dies with it (or expires)
+                log.warning("could not abort %s on %s: %s", held.episode_id, held.server, exc)
+            self._forget(held)
+
+    def _forget(self, held: _Lease) -> None:
+        with self._open_lock:
+            self._open.pop((held.server, held.episode_id), None)
+
+    def abort_all(self) -> int:
+        """Abort every lease still held (Ctrl-C); returns how many."""
+        with self._open_lock:
+            held = list(self._open.values())
+        self._abort(held)
+        return len(held)
+
+    def open_leases(self) -> int:
+        with self._open_lock:
+            return len(self._open)
+
+    def _concurrency_slots(self):
+        return _Slots([self._limits[name] for name in sorted(self._limits) if name in self.trainable])
+
+    def close(self) -> None:
+        self._io.shutdown(wait=False, cancel_futures=True)
+
+
+class _Slots:
+    """Per-server concurrency caps, taken in a fixed order so two games never deadlock."""
+
+    def __init__(self, semaphores: list[threading.BoundedSemaphore]):
+        self.semaphores = semaphores
+
+    def __enter__(self) -> None:
+        for sem in self.semaphores:
+            sem.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        for sem in reversed(self.semaphores):
+            sem.release()
+
+
+# --- many games ------------------------------------------------------------------------------------------------
+
+
+def tasks(run_name: str, repeats: int, seed: int) -> Iterator[tuple[str, int]]:
+    """Endless (task id, env seed) pairs, each repeated `repeats` times in a row (one GRPO group per task)."""
+    index = 0
+    while True:
+        for _ in range(repeats):
+            yield f"{run_name}-{index}", seed * 1_000_003 + index
+        index += 1
+
+
+@dataclass
+class RunStats:
+    games: int = 0
+    failed: int = 0
+    retried: int = 0
+    results: list[GameResult] = field(default_factory=list)
+
+
+def play_games(
+    coordinator: Coordinator,
+    schedule: Iterator[tuple[str, int]],
+    *,
+    concurrency: int,
+    should_stop: Callable[[], bool],
+    on_result: Callable[[GameResult | None, Exception | None], None] = lambda r, e: None,
+    max_attempts: int = 5,
+) -> RunStats:
+    """Play games `concurrency` at a time until `should_stop()`; a failed game is replayed with its task id."""
+    stats = RunStats()
+    lock = threading.Lock()
+    retry: list[tuple[str, int, int]] = []
+
+    def next_game() -> tuple[str, int, int] | None:
+        with lock:
+            if should_stop():
+                return None
+            if retry:
+                return retry.pop(0)
+            task_id, seed = next(schedule)
+            return task_id, seed, 1
+
+    def worker() -> None:
+        while (game := next_game()) is not None:
+            task_id, seed, attempt = game
+            try:
+                result = coordinator.play_game(task_id, seed)
+            except GameFailed as exc:
+                log.warning("%s (attempt %d)", exc, attempt)
+                with lock:
+                    stats.failed += 1
+                    if attempt < max_attempts:
+                        stats.retried += 1
+                        retry.append((task_id, seed, attempt + 1))
+                on_result(None, exc)
+                time.sleep(min(2.0 * attempt, 10.0))
+                continue
+            with lock:
+                stats.games += 1
+                stats.results.append(result)
+            on_result(result, None)
+
+    threads = [threading.Thread(target=worker, name=f"game-{i}", daemon=True) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(timeout=0.5)  # short joins keep Ctrl-C responsive
+    return stats

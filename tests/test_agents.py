@@ -1,0 +1,117 @@
+"""LLMAgent against a real swarm server over HTTP (tiny random model), and ScriptedAgent."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from conftest import LocalServer, admin_http, start_rolling, wait_state
+from envs.base import play
+from envs.signalling import SignallingGame
+from marl.agents import LLMAgent, ScriptedAgent
+from marl.protocol import AGENT_HEADER
+from servers.ledger import Ledger
+
+
+@pytest.fixture(scope="module")
+def static_server(tiny_model, tmp_path_factory):
+    """One static server (a frozen tiny random model, served as "tiny") shared by this module's tests."""
+    with LocalServer(tiny_model, tmp_path_factory.mktemp("static"), static=True) as srv, admin_http(srv.url) as http:
+        wait_state(http, "STATIC")
+        yield srv
+
+
+@pytest.fixture
+def static_client(static_server):
+    return openai.OpenAI(base_url=static_server.url + "/v1", api_key="any", max_retries=0)
+
+
+def spy_on(client):
+    """Record the keyword arguments of every chat.completions.create call (the call itself still goes out)."""
+    calls, create = [], client.chat.completions.create
+
+    def spy(**kwargs):
+        calls.append(kwargs)
+        return create(**kwargs)
+
+    client.chat.completions.create = spy
+    return calls
+
+
+def test_conversation_grows_turn_by_turn(static_client):
+    calls = spy_on(static_client)
+    agent = LLMAgent(static_client, "tiny", system_prompt="You are a test.", max_tokens=8, agent_tag="speaker")
+    replies = [agent.act(f"Turn {i}: say yes.") for i in range(3)]
+    assert all(isinstance(r, str) for r in replies)
+    assert agent.messages[0] == {"role": "system", "content": "You are a test."}
+    assert [m["role"] for m in agent.messages] == ["system"] + ["user", "assistant"] * 3
+    assert [m["content"] for m in agent.messages[2::2]] == replies  # replies kept verbatim
+    # each call sends everything before it: the previous call's prompt + reply, then the new observation
+    assert [len(c["messages"]) for c in calls] == [2, 4, 6]
+    assert calls[2]["messages"][:4] == agent.messages[:4]
+    assert calls[0]["user"] == "speaker" and calls[0]["extra_headers"] == {AGENT_HEADER: "speaker"}
+    assert (calls[0]["max_tokens"], calls[0]["temperature"], calls[0]["model"]) == (8, 1.0, "tiny")
+    agent.reset()
+    assert agent.messages == [{"role": "system", "content": "You are a test."}]
+    agent.reset(system_prompt="New role.")
+    assert agent.messages == [{"role": "system", "content": "New role."}]
+
+
+def test_untagged_agent_sends_no_tag_and_failed_call_keeps_conversation(static_client):
+    calls = spy_on(static_client)
+    agent = LLMAgent(static_client, "tiny", system_prompt="s", max_tokens=4)
+    agent.act("hi")
+    assert "user" not in calls[0] and "extra_headers" not in calls[0]
+    wrong = LLMAgent(static_client, "no-such-model", system_prompt="s", max_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        wrong.act("hi")
+    assert wrong.messages == [{"role": "system", "content": "s"}]
+
+
+def test_llm_agents_play_a_full_signalling_game(static_client):
+    env = SignallingGame()
+    agents = {a: LLMAgent(static_client, "tiny", system_prompt=env.system_prompt(a), max_tokens=12, agent_tag=a)
+              for a in env.possible_agents}
+    outcome = play(env, agents, seed=0)
+    assert set(outcome) == {"speaker", "listener"} and outcome["speaker"] == outcome["listener"] in (0.0, 1.0)
+    assert env.agents == []  # the game ran to its end
+    # a random model mostly fails the listener's format: the env asked again, then fell back; every ask is a turn
+    for name, agent in agents.items():
+        turns = len(agent.messages[1::2])
+        assert 1 <= turns <= env.max_invalid_retries + 1
+        assert turns == env.invalid_actions[name] + 1 - env.fallbacks[name]
+
+
+def test_a_game_is_one_sample_per_agent_on_a_training_server(local_server):
+    """The point of LLMAgent's conversation: a game's calls merge into one sample per agent, under its tag."""
+    with local_server() as srv, admin_http(srv.url) as http:
+        start_rolling(http, batch_size=100, num_repeat=4, lease_patience_s=60)
+        lease = http.post("/episodes/begin", json={"client_id": "c"}).json()
+        client = openai.OpenAI(base_url=lease["base_url"], api_key=lease["api_key"], max_retries=0)
+        env = SignallingGame()
+        agents = {a: LLMAgent(client, "tiny", system_prompt=env.system_prompt(a), max_tokens=12, agent_tag=a)
+                  for a in env.possible_agents}
+        outcome = play(env, agents, seed=3)
+        r = http.post(f"/episodes/{lease['episode_id']}/end",
+                      json={"client_id": "c", "task_id": "signal-3", "reward": 0.0, "agent_rewards": outcome})
+        assert r.status_code == 200, r.text
+        ledger = Ledger(srv.swarm.data_dir / "ledger.sqlite")
+        try:
+            samples = {s.agent: s for s in ledger.samples_of(lease["episode_id"])}
+        finally:
+            ledger.close()
+    assert set(samples) == {"speaker", "listener"}
+    for name, agent in agents.items():
+        assert samples[name].num_calls == len(agent.messages[1::2])
+        assert samples[name].reward == outcome[name]
+
+
+def test_scripted_agents_win_and_llm_vs_scripted_completes(static_client):
+    env = SignallingGame(num_items=5)
+    scripted = {a: ScriptedAgent(env, a) for a in env.possible_agents}
+    for seed in range(10):
+        assert play(env, scripted, seed=seed) == {"speaker": 1.0, "listener": 1.0}
+    listener = LLMAgent(static_client, "tiny", system_prompt=env.system_prompt("listener"), max_tokens=8,
+                        agent_tag="listener")
+    outcome = play(env, {"speaker": scripted["speaker"], "listener": listener}, seed=1)
+    assert outcome["speaker"] == outcome["listener"] and env.agents == []

@@ -1,0 +1,79 @@
+"""`marl run` end to end on tiny models: local servers started, games played, run directory written, Ctrl-C clean."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import yaml
+from PIL import Image
+
+TOPOLOGY = {
+    "name": "tiny-signalling",
+    "servers": {
+        "speaker_model": {"model": None, "trainable": True, "device": "cpu",
+                          "train": {"job": "tiny", "batch_size": 1, "num_repeat": 2, "save_freq": 0}},
+        "listener_model": {"model": None, "trainable": True, "device": "cpu",
+                           "train": {"job": "tiny", "batch_size": 1, "num_repeat": 2, "save_freq": 0}},
+    },
+    "roles": {"speaker": {"server": "speaker_model"}, "listener": {"server": "listener_model"}},
+    "env": {"class": "envs.signalling:SignallingGame", "args": {"num_items": 3}},
+    "run": {"max_steps": 2, "repeats": 2, "concurrency": 2},
+}
+
+
+def write_topology(tmp_path, tiny_model) -> str:
+    spec = json.loads(json.dumps(TOPOLOGY))
+    for server in spec["servers"].values():
+        server["model"] = str(tiny_model)
+    spec["run"]["run_dir"] = str(tmp_path / "run")
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return str(path)
+
+
+def test_marl_run_plays_trains_and_writes_the_run_directory(tiny_model, tmp_path):
+    path = write_topology(tmp_path, tiny_model)
+    result = subprocess.run([sys.executable, "-m", "marl.cli", "run", path, "run.max_steps=2"],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "120"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "run"
+    games = [json.loads(line) for line in (run_dir / "games.jsonl").read_text().splitlines()]
+    assert len(games) >= 4 and all(set(g["role_rewards"]) == {"speaker", "listener"} for g in games)
+    for server in ("speaker_model", "listener_model"):
+        steps = [json.loads(line) for line in (run_dir / "servers" / server / "metrics.jsonl").read_text().splitlines()]
+        assert [s["step"] for s in steps][:2] == [1, 2]
+        assert (run_dir / "logs" / f"{server}.log").exists()
+    with Image.open(run_dir / "reward_curves.png") as image:
+        assert image.size[0] > 500
+    assert "stopped 2 local servers" in result.stdout
+
+
+def test_ctrl_c_aborts_open_leases_and_stops_the_servers(tiny_model, tmp_path):
+    path = write_topology(tmp_path, tiny_model)
+    proc = subprocess.Popen([sys.executable, "-m", "marl.cli", "run", path, "run.max_steps=1000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    games = tmp_path / "run" / "games.jsonl"
+    deadline = time.monotonic() + 180
+    while not (games.exists() and games.read_text().count("\n") >= 2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("no games were played:\n" + proc.communicate()[0])
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert "stopped 2 local servers" in output
+    ports = [line.rsplit(":", 1)[1] for line in output.splitlines() if "started local trainable" in line]
+    assert len(ports) == 2
+    for port in ports:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+            raise AssertionError(f"server on port {port} still answers")
+        except httpx.TransportError:
+            pass
