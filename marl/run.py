@@ -101,7 +101,8 @@ def run(path: str, overrides: list[str] | None = None, *, console: Console | Non
             env_factory=lambda: env_class(**spec.env.args),
             role_servers={role: topology.server_of(role) for role in spec.roles},
             endpoints=endpoints,
-            settings=GameSettings(lease_timeout_s=spec.run.lease_timeout_s),
+            settings=GameSettings(lease_timeout_s=spec.run.lease_timeout_s, max_tokens=spec.run.max_tokens,
+                                  temperature=spec.run.temperature),
         )
         interrupted = _play(topology, coordinator, endpoints, board, run_dir, console, started)
     except KeyboardInterrupt:

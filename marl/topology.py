@@ -191,6 +191,8 @@ class RunSpec(_Spec):
     concurrency: int = Field(8, ge=1, description="Games in flight.")
     per_server_concurrency: int | None = Field(None, ge=1, description="Cap of concurrent leases per server.")
     lease_timeout_s: float = Field(60.0, gt=0)
+    max_tokens: int = Field(64, ge=1, description="Longest reply of an LLM agent per turn.")
+    temperature: float = Field(1.0, ge=0, le=2, description="Sampling temperature of the LLM agents.")
     seed: int = 0
     run_dir: Path | None = Field(None, description="Output directory (default: runs/<name>).")
 
