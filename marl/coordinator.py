@@ -185,10 +185,17 @@ class Coordinator:
     # --- leasing: all or nothing, never holding one while waiting for another -------------------------------------
 
     def _lease_all(self) -> dict[str, _Lease]:
+        """Lease on every trainable server, or on none.
+
+        While every server answers but some are busy (BOOTING, ROLLING_POST, WEIGHT_SYNCING: a big model's weight
+        sync can take minutes), the game waits as long as it takes. `lease_timeout_s` bounds only the time a server
+        is unreachable or refuses outright; then the game fails (and is replayed later).
+        """
         deadline = time.monotonic() + self.settings.lease_timeout_s
         delay = 0.1
         while True:
-            if self._all_rolling():
+            states = {name: self._state(name) for name in self.trainable}
+            if all(state == EngineState.ROLLING for state in states.values()):
                 futures = {name: self._io.submit(self._begin, name) for name in self.trainable}
                 leases, errors = {}, {}
                 for name, future in futures.items():
@@ -200,11 +207,16 @@ class Coordinator:
                     return leases
                 self._abort(leases.values())
                 self._forget_status(errors)
+                if all(_says_wait(exc) for exc in errors.values()):  # a server turned busy meanwhile: keep waiting
+                    deadline = time.monotonic() + self.settings.lease_timeout_s
                 reason = "; ".join(f"{name}: {exc}" for name, exc in errors.items())
+            elif all(state is not None for state in states.values()):
+                deadline = time.monotonic() + self.settings.lease_timeout_s  # all alive, some busy: keep waiting
             else:
-                reason = "waiting for every trainable server to be ROLLING"
+                reason = "unreachable: " + ", ".join(name for name, state in states.items() if state is None)
             if time.monotonic() > deadline:
-                raise GameFailed(f"could not lease on every server within {self.settings.lease_timeout_s:g}s ({reason})")
+                limit = self.settings.lease_timeout_s
+                raise GameFailed(f"could not lease on every server within {limit:g}s ({reason})")
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
@@ -322,6 +334,10 @@ class Coordinator:
 
     def close(self) -> None:
         self._io.shutdown(wait=False, cancel_futures=True)
+
+
+def _says_wait(exc: Exception) -> bool:
+    return isinstance(exc, SwarmError) and exc.error is not None and exc.error.retry_after_s is not None
 
 
 class _Slots:
