@@ -111,20 +111,36 @@ TOKENIZER_DIRS = ("additional_chat_templates",)
 
 
 def _forward(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, with_entropy: bool = False
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    keep: torch.Tensor | None = None,
+    with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logp[b, t] = log softmax(logits[b, t-1])[input_ids[b, t]] (0 at t = 0 and on padding); optional entropy."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    # Logits at position t predict token t+1. fp32 whatever the model dtype, temperature 1, no top-p.
-    logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # [B, T-1, V]
-    logp = logp_all.gather(-1, input_ids[:, 1:, None]).squeeze(-1)  # [B, T-1]
-    logp = torch.nn.functional.pad(logp, (1, 0))  # align with input_ids: logp[:, t] is the logprob of token t
-    logp = logp * attention_mask.to(logp.dtype)
+    """logp[b, t] = log softmax(logits[b, t-1])[input_ids[b, t]] (0 at t = 0 and on padding); optional entropy.
+
+    `keep` ([B, T], nonzero where a logprob is needed, e.g. the loss mask) lets the model project only the positions
+    that predict those tokens onto the vocabulary (`logits_to_keep`). Agents' prompts are long and their replies
+    short, so this saves most of the [T, V] logits: time and, above all, memory. Elsewhere logp is 0.
+    """
+    if keep is None:
+        positions = torch.arange(input_ids.shape[1] - 1, device=input_ids.device)
+    else:
+        positions = keep[:, 1:].bool().any(0).nonzero().squeeze(-1)  # t such that some row trains token t + 1
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                   logits_to_keep=positions).logits  # [B, P, V]: the logits at `positions` predict token t + 1
+    # fp32 whatever the model dtype, temperature 1, no top-p.
+    logp_all = torch.log_softmax(logits.float(), dim=-1)
+    targets = input_ids[:, positions + 1]
+    dense = torch.zeros(input_ids.shape, dtype=logp_all.dtype, device=input_ids.device)
+    logp = dense.index_copy(1, positions + 1, logp_all.gather(-1, targets[..., None]).squeeze(-1))
+    logp = logp * attention_mask.to(logp.dtype)  # aligned with input_ids: logp[:, t] is the logprob of token t
     entropy = None
     if with_entropy:
         with torch.no_grad():  # H_t = -sum_v p_v log p_v, a metric only
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-            entropy = torch.nn.functional.pad(entropy, (1, 0)) * attention_mask.to(entropy.dtype)
+            entropy = dense.index_copy(1, positions + 1, -(logp_all.exp() * logp_all).sum(-1))
+            entropy = entropy * attention_mask.to(entropy.dtype)
     return logp, entropy
 
 
@@ -414,7 +430,7 @@ class GRPOTrainer(Trainer):
         stats: dict[str, float] = defaultdict(float)
         for indices in micro_batches:
             mb = _collate([items[i] for i in indices], self.device, self.vocab_size)
-            logp, entropy = _forward(self.policy, mb.input_ids, mb.attention_mask, with_entropy=True)
+            logp, entropy = _forward(self.policy, mb.input_ids, mb.attention_mask, keep=mb.loss_mask, with_entropy=True)
             mask = mb.loss_mask
             tokens_per_sample = mask.sum(-1).clamp(min=1.0)  # |T_s|
 
