@@ -65,6 +65,7 @@ def serve_marl(port: int, model_dir: str, data_dir: str) -> None:
         def __init__(self, directory: Path):
             self.tokenizer = AutoTokenizer.from_pretrained(directory)
             self.context_length = 2048
+            self.eos_token_ids = frozenset({self.tokenizer.eos_token_id})
             self.token = self.tokenizer.encode("5", add_special_tokens=False)[0]
 
         async def generate(self, prompt_ids, params):
@@ -166,7 +167,9 @@ def main() -> None:
                     admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60)
                     admin.post("/control/config", json={"max_leases": 10_000, "batch_size": 10_000}).raise_for_status()
                     admin.post("/control/start").raise_for_status()
-                    while admin.get("/control/status").json()["state"] != "ROLLING":
+                    while (status := admin.get("/control/status").json())["state"] != "ROLLING":
+                        if status["last_error"]:
+                            raise RuntimeError(f"the marl server failed to start: {status['last_error']}")
                         time.sleep(0.1)
                     auth_for = lease_auth(args.calls_per_lease)
                 asyncio.run(load(url, auth_for, args.concurrency * 5, args.concurrency))  # warm-up
