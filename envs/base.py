@@ -74,8 +74,8 @@ def match_choice(text: str, choices: Sequence[str]) -> int | None:
 
     Accepted, in this order (case, spacing and punctuation ignored):
     1. an option's exact text;
-    2. its 1-based number: "2", "2.", "(2)", "#2", "option 2", "No. 2", or a number followed by that option's
-       text ("2. blue car");
+    2. its 1-based number: "2", "2.", "(2)", "#2", "option 2", "No. 2", or a number followed by text that names
+       no other option ("2. blue car", "2. car", "2, because it is blue"); "2. red apple" (disagreeing) is None;
     3. a reply that contains exactly one option's text as whole words ("I pick the blue car"); an option contained
        in another matched option does not count, so "top center" picks "top center", not "center".
     Options that are themselves numbers ("3", "5") match by text (rule 1) before numbering (rule 2).
@@ -90,8 +90,10 @@ def match_choice(text: str, choices: Sequence[str]) -> int | None:
     if number:
         index, rest = int(number.group(1)) - 1, (number.group(2) or "").strip()
         named = _contained(rest, names) if rest else []
-        if not rest or named:  # a bare number, or a number and an option's text, which must agree
-            return index if 0 <= index < len(names) and named in ([], [index]) else None
+        if 0 <= index < len(names) and named in ([], [index]):  # the number, and no text that contradicts it
+            return index
+        if named:  # a number and another option's text: ambiguous
+            return None
     hits = _contained(reply, names)
     return hits[0] if len(hits) == 1 else None
 

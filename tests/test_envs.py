@@ -30,7 +30,7 @@ CHOICES = ["red apple", "blue car", "green frog"]
 @pytest.mark.parametrize("reply, expected", [
     ("blue car", 1), ("  Blue CAR. ", 1), ('"green frog"', 2),
     ("2", 1), ("2.", 1), ("(3)", 2), ("#1", 0), ("option 2", 1), ("Option #3", 2), ("No. 1", 0), ("choice 3", 2),
-    ("2. blue car", 1), ("3: green frog", 2),
+    ("2. blue car", 1), ("3: green frog", 2), ("2. car", 1), ("2, because it is blue. I'm sure.", 1),
     ("I think it is the red apple.", 0), ("the speaker means: green frog!", 2),
     ("", None), ("   ", None), ("4", None), ("0", None), ("purple hat", None), ("blue", None),
     ("red apple or blue car", None), ("2. red apple", None), ("two", None), ("12", None),
