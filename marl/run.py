@@ -219,6 +219,7 @@ def _play(topology: Topology, coordinator: Coordinator, endpoints: dict[str, End
         with Live(get_renderable=lambda: board.table(spec.name, started), console=console, refresh_per_second=1):
             play_games(coordinator, tasks(spec.name, spec.run.repeats or 1, spec.run.seed),
                        concurrency=spec.run.concurrency, should_stop=should_stop, on_result=on_result)
+        console.print()  # the live table's last line has no newline of its own
     except KeyboardInterrupt:
         interrupted = True
     finally:
