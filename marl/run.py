@@ -57,6 +57,10 @@ class _Board:
         self.rewards: dict[str, list[float]] = defaultdict(list)  # role -> recent rewards
         self.last_error = ""
 
+    def recent_rewards(self, games: int = 50) -> dict[str, float]:
+        """Mean reward per role over the last `games` games (call with the lock held)."""
+        return {role: sum(v[-games:]) / len(v[-games:]) for role, v in sorted(self.rewards.items())}
+
     def versions(self) -> dict[str, int]:
         with self.lock:
             return {name: s.get("policy_version", 0) for name, s in self.status.items()}
@@ -72,7 +76,7 @@ class _Board:
                 table.add_row(server, s.get("state", "?"), str(s.get("policy_version", "?")),
                               f"{pool.get('complete_groups', 0)}/{pool.get('batch_size', '?')}"
                               f" · {pool.get('pending_episodes', 0)}", str(pool.get("running_leases", 0)))
-            rewards = ", ".join(f"{role} {sum(v[-50:]) / len(v[-50:]):.2f}" for role, v in sorted(self.rewards.items()))
+            rewards = ", ".join(f"{role} {mean:.2f}" for role, mean in self.recent_rewards().items())
             table.caption = f"reward (last 50 games): {rewards or '-'}" + (
                 f"\nlast failure: {self.last_error[:160]}" if self.last_error else "")
             return table
@@ -186,7 +190,7 @@ def _play(topology: Topology, coordinator: Coordinator, endpoints: dict[str, End
                 with board.lock:
                     before = board.status[name].get("policy_version", 0)
                     board.status[name] = {**board.status[name], **status}
-                    rewards = {role: sum(v[-50:]) / len(v[-50:]) for role, v in sorted(board.rewards.items())}
+                    rewards = board.recent_rewards()
                 if status.get("policy_version", 0) > before:  # one line per training step: progress in logs too
                     console.log(f"{name}: step {status['policy_version']} done; {board.games} games;"
                                 f" recent reward {json.dumps({r: round(v, 3) for r, v in rewards.items()})}")
