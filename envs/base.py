@@ -98,6 +98,11 @@ def match_choice(text: str, choices: Sequence[str]) -> int | None:
     return hits[0] if len(hits) == 1 else None
 
 
+def named_options(text: str, choices: Sequence[str]) -> list[int]:
+    """The indices of the options `text` names as whole words (numbers do not count), as in rule 3 of `match_choice`."""
+    return _contained(_norm(text), [_norm(c) for c in choices])
+
+
 def _contained(reply: str, names: Sequence[str]) -> list[int]:
     padded = f" {reply} "
     hits = [i for i, name in enumerate(names) if name and f" {name} " in padded]

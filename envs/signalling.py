@@ -9,6 +9,10 @@ message and its own shuffled items, and guesses after the listener (nobody sees 
 gets 1.0 for its own right guess; the speaker gets the fraction of guessers who were right (with no observers: the
 listener's reward), so it is rewarded for messages every guesser can decode.
 
+Optional shaping (off by default): `naming_bonus=b` adds b to the speaker's reward when its message names the
+target and no other item. A 135M model rarely names anything at first, and the listener can only learn to decode
+messages that carry the target; the bonus gets that loop going. The game's outcome (the listener's pick) is unchanged.
+
 The same seed gives the same items, target and shuffled orders, so GRPO repeats of a task play the same game.
 Fallbacks (after `max_invalid_retries` invalid replies): the speaker says nothing; a guesser picks nothing, which
 loses (reward 0.0).
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from envs.base import InvalidAction, TextAECEnv, match_choice, printable
+from envs.base import InvalidAction, TextAECEnv, match_choice, named_options, printable
 
 #: Short, distinct items; no item's words contain another item's name.
 ITEMS = (
@@ -33,13 +37,17 @@ MAX_WORDS = 20
 class SignallingGame(TextAECEnv):
     metadata = {"name": "signalling_v0", "render_modes": ["human", "ansi"], "is_parallelizable": False}
     possible_agents = ["speaker", "listener"]
+    choice_prompt = "Reply with the number or the name of your choice."
 
     def __init__(self, num_items: int = 3, items: tuple[str, ...] = ITEMS, observers: int = 0,
-                 render_mode: str | None = None):
+                 naming_bonus: float = 0.0, render_mode: str | None = None):
         if not 2 <= num_items <= len(items):
             raise ValueError(f"num_items must be between 2 and {len(items)} (the number of items); got {num_items}")
         if observers < 0:
             raise ValueError(f"observers must be 0 or more; got {observers}")
+        if naming_bonus < 0:
+            raise ValueError(f"naming_bonus must be 0 or more; got {naming_bonus}")
+        self.naming_bonus = float(naming_bonus)
         self.guessers = ["listener"] + [f"observer_{i}" for i in range(observers)]
         self.possible_agents = ["speaker", *self.guessers]
         super().__init__(render_mode=render_mode)
@@ -73,16 +81,16 @@ class SignallingGame(TextAECEnv):
 
     def system_prompt(self, agent: str) -> str:
         if agent == "speaker":
-            return ("You are the speaker in a guessing game. You see some items and a target. Tell the listener "
-                    "which item is the target. Reply with a few words only.")
+            return ("You are the speaker in a guessing game. The listener sees the same items and must pick the "
+                    "target. Reply with the target item's name, nothing else.")
         return (f"You are the {self.role_of(agent)} in a guessing game. The speaker describes one item. "
-                "Pick that item. Reply with the number of your choice.")
+                "Pick that item.")
 
     def _observe_text(self, agent: str) -> str:
         if agent == "speaker":
             if self.message is None:
                 return (f"Items: {', '.join(self.items)}.\nTarget: {self.target}.\n"
-                        "Say the target in a few words.")
+                        "Which item is the target?")
             if len(self.choices) < len(self.guessers):
                 return f"You said: {self.message or '(nothing)'}\nWaiting for the guesses."
             right = sum(c == self.target for c in self.choices.values())
@@ -121,10 +129,16 @@ class SignallingGame(TextAECEnv):
             self.agent_selection = self.guessers[len(self.choices)]
             return
         right = {g: 1.0 if self.choices[g] == self.target else 0.0 for g in self.guessers}
+        named = self.names_target(self.message or "")
         for a in self.agents:
-            self.rewards[a] = right[a] if a in right else sum(right.values()) / len(right)
+            self.rewards[a] = right[a] if a in right else sum(right.values()) / len(right) + self.naming_bonus * named
             self.terminations[a] = True
-            self.infos[a].update(target=self.target, choices=dict(self.choices))
+            self.infos[a].update(target=self.target, choices=dict(self.choices), message=self.message,
+                                 names_target=named)
+
+    def names_target(self, message: str) -> bool:
+        """Whether `message` names the target and no other item (by name: a bare number names nothing here)."""
+        return named_options(message, self.items) == [self.items.index(self.target)]
 
     def scripted_action(self, agent: str) -> str:
         if agent == "speaker":

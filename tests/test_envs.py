@@ -201,7 +201,7 @@ def test_signalling_rewards_and_parsing():
     assert env.message == " ".join(["word"] * 20)  # at most 20 words kept
     listener_obs = env.observe("listener")
     assert f'The speaker said: "{env.message}"' in listener_obs
-    assert listener_obs.splitlines()[-1] == "Reply with the number of your choice."
+    assert listener_obs.splitlines()[-1] == "Reply with the number or the name of your choice."
     env.step(str(env.listener_items.index(wrong) + 1))
     assert env.rewards == {"speaker": 0.0, "listener": 0.0} and all(env.terminations.values())
     assert env.outcome() == {"speaker": 0.0, "listener": 0.0}
@@ -238,6 +238,29 @@ def test_signalling_observers_are_extra_listeners():
     assert env.fallbacks_by_role == {"speaker": 0, "listener": 0, "observer": 1}
 
 
+def test_signalling_naming_bonus_shapes_only_the_speaker():
+    env = SignallingGame(naming_bonus=0.5)
+    env.reset(seed=3)
+    other = next(item for item in env.items if item != env.target)
+    cases = [  # (speaker's message, listener's pick, expected rewards)
+        (f"The target is the {env.target}.", env.target, {"speaker": 1.5, "listener": 1.0}),
+        (f"The {env.target}!", other, {"speaker": 0.5, "listener": 0.0}),  # named but misread: bonus only
+        (f"{env.target} or {other}", env.target, {"speaker": 1.0, "listener": 1.0}),  # two items named: no bonus
+        ("2", env.target, {"speaker": 1.0, "listener": 1.0}),  # a number names no item
+    ]
+    for message, pick, rewards in cases:
+        env.reset(seed=3)
+        env.step(message)
+        env.step(pick)
+        assert env.outcome() == rewards, message
+        assert env.infos["speaker"]["names_target"] == (rewards["speaker"] % 1 == 0.5)
+    env = SignallingGame()  # off by default
+    env.reset(seed=3)
+    env.step(env.target)
+    env.step(other)
+    assert env.outcome() == {"speaker": 0.0, "listener": 0.0}
+
+
 def test_signalling_fallbacks():
     env = SignallingGame()
     env.reset(seed=1)
@@ -254,10 +277,12 @@ def test_signalling_fallbacks():
 
 def test_signalling_prompts_and_bad_arguments():
     env = SignallingGame()
-    assert "number" in env.system_prompt("listener") and "speaker" in env.system_prompt("speaker")
+    assert "Pick" in env.system_prompt("listener") and "speaker" in env.system_prompt("speaker")
     assert env.role_of("speaker") == "speaker" and env.team_of("listener") == "listener"
     with pytest.raises(ValueError, match="num_items"):
         SignallingGame(num_items=len(ITEMS) + 1)
+    with pytest.raises(ValueError, match="naming_bonus"):
+        SignallingGame(naming_bonus=-1)
     for item in ITEMS:  # no item's text is inside another's: a named item is never ambiguous
         assert [other for other in ITEMS if item in other] == [item]
 
