@@ -27,8 +27,11 @@ class ServerProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        # The token goes by environment, not argv: argv is readable by every user (`ps`), and a token that
+        # starts with "-" would read as an option.
+        self.admin_token = admin_token
         self.args = [sys.executable, "-m", "marl.cli", "serve", "--model", model, "--port", str(self.port),
-                     "--admin-token", admin_token, "--data-dir", str(data_dir), "--log-level", "warning"]
+                     "--data-dir", str(data_dir), "--log-level", "warning"]
         if static:
             self.args.append("--static")
         if device:
@@ -42,7 +45,8 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:
             # Own process group: Ctrl-C in the terminal reaches `marl run`, which then stops servers in order.
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1",
+                                              "MARL_ADMIN_TOKEN": self.admin_token})
         return self
 
     def wait_healthy(self, timeout: float = 120) -> None:

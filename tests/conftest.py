@@ -19,7 +19,7 @@ from servers.serve import grpo_trainer_factory, resolve, torch_engine_factory
 from servers.swarm import SwarmServer
 from servers.tiny_model import build_tiny_model
 
-ADMIN = "test-admin-token"
+ADMIN = "-test-admin-token"  # a leading dash: a token must never be read as a command-line option
 
 
 @pytest.fixture(scope="session")
