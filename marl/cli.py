@@ -57,6 +57,51 @@ def _run(args: argparse.Namespace) -> None:
         sys.exit(130)
 
 
+def _overwatch(args: argparse.Namespace) -> None:
+    from marl.overwatch import OverwatchApp, OverwatchError, print_once, resolve_sources
+    from marl.topology import TopologyError
+
+    try:
+        sources = resolve_sources(args.targets, args.admin_token)
+    except (OverwatchError, TopologyError) as exc:
+        print(f"marl overwatch: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if args.once:
+        print_once(sources)
+    else:
+        OverwatchApp(sources, interval_s=args.interval).run()
+
+
+def _plot(args: argparse.Namespace) -> None:
+    from marl.plot import plot_run
+
+    try:
+        written = plot_run(Path(args.run_dir))
+    except FileNotFoundError as exc:
+        print(f"marl plot: {exc}", file=sys.stderr)
+        sys.exit(2)
+    if not written:
+        print(f"marl plot: nothing to plot in {args.run_dir} yet (no games.jsonl, no servers/*/metrics.jsonl)",
+              file=sys.stderr)
+        sys.exit(1)
+    for path in written:
+        print(path)
+
+
+def _episode(args: argparse.Namespace) -> None:
+    # Reading a server's ledger is a server-side tool, like `serve`.
+    from servers.episode_view import ViewerError, list_episodes, show_episode
+
+    try:
+        if args.episode_command == "list":
+            list_episodes(Path(args.data_dir), limit=args.limit)
+        else:
+            show_episode(Path(args.data_dir), args.episode_id, model=args.model, tokens=args.tokens)
+    except ViewerError as exc:
+        print(f"marl episode: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marl", description="Multi-agent RL for heterogeneous teams of LLM agents.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -99,6 +144,39 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("file", help="topology YAML, e.g. topologies/signalling-cpu.yaml")
     run.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. run.max_steps=5")
     run.set_defaults(func=_run)
+
+    overwatch = sub.add_parser("overwatch", help="live terminal monitor of one or many swarm servers",
+                               description="Watch servers side by side, refreshed every second: state, policy"
+                                           " version, pool progress, leases, reward per role, tokens/s, errors."
+                                           " Keys: 1-9 one server, a all, tab/left/right move, q quit.")
+    overwatch.add_argument("targets", nargs="+", metavar="URL|TOPOLOGY",
+                           help="server URLs, or one topology YAML (its local servers while `marl run` runs)")
+    overwatch.add_argument("--admin-token", help="default: $MARL_ADMIN_TOKEN (a topology run's own token is read"
+                                                 " from its run dir)")
+    overwatch.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    overwatch.add_argument("--once", action="store_true", help="print one snapshot and exit (no UI)")
+    overwatch.set_defaults(func=_overwatch)
+
+    plot = sub.add_parser("plot", help="write PNG reward/loss curves of a run directory",
+                          description="From games.jsonl and servers/*/metrics.jsonl: reward_curves.png and"
+                                      " servers/<name>/training.png. Prints the paths written.")
+    plot.add_argument("run_dir", help="a run directory (runs/<name>) or one server's data dir")
+    plot.set_defaults(func=_plot)
+
+    episode = sub.add_parser("episode", help="inspect the episodes in a server's ledger")
+    episode_sub = episode.add_subparsers(dest="episode_command", required=True)
+    listing = episode_sub.add_parser("list", help="the latest episodes, newest first")
+    listing.add_argument("data_dir", help="a server's data dir (holds ledger.sqlite)")
+    listing.add_argument("--limit", type=int, default=20)
+    listing.set_defaults(func=_episode)
+    show_ep = episode_sub.add_parser("show", help="one episode's samples, token by token, with loss masks",
+                                     description="Tokens the model is trained on are wrapped in [[...]] (coloured"
+                                                 " by logprob in a terminal); context tokens are left bare.")
+    show_ep.add_argument("data_dir", help="a server's data dir (holds ledger.sqlite)")
+    show_ep.add_argument("episode_id", nargs="?", help="an episode id or a unique prefix (default: the latest)")
+    show_ep.add_argument("--model", help="tokenizer to decode with (default: newest checkpoint, else the served model)")
+    show_ep.add_argument("--tokens", action="store_true", help="also one row per token: mask, logprob, token")
+    show_ep.set_defaults(func=_episode)
     return parser
 
 

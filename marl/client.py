@@ -62,6 +62,7 @@ from marl.protocol import (
     ROUTE_END,
     ROUTE_EPISODE,
     ROUTE_HEALTH,
+    ROUTE_MONITOR,
     ROUTE_POOL,
     ROUTE_RENEW,
     ROUTE_START,
@@ -78,6 +79,7 @@ from marl.protocol import (
     EpisodeState,
     ErrorInfo,
     ErrorResponse,
+    MonitorSnapshot,
     PoolInfo,
     ServerStatus,
     TrainConfig,
@@ -349,6 +351,10 @@ class SwarmClient:
     def pool(self, *, timeout: float | None = None) -> PoolInfo:
         """How far the rollout pool is from the next training step, and which leases are running."""
         return self._call("GET", ROUTE_POOL, PoolInfo, what="pool", timeout=timeout)
+
+    def monitor(self, *, timeout: float | None = None) -> MonitorSnapshot:
+        """Everything `marl overwatch` shows: status, detailed pool, recent steps, tokens/s, latest errors."""
+        return self._call("GET", ROUTE_MONITOR, MonitorSnapshot, what="monitor", timeout=timeout)
 
     def sync_train_config(
         self, config: TrainConfig | Mapping[str, Any], *, timeout: float | None = None

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import httpx
 
+#: written by `marl run` into its run directory: where its local servers listen (and their admin token)
+SERVERS_FILE = "servers.json"
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP) as s:

@@ -21,6 +21,7 @@ ROUTE_START = "/control/start"
 ROUTE_STOP = "/control/stop"
 ROUTE_STATUS = "/control/status"
 ROUTE_POOL = "/control/pool"
+ROUTE_MONITOR = "/control/monitor"  # everything `marl overwatch` shows, in one call
 ROUTE_BEGIN = "/episodes/begin"
 ROUTE_EPISODE = "/episodes/{episode_id}"  # GET: can the episode continue?
 ROUTE_END = "/episodes/{episode_id}/end"
@@ -29,6 +30,7 @@ ROUTE_RENEW = "/episodes/{episode_id}/renew"
 ROUTE_HEALTH = "/health"
 ROUTE_CHAT = "/v1/chat/completions"
 ROUTE_MODELS = "/v1/models"
+ROUTE_METRICS = "/metrics"  # Prometheus text format, no auth (counts only, as vLLM's)
 
 #: Header that tags a data-plane call with the agent (role) that made it. The request's `user` field works too.
 AGENT_HEADER = "X-Marl-Agent"
@@ -162,6 +164,32 @@ class ServerStatus(BaseModel):
     pool: PoolInfo | None = None
     last_error: str | None = None
     metrics: dict[str, float] = {}
+
+
+class StepRecord(BaseModel):
+    """One training step's metrics (a line of the server's metrics.jsonl)."""
+
+    step: int
+    time: float  # unix time the step finished
+    metrics: dict[str, float] = {}
+
+
+class ErrorEvent(BaseModel):
+    time: float  # unix time
+    message: str
+
+
+class MonitorSnapshot(BaseModel):
+    """What a monitor shows for one server, read in one call (`GET /control/monitor`)."""
+
+    instance_id: str  # new on every server process start: a change means the server restarted
+    started_at: float  # unix time the process started
+    status: ServerStatus
+    pool: PoolInfo | None = None  # detailed (groups and leases); None on a static server
+    recent_steps: list[StepRecord] = []  # oldest first, up to the last 100 (read back from metrics.jsonl on restart)
+    tokens_per_s: float = 0.0  # generated tokens per second over the last `rate_window_s`
+    rate_window_s: float = 0.0
+    errors: list[ErrorEvent] = []  # the latest errors, oldest first
 
 
 # --------------------------------------------------------------------------------------------------------------

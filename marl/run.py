@@ -5,7 +5,8 @@ The run directory (`run.run_dir`, default `runs/<name>`) gets:
   logs/<server>.log         output of every local server
   servers/<server>/         each local server's data dir: ledger, checkpoints, metrics.jsonl (one line per step)
   games.jsonl               one line per finished game: task, rewards per role, policy versions, invalid actions
-  reward_curves.png         mean reward per role against each trainable server's policy version
+  reward_curves.png         mean reward per role against each trainable server's policy version (`marl plot`)
+  servers.json              where the local servers listen, for `marl overwatch TOPOLOGY.yaml` (owner-only)
 Ctrl-C aborts every open lease and stops the servers this run started.
 """
 
@@ -28,8 +29,16 @@ from rich.live import Live
 from rich.table import Table
 
 from marl.client import SwarmClient, SwarmError
-from marl.coordinator import Coordinator, Endpoint, GameResult, GameSettings, play_games, tasks
-from marl.launch import ServerProcess
+from marl.coordinator import (
+    Coordinator,
+    Endpoint,
+    GameResult,
+    GameSettings,
+    play_games,
+    tasks,
+)
+from marl.launch import SERVERS_FILE, ServerProcess
+from marl.plot import plot_run
 from marl.protocol import EngineState
 from marl.topology import ServerKind, Topology
 
@@ -121,7 +130,7 @@ def run(path: str, overrides: list[str] | None = None, *, console: Console | Non
             proc.stop()
         if processes:
             console.print(f"stopped {len(processes)} local servers")
-    plot_reward_curves(run_dir)
+    plot_run(run_dir)
     summary = RunSummary(run_dir=run_dir, games=board.games, failed=board.failed,
                          seconds=time.monotonic() - started, policy_versions=board.versions(), interrupted=interrupted)
     console.print(f"{'interrupted' if interrupted else 'done'}: {summary.games} games ({summary.failed} failed) in"
@@ -142,6 +151,7 @@ def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dic
         console.print(f"started {server.kind.value} server {name} ({server.model}) on {processes[name].url}")
     for proc in processes.values():
         proc.wait_healthy()
+    _write_servers_file(run_dir, processes, token)
 
     endpoints: dict[str, Endpoint] = {}
     for name, server in spec.servers.items():
@@ -172,6 +182,15 @@ def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dic
     with ThreadPoolExecutor(len(endpoints) or 1) as pool:
         list(pool.map(boot, list(endpoints)))
     return endpoints
+
+
+def _write_servers_file(run_dir: Path, processes: dict[str, ServerProcess], token: str) -> None:
+    """Where the local servers listen, for `marl overwatch TOPOLOGY.yaml`; owner-only, it holds the admin token."""
+    path = run_dir / SERVERS_FILE
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({name: {"url": proc.url, "admin_token": token} for name, proc in processes.items()}, f, indent=2)
 
 
 def _play(topology: Topology, coordinator: Coordinator, endpoints: dict[str, Endpoint], board: _Board,
@@ -230,37 +249,3 @@ def _play(topology: Topology, coordinator: Coordinator, endpoints: dict[str, End
         stop_polling.set()
         games_file.close()
     return interrupted
-
-
-def plot_reward_curves(run_dir: Path) -> Path | None:
-    """reward_curves.png: per trainable server, the mean reward of each role it plays, per policy version."""
-    games_path = run_dir / "games.jsonl"
-    if not games_path.exists():
-        return None
-    curves: dict[str, dict[str, dict[int, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
-    for line in games_path.read_text().splitlines():
-        game = json.loads(line)
-        for server, version in game["policy_versions"].items():
-            for role, reward in game["role_rewards"].items():
-                curves[server][role][version].append(reward)
-    if not curves:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(curves), figsize=(5 * len(curves), 3.5), squeeze=False)
-    for ax, (server, roles) in zip(axes[0], sorted(curves.items())):
-        for role, by_version in sorted(roles.items()):
-            versions = sorted(by_version)
-            ax.plot(versions, [sum(by_version[v]) / len(by_version[v]) for v in versions], marker="o", label=role)
-        ax.set_title(server)
-        ax.set_xlabel("policy version")
-        ax.set_ylabel("mean reward")
-        ax.legend()
-    fig.tight_layout()
-    out = run_dir / "reward_curves.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out

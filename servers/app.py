@@ -1,7 +1,7 @@
 """HTTP for one swarm server: the control plane, the episode (lease) API and the OpenAI-compatible data plane.
 
 Authentication: control and episode routes need `Authorization: Bearer <admin token>`; the data plane needs the
-api_key of a live lease (a static server needs none). Every error is an OpenAI-shaped `ErrorResponse`.
+api_key of a live lease (a static server needs none); `/health` and the Prometheus `/metrics` are open. Every error is an OpenAI-shaped `ErrorResponse`.
 """
 
 from __future__ import annotations
@@ -15,13 +15,15 @@ from collections.abc import AsyncIterator
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from marl import protocol as p
 from servers.chat import PromptError, StreamDecoder, parse_tool_calls
 from servers.interfaces import SamplingParams
 from servers.leases import Lease
+from servers.metrics import ServerMetrics
 from servers.samples import CallRecord
 from servers.swarm import Refusal, SwarmServer
 
@@ -116,6 +118,16 @@ def create_app(server: SwarmServer, admin_token: str) -> FastAPI:
     @app.get(p.ROUTE_STATUS, dependencies=guarded)
     async def status() -> p.ServerStatus:
         return await server.status()
+
+    @app.get(p.ROUTE_MONITOR, dependencies=guarded)
+    async def monitor() -> p.MonitorSnapshot:
+        return await server.monitor()
+
+    metrics_page = ServerMetrics(server)
+
+    @app.get(p.ROUTE_METRICS)
+    async def metrics() -> Response:
+        return Response(await metrics_page.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get(p.ROUTE_POOL, dependencies=guarded)
     async def pool() -> p.PoolInfo:

@@ -68,6 +68,19 @@ class GroupKey:
     agent: str
 
 
+@dataclass(frozen=True)
+class EpisodeRow:
+    episode_id: str
+    job: str
+    task_id: str
+    reward: float
+    agent_rewards: dict[str, float]
+    num_calls: int
+    ended_at: float
+    num_samples: int
+    consumed_step: int | None  # None: still in the pool; -1: dropped as stale
+
+
 class Ledger:
     """Not thread-safe by itself: the server calls it from one worker thread."""
 
@@ -203,6 +216,19 @@ class Ledger:
             (episode_id,),
         ).fetchall()
         return [_sample(r) for r in rows]
+
+    def episodes(self, limit: int = 20, episode_id: str | None = None) -> list[EpisodeRow]:
+        """The latest ended episodes, newest first (or the one whose id starts with `episode_id`)."""
+        query = ("SELECT e.episode_id, e.job, e.task_id, e.reward, e.agent_rewards, e.num_calls, e.ended_at,"
+                 " COUNT(s.id), MIN(s.consumed_step) FROM episodes e LEFT JOIN samples s USING (episode_id)")
+        if episode_id is not None:
+            rows = self.db.execute(query + " WHERE e.episode_id LIKE ? GROUP BY e.episode_id LIMIT ?",
+                                   (episode_id.replace("%", "") + "%", limit)).fetchall()
+        else:
+            rows = self.db.execute(query + " GROUP BY e.episode_id ORDER BY e.ended_at DESC LIMIT ?",
+                                   (limit,)).fetchall()
+        return [EpisodeRow(r[0], r[1], r[2], r[3], json.loads(r[4]) if r[4] else {}, r[5], r[6], r[7], r[8])
+                for r in rows]
 
     def has_episode(self, episode_id: str) -> bool:
         return self.db.execute("SELECT 1 FROM episodes WHERE episode_id = ?", (episode_id,)).fetchone() is not None

@@ -16,6 +16,7 @@ import collections
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,8 +30,10 @@ from marl.protocol import (
     EngineState,
     EpisodeLease,
     EpisodeState,
+    ErrorEvent,
     GroupProgress,
     LeaseInfo,
+    MonitorSnapshot,
     PoolInfo,
     ServerStatus,
     TrainConfig,
@@ -40,6 +43,7 @@ from servers.checkpoints import CheckpointDir
 from servers.interfaces import Group, InferenceEngine, TrainBatch, Trainer
 from servers.leases import Lease, LeaseTable, NoFreeSlot
 from servers.ledger import GroupKey, Ledger
+from servers.records import TrainingRecord
 from servers.samples import CallRecord, merge_calls
 
 log = logging.getLogger("marl.server")
@@ -50,6 +54,7 @@ TrainerFactory = Callable[[Path, TrainConfig], Trainer]
 
 _RUNNING = (EngineState.ROLLING, EngineState.ROLLING_POST, EngineState.WEIGHT_SYNCING)
 _REAP_INTERVAL_S = 0.25
+RATE_WINDOW_S = 10.0  # tokens/s is measured over this window
 
 
 @dataclass
@@ -99,16 +104,34 @@ class SwarmServer:
         self.leases = LeaseTable()
         self.counters: collections.Counter[str] = collections.Counter()
         self.last_metrics: dict[str, float] = {}
-        self.last_error: str | None = None
+        self.instance_id = uuid.uuid4().hex  # a monitor sees a restart as a new id
+        self.started_at = time.time()
+        self.errors: collections.deque[ErrorEvent] = collections.deque(maxlen=20)
+        self._last_error: str | None = None
+        self._generated: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic, tokens) per call
+        self.record = TrainingRecord(data_dir) if not static else None
         self.checkpoints = CheckpointDir(data_dir / "checkpoints")
 
         self._db_thread = ThreadPoolExecutor(1, thread_name_prefix="ledger")
         self.ledger = Ledger(data_dir / "ledger.sqlite") if not static else None
+        if self.ledger and self.ledger.get_meta("model") != model:
+            self.ledger.set_meta("model", model)  # what `marl episode show` decodes tokens with
         saved = self.ledger.get_meta("train_config") if self.ledger else None
         self.config = TrainConfig.model_validate_json(saved) if saved else TrainConfig()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._boot_task: asyncio.Task | None = None
+
+    @property
+    def last_error(self) -> str | None:
+        return self._last_error
+
+    @last_error.setter
+    def last_error(self, message: str | None) -> None:
+        """Setting an error also keeps it, timestamped, in `errors` (what a monitor shows); None clears it."""
+        self._last_error = message
+        if message is not None:
+            self.errors.append(ErrorEvent(time=time.time(), message=message))
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
 
@@ -124,6 +147,8 @@ class SwarmServer:
             if task:
                 task.cancel()
         self._close_engine()
+        if self.record:
+            self.record.close()
         if self.ledger:
             await self._db(self.ledger.close)
         self._db_thread.shutdown(wait=True)
@@ -236,6 +261,25 @@ class SwarmServer:
             last_error=self.last_error,
             metrics={**{k: float(v) for k, v in self.counters.items()}, **self.last_metrics},
         )
+
+    async def monitor(self) -> MonitorSnapshot:
+        return MonitorSnapshot(
+            instance_id=self.instance_id,
+            started_at=self.started_at,
+            status=await self.status(),
+            pool=None if self.static else await self.pool_info(detailed=True),
+            recent_steps=list(self.record.recent) if self.record else [],
+            tokens_per_s=self.tokens_per_s(),
+            rate_window_s=RATE_WINDOW_S,
+            errors=list(self.errors),
+        )
+
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second over the last RATE_WINDOW_S (calls that finished in the window)."""
+        horizon = time.monotonic() - RATE_WINDOW_S
+        while self._generated and self._generated[0][0] < horizon:
+            self._generated.popleft()
+        return sum(n for _, n in self._generated) / RATE_WINDOW_S
 
     async def pool_info(self, *, detailed: bool = False) -> PoolInfo:
         groups = await self._db(self.ledger.pool_groups)
@@ -422,6 +466,7 @@ class SwarmServer:
         """Attach a finished call to its lease; False (and nothing recorded) if the lease died meanwhile."""
         self.counters["calls"] += 1
         self.counters["tokens_generated"] += len(record.completion_ids)
+        self._generated.append((time.monotonic(), len(record.completion_ids)))
         self.counters["tokens_prompt"] += len(record.prompt_ids)
         if lease is None:
             return True
@@ -493,8 +538,7 @@ class SwarmServer:
         self.counters["samples_dropped_stale"] += dropped
         self.counters["train_steps"] += 1
         self.last_metrics = {k: float(v) for k, v in metrics.items()}
-        with open(self.data_dir / "metrics.jsonl", "a") as f:  # the training record of this server, one line a step
-            f.write(json.dumps({"step": step, "time": time.time(), **self.last_metrics}) + "\n")
+        self.record.append(step, self.last_metrics)
         self.step = step
         self.state = EngineState.ROLLING
         log.info("step %d done: %s", step, json.dumps({k: round(v, 4) for k, v in self.last_metrics.items()}))

@@ -30,8 +30,8 @@ def tiny_model(tmp_path_factory) -> Path:
 class LocalServer:
     """A swarm server running in this process (uvicorn in a thread), for tests that look inside it."""
 
-    def __init__(self, model: Path, data_dir: Path, *, static: bool = False):
-        self.port = free_port()
+    def __init__(self, model: Path, data_dir: Path, *, static: bool = False, port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.swarm = SwarmServer(
             model=str(model), served_name="tiny", data_dir=data_dir,
@@ -61,8 +61,8 @@ class LocalServer:
 def local_server(tiny_model, tmp_path):
     """Factory: `with local_server() as srv:` starts a fresh server on its own data dir."""
 
-    def make(static: bool = False, data_dir: Path | None = None) -> LocalServer:
-        return LocalServer(tiny_model, data_dir or tmp_path / "server", static=static)
+    def make(static: bool = False, data_dir: Path | None = None, port: int | None = None) -> LocalServer:
+        return LocalServer(tiny_model, data_dir or tmp_path / "server", static=static, port=port)
 
     return make
 
