@@ -58,7 +58,10 @@ class InvalidAction(ValueError):
 
 def printable(text: str) -> str:
     """Map text onto printable ASCII: accents dropped, curly quotes and dashes straightened, anything else '?'."""
-    text = unicodedata.normalize("NFKD", str(text).translate(_REPLACEMENTS))
+    text = str(text)
+    if _ALLOWED.issuperset(text):  # already printable ASCII (the common case): unchanged
+        return text
+    text = unicodedata.normalize("NFKD", text.translate(_REPLACEMENTS))
     return "".join(c if c in _ALLOWED else "?" for c in text if not unicodedata.combining(c))
 
 
@@ -69,7 +72,7 @@ def _norm(text: str) -> str:
 _NUMBER = re.compile(r"^(?:(?:option|choice|number|no|item) )?#? ?(\d+)(?: (.*))?$")
 
 
-def match_choice(text: str, choices: Sequence[str]) -> int | None:
+def match_choice(text: str, choices: Sequence[str], *, numbers: bool = True) -> int | None:
     """The index of the option `text` picks from `choices`, or None if it picks none (or more than one).
 
     Accepted, in this order (case, spacing and punctuation ignored):
@@ -79,6 +82,7 @@ def match_choice(text: str, choices: Sequence[str]) -> int | None:
     3. a reply that contains exactly one option's text as whole words ("I pick the blue car"); an option contained
        in another matched option does not count, so "top center" picks "top center", not "center".
     Options that are themselves numbers ("3", "5") match by text (rule 1) before numbering (rule 2).
+    With `numbers=False` rule 2 is skipped: a number is not an option's index (for options listed unnumbered).
     """
     names = [_norm(c) for c in choices]
     reply = _norm(text)
@@ -86,7 +90,7 @@ def match_choice(text: str, choices: Sequence[str]) -> int | None:
         return None
     if reply in names:
         return names.index(reply)
-    number = _NUMBER.match(reply)
+    number = _NUMBER.match(reply) if numbers else None
     if number:
         index, rest = int(number.group(1)) - 1, (number.group(2) or "").strip()
         named = _contained(rest, names) if rest else []
@@ -129,8 +133,12 @@ class TextAECEnv(AECEnv):
     max_invalid_retries: int = 2
     #: Moves after which every agent still playing is truncated (None: the game must end by itself).
     max_steps: int | None = None
-    #: Line printed under a numbered list of legal actions.
+    #: Line printed under the list of legal actions.
     choice_prompt: str = "Reply with the number of your choice."
+    #: List the legal actions numbered ("1. label": a bare number picks that option) or, when False, as "- label"
+    #: lines; then a number means nothing to the default `_parse`, and an env's own `_parse` may give it a meaning
+    #: (Werewolves: a seat number). Set `choice_prompt` to match.
+    number_options: bool = True
     max_observation_chars: int = 65536
     max_action_chars: int = 4096
 
@@ -165,13 +173,13 @@ class TextAECEnv(AECEnv):
     def _parse(self, agent: str, text: str) -> Any:
         """Turn a reply into an action, or None if invalid (raise `InvalidAction(reason)` to say why).
 
-        Default: with legal actions, the one `match_choice` picks (the option's string); free text: the stripped,
-        printable text, invalid when empty.
+        Default: with legal actions, the one `match_choice` picks (the option's string; by number only if
+        `number_options`); free text: the stripped, printable text, invalid when empty.
         """
         legal = self._legal_actions(agent)
         if legal is None:
             return printable(text).strip() or None
-        index = match_choice(text, legal)
+        index = match_choice(text, legal, numbers=self.number_options)
         return None if index is None else legal[index]
 
     def _apply(self, agent: str, action: Any) -> None:
@@ -272,7 +280,8 @@ class TextAECEnv(AECEnv):
         if alive and agent == self.agent_selection:
             legal = self._legal_actions(agent)
             if legal is not None:
-                options = "\n".join(f"{i}. {label}" for i, label in enumerate(legal, 1))
+                options = "\n".join(f"{i}. {label}" if self.number_options else f"- {label}"
+                                     for i, label in enumerate(legal, 1))
                 text = f"{text.rstrip()}\n{options}\n{self.choice_prompt}".rstrip()
             if agent in self._feedback:
                 text = f"{text}\n{self._feedback[agent]}"
@@ -332,7 +341,9 @@ class TextAECEnv(AECEnv):
         legal = self._legal_actions(agent)
         if legal is None:
             return "say something"
-        return f"reply with one number from 1 to {len(legal)}" if legal else "there is nothing to choose"
+        if not legal:
+            return "there is nothing to choose"
+        return f"reply with one number from 1 to {len(legal)}" if self.number_options else "reply with one option"
 
     def render(self) -> str | None:
         if self.render_mode is None or not self.agents:
