@@ -8,6 +8,10 @@ One `LLMAgent` plays one agent for one game: every `act` sends the whole convers
 observation as a user turn and each reply, verbatim, as an assistant turn). Each call's prompt therefore extends the
 previous call's prompt + completion, and the swarm server merges the calls of one game into one training sample.
 `reset()` starts a new conversation (a new game).
+
+A conversation that outgrows the model's context (the server answers 400 `context_length_exceeded`) is cut from the
+front: the oldest exchanges go, the system prompt and the newest observation stay, and the call is retried. The
+server then starts a new training sample for this agent (merging needs an unchanged prefix); the game goes on.
 """
 
 from __future__ import annotations
@@ -37,18 +41,34 @@ class LLMAgent:
         tagged: dict[str, Any] = {}
         if self.agent_tag is not None:
             tagged = {"user": self.agent_tag, "extra_headers": {AGENT_HEADER: self.agent_tag}}
-        try:
-            response = self.client.chat.completions.create(
-                model=self.model, messages=list(self.messages), max_tokens=self.max_tokens,
-                temperature=self.temperature, **tagged)
-        except Exception:
-            self.messages.pop()  # a failed call leaves the conversation as it was
-            raise
+        while True:
+            try:
+                response = self.client.chat.completions.create(
+                    model=self.model, messages=list(self.messages), max_tokens=self.max_tokens,
+                    temperature=self.temperature, **tagged)
+                break
+            except Exception as exc:
+                if _context_exceeded(exc) and len(self.messages) > 2:
+                    self._forget_oldest_exchange()
+                    continue
+                self.messages.pop()  # a failed call leaves the conversation as it was
+                raise
         reply = response.choices[0].message.content or ""
         self.messages.append({"role": "assistant", "content": reply})  # verbatim: the server splices on it
         return reply
 
     __call__ = act
+
+    def _forget_oldest_exchange(self) -> None:
+        """Drop the oldest user turn and the replies after it (keep the system prompt and the newest turn)."""
+        del self.messages[1]
+        while len(self.messages) > 2 and self.messages[1]["role"] != "user":
+            del self.messages[1]
+
+
+def _context_exceeded(exc: Exception) -> bool:
+    return getattr(exc, "code", None) == "context_length_exceeded" or (
+        getattr(exc, "status_code", None) == 400 and "context" in str(exc) and "limit" in str(exc))
 
 
 class ScriptedAgent:

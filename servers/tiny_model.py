@@ -43,7 +43,7 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 42 100. What is 2 + 3? It is 5. Red green 
 """
 
 
-def build_tokenizer(vocab_size: int = 512):
+def build_tokenizer(vocab_size: int = 512, model_max_length: int = 2048):
     """A byte-level BPE tokenizer with ChatML special tokens, as a `PreTrainedTokenizerFast`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -65,7 +65,7 @@ def build_tokenizer(vocab_size: int = 512):
         pad_token="<|endoftext|>",
         unk_token=None,
         chat_template=CHAT_TEMPLATE,
-        model_max_length=2048,
+        model_max_length=model_max_length,
     )
 
 
@@ -85,7 +85,7 @@ def build_tiny_model(
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     directory = Path(directory)
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = build_tokenizer(vocab_size, model_max_length=max_position_embeddings)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

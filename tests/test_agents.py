@@ -68,6 +68,22 @@ def test_untagged_agent_sends_no_tag_and_failed_call_keeps_conversation(static_c
     assert wrong.messages == [{"role": "system", "content": "s"}]
 
 
+def test_a_conversation_over_the_context_is_cut_from_the_front(static_client):
+    """The tiny model's context is 2048 tokens; 3 observations of ~800 tokens do not fit together, 2 do."""
+    calls = spy_on(static_client)
+    agent = LLMAgent(static_client, "tiny", system_prompt="Rules.", max_tokens=4)
+    for i in range(3):
+        agent.act(f"Turn {i}: " + "news " * 200)
+    assert agent.messages[0] == {"role": "system", "content": "Rules."}
+    assert [m["content"][:7] for m in agent.messages if m["role"] == "user"] == ["Turn 1:", "Turn 2:"]
+    assert [m["role"] for m in agent.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert [len(c["messages"]) for c in calls] == [2, 4, 6, 4]  # the refused call, retried without turn 0
+    alone = LLMAgent(static_client, "tiny", system_prompt="Rules.", max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="context"):  # a single observation too long: nothing to cut
+        alone.act("news " * 1000)
+    assert alone.messages == [{"role": "system", "content": "Rules."}]
+
+
 def test_llm_agents_play_a_full_signalling_game(static_client):
     env = SignallingGame()
     agents = {a: LLMAgent(static_client, "tiny", system_prompt=env.system_prompt(a), max_tokens=12, agent_tag=a)
