@@ -55,6 +55,8 @@ def _run(args: argparse.Namespace) -> None:
         sys.exit(2)
     if summary.interrupted:
         sys.exit(130)
+    if summary.error:
+        sys.exit(1)
 
 
 def _overwatch(args: argparse.Namespace) -> None:

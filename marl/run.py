@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import threading
 import time
 from collections import defaultdict
@@ -44,6 +45,8 @@ from marl.topology import ServerKind, Topology
 
 log = logging.getLogger("marl.run")
 
+MAX_RESTARTS = 3  # deaths of one local server that `marl run` repairs before it gives up
+
 
 @dataclass
 class RunSummary:
@@ -53,6 +56,7 @@ class RunSummary:
     seconds: float
     policy_versions: dict[str, int]
     interrupted: bool = False
+    error: str | None = None  # why the run gave up (a local server that keeps dying)
 
 
 class _Board:
@@ -65,6 +69,7 @@ class _Board:
         self.failed = 0
         self.rewards: dict[str, list[float]] = defaultdict(list)  # role -> recent rewards
         self.last_error = ""
+        self.fatal: str | None = None  # set when the run must stop (a local server that keeps dying)
 
     def recent_rewards(self, games: int = 50) -> dict[str, float]:
         """Mean reward per role over the last `games` games (call with the lock held)."""
@@ -107,6 +112,7 @@ def run(path: str, overrides: list[str] | None = None, *, console: Console | Non
     coordinator: Coordinator | None = None
     interrupted = False
     board = _Board(topology.trainable_servers())
+    previous_sigterm = _sigterm_as_ctrl_c()
     try:
         endpoints = _start_servers(topology, run_dir, token, processes, console)
         env_class = topology.env_class()
@@ -117,10 +123,11 @@ def run(path: str, overrides: list[str] | None = None, *, console: Console | Non
             settings=GameSettings(lease_timeout_s=spec.run.lease_timeout_s, max_tokens=spec.run.max_tokens,
                                   temperature=spec.run.temperature),
         )
-        interrupted = _play(topology, coordinator, endpoints, board, run_dir, console, started)
+        interrupted = _play(topology, coordinator, endpoints, board, run_dir, console, started, processes)
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        _restore_sigterm(previous_sigterm)
         if coordinator is not None:
             aborted = coordinator.abort_all()
             if aborted:
@@ -132,10 +139,46 @@ def run(path: str, overrides: list[str] | None = None, *, console: Console | Non
             console.print(f"stopped {len(processes)} local servers")
     plot_run(run_dir)
     summary = RunSummary(run_dir=run_dir, games=board.games, failed=board.failed,
-                         seconds=time.monotonic() - started, policy_versions=board.versions(), interrupted=interrupted)
+                         seconds=time.monotonic() - started, policy_versions=board.versions(), interrupted=interrupted,
+                         error=board.fatal)
+    if summary.error:
+        console.print(f"[red]gave up:[/] {summary.error}")
     console.print(f"{'interrupted' if interrupted else 'done'}: {summary.games} games ({summary.failed} failed) in"
                   f" {summary.seconds:.0f}s; policy versions {summary.policy_versions}; see {run_dir}")
     return summary
+
+
+def _sigterm_as_ctrl_c():
+    """A scheduler's SIGTERM (Slurm, Kubernetes, `kill`) cleans up like Ctrl-C: abort leases, stop servers."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
+
+
+def _restore_sigterm(previous) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _supervise(processes: dict[str, ServerProcess], board: _Board, console: Console) -> None:
+    """Restart a local server that died (it resumes from its ledger and checkpoints; the coordinator then syncs its
+    config and starts its engine again). After MAX_RESTARTS deaths of one server the run gives up."""
+    for name, proc in processes.items():
+        if proc.exit_code() is None or board.fatal:
+            continue
+        what = proc.describe_exit()
+        if proc.restarts >= MAX_RESTARTS:
+            board.fatal = f"local server {name} {what}, {proc.restarts + 1} times; see {proc.log_path}"
+            continue
+        proc.restarts += 1
+        console.log(f"[red]local server {name} {what}[/]; restarting it ({proc.restarts}/{MAX_RESTARTS}),"
+                    f" log: {proc.log_path}")
+        log.warning("local server %s %s; restarting it (%d/%d)", name, what, proc.restarts, MAX_RESTARTS)
+        proc.start()
 
 
 def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dict[str, ServerProcess],
@@ -194,7 +237,7 @@ def _write_servers_file(run_dir: Path, processes: dict[str, ServerProcess], toke
 
 
 def _play(topology: Topology, coordinator: Coordinator, endpoints: dict[str, Endpoint], board: _Board,
-          run_dir: Path, console: Console, started: float) -> bool:
+          run_dir: Path, console: Console, started: float, processes: dict[str, ServerProcess]) -> bool:
     spec = topology.spec
     games_file = open(run_dir / "games.jsonl", "a")
     stop_polling = threading.Event()
@@ -213,9 +256,12 @@ def _play(topology: Topology, coordinator: Coordinator, endpoints: dict[str, End
                 if status.get("policy_version", 0) > before:  # one line per training step: progress in logs too
                     console.log(f"{name}: step {status['policy_version']} done; {board.games} games;"
                                 f" recent reward {json.dumps({r: round(v, 3) for r, v in rewards.items()})}")
+            _supervise(processes, board, console)
             stop_polling.wait(1.0)
 
     def should_stop() -> bool:
+        if board.fatal:
+            return True
         if spec.run.games is not None and board.games >= spec.run.games:
             return True
         if spec.run.max_steps is not None:

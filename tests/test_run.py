@@ -8,8 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 from PIL import Image
 
@@ -54,7 +56,8 @@ def test_marl_run_plays_trains_and_writes_the_run_directory(tiny_model, tmp_path
     assert "stopped 2 local servers" in result.stdout
 
 
-def test_ctrl_c_aborts_open_leases_and_stops_the_servers(tiny_model, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_aborts_open_leases_and_stops_the_servers(tiny_model, tmp_path, signum):
     path = write_topology(tmp_path, tiny_model)
     proc = subprocess.Popen([sys.executable, "-m", "marl.cli", "run", path, "run.max_steps=1000"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -65,7 +68,7 @@ def test_ctrl_c_aborts_open_leases_and_stops_the_servers(tiny_model, tmp_path):
             proc.kill()
             raise AssertionError("no games were played:\n" + proc.communicate()[0])
         time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, output
     assert "stopped 2 local servers" in output
@@ -77,3 +80,39 @@ def test_ctrl_c_aborts_open_leases_and_stops_the_servers(tiny_model, tmp_path):
             raise AssertionError(f"server on port {port} still answers")
         except httpx.TransportError:
             pass
+
+
+def pid_listening_on(port: int) -> int:
+    """The `marl serve` process started with --port `port` (Linux /proc)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in args and b"--port" in args and args[args.index(b"--port") + 1] == str(port).encode():
+            return int(cmdline.parent.name)
+    raise AssertionError(f"no marl serve process on port {port}")
+
+
+def test_a_local_server_that_dies_is_restarted_and_the_run_completes(tiny_model, tmp_path):
+    path = write_topology(tmp_path, tiny_model)
+    proc = subprocess.Popen([sys.executable, "-m", "marl.cli", "run", path, "run.max_steps=3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "COLUMNS": "200"})
+    run_dir = tmp_path / "run"
+    deadline = time.monotonic() + 180
+    while not ((run_dir / "games.jsonl").exists() and (run_dir / "games.jsonl").read_text().count("\n") >= 2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("no games were played:\n" + proc.communicate()[0])
+        time.sleep(0.5)
+    servers = json.loads((run_dir / "servers.json").read_text())
+    assert (run_dir / "servers.json").stat().st_mode & 0o777 == 0o600  # it holds the admin token
+    port = int(servers["listener_model"]["url"].rsplit(":", 1)[1])
+    os.kill(pid_listening_on(port), signal.SIGKILL)  # as the out-of-memory killer would
+    output, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, output
+    assert "local server listener_model killed by SIGKILL" in output and "restarting it (1/3)" in output
+    steps = [json.loads(line)["step"] for line in
+             (run_dir / "servers" / "listener_model" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] >= 3  # it came back and trained on
