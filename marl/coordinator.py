@@ -3,8 +3,10 @@
 For each game it
 1. waits until every trainable server in the game is ROLLING, then leases on all of them at once; if any lease
    fails, it aborts the others and waits again (it never holds a lease on one server while waiting for another);
-2. gives each agent its own model: a trainable role gets the credentials of its server's lease (tagged with the
-   role), a static role its fixed endpoint, a scripted role the env's scripted policy;
+2. gives each agent its own player: it describes the agent's `Seat` (a trainable role gets the credentials of its
+   server's lease, tagged with the role; a static role its fixed endpoint; a scripted role the env) and asks the
+   `player_factory` for an object with `act(observation) -> reply` (default: `default_player`, an OpenAI-SDK
+   `LLMAgent` or the env's scripted policy; `marl.agentscope_agents` gives AgentScope agents);
 3. plays the PettingZoo AEC game;
 4. commits: checks every lease is still alive, then ends each server's episode with the rewards of the roles that
    server plays. Any exception before the commit aborts every lease of the game.
@@ -23,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -61,6 +63,43 @@ class Endpoint:
         return self.client is not None
 
 
+@dataclass(frozen=True)
+class Seat:
+    """One env agent's seat at one game: what a `player_factory` gets to build the player of that agent."""
+
+    agent: str  # the env agent, e.g. "player_3"
+    role: str  # the role it plays this game; its calls carry it as their agent tag (see `agent_tag`)
+    server: str | None  # the topology server playing the role; None: scripted by the env
+    system_prompt: str = ""
+    base_url: str | None = None  # OpenAI-compatible: the lease's endpoint (trainable) or the static server's
+    api_key: str = "none"
+    model: str | None = None
+    trainable: bool = False  # True: base_url/api_key belong to this game's lease, valid only while it lives
+    max_tokens: int = 64
+    temperature: float = 1.0
+    env: Any = field(default=None, repr=False, compare=False)  # the game's env, for scripted play
+
+    @property
+    def agent_tag(self) -> str:
+        """What the server records the seat's calls under (the `X-Marl-Agent` header): the role."""
+        return self.role
+
+
+def default_player(seat: Seat, client: openai.OpenAI | None = None) -> LLMAgent | ScriptedAgent:
+    """The env's scripted policy for a scripted seat, else an `LLMAgent` on the seat's endpoint.
+
+    `client` is an OpenAI client to reuse (the coordinator shares one per static server); default: a new one for the
+    seat's endpoint, without retries on a lease (a retried call could be recorded twice).
+    """
+    if seat.server is None:
+        return ScriptedAgent(seat.env, seat.agent)
+    if client is None:
+        client = openai.OpenAI(base_url=seat.base_url, api_key=seat.api_key, max_retries=0 if seat.trainable else 2,
+                               timeout=600, default_headers={AGENT_HEADER: seat.agent_tag})
+    return LLMAgent(client, seat.model, system_prompt=seat.system_prompt, max_tokens=seat.max_tokens,
+                    temperature=seat.temperature, agent_tag=seat.agent_tag)
+
+
 @dataclass
 class GameResult:
     task_id: str
@@ -96,12 +135,18 @@ class Coordinator:
         role_servers: dict[str, str | None],
         endpoints: dict[str, Endpoint],
         settings: GameSettings | None = None,
+        player_factory: Callable[[Seat], Any] | None = None,
     ):
-        """`role_servers` maps each role to the server that plays it (None: scripted by the env)."""
+        """`role_servers` maps each role to the server that plays it (None: scripted by the env).
+
+        `player_factory(seat)` builds the player of each agent at each game: an object with `act(observation: str)
+        -> str` (and optionally `close()`, called when the game ends). Default: `default_player`.
+        """
         self.env_factory = env_factory
         self.role_servers = role_servers
         self.endpoints = endpoints
         self.settings = settings or GameSettings()
+        self.player_factory = player_factory or self._default_player
         self.trainable = sorted({s for s in role_servers.values() if s and endpoints[s].trainable})
         self._limits = {
             name: threading.BoundedSemaphore(ep.max_concurrency) for name, ep in endpoints.items() if ep.max_concurrency
@@ -139,15 +184,20 @@ class Coordinator:
         start = time.monotonic()
         env = self.env_factory()
         env.reset(seed=seed)
-        players = {agent: self._player(env, agent, leases) for agent in env.possible_agents}
+        players: dict[str, Any] = {}
         turns = 0
-        for agent in env.agent_iter():
-            observation, _, terminated, truncated, _ = env.last()
-            if terminated or truncated:
-                env.step(None)
-                continue
-            env.step(players[agent].act(str(observation)))
-            turns += 1
+        try:
+            for agent in env.possible_agents:
+                players[agent] = self.player_factory(self._seat(env, agent, leases))
+            for agent in env.agent_iter():
+                observation, _, terminated, truncated, _ = env.last()
+                if terminated or truncated:
+                    env.step(None)
+                    continue
+                env.step(players[agent].act(str(observation)))
+                turns += 1
+        finally:
+            _close(players.values())
         agent_rewards = {agent: float(r) for agent, r in env.outcome().items()}
         role_rewards = {role: float(r) for role, r in env.outcome_by_role().items()}
         invalid = dict(env.invalid_actions_by_role)
@@ -164,23 +214,24 @@ class Coordinator:
             turns=turns,
         )
 
-    def _player(self, env: Any, agent: str, leases: dict[str, _Lease]) -> Any:
+    def _seat(self, env: Any, agent: str, leases: dict[str, _Lease]) -> Seat:
         role = env.role_of(agent)
         if role not in self.role_servers:
             raise GameFailed(f"the env dealt role '{role}' to {agent}, but the topology has no role '{role}'")
         server = self.role_servers[role]
+        seat = Seat(agent, role, server, system_prompt=env.system_prompt(agent), max_tokens=self.settings.max_tokens,
+                    temperature=self.settings.temperature, env=env)
         if server is None:
-            return ScriptedAgent(env, agent)
+            return seat
         endpoint = self.endpoints[server]
         if endpoint.trainable:
             lease = leases[server].lease
-            client = openai.OpenAI(base_url=lease.base_url, api_key=lease.api_key, max_retries=0, timeout=600,
-                                   default_headers={AGENT_HEADER: role})
-            model = lease.model
-        else:
-            client, model = self._static_clients[server], endpoint.model
-        return LLMAgent(client, model, system_prompt=env.system_prompt(agent), max_tokens=self.settings.max_tokens,
-                        temperature=self.settings.temperature, agent_tag=role)
+            return replace(seat, base_url=lease.base_url, api_key=lease.api_key, model=lease.model, trainable=True)
+        return replace(seat, base_url=endpoint.base_url, api_key=endpoint.api_key, model=endpoint.model)
+
+    def _default_player(self, seat: Seat) -> LLMAgent | ScriptedAgent:
+        shared = None if seat.server is None or seat.trainable else self._static_clients[seat.server]
+        return default_player(seat, shared)
 
     # --- leasing: all or nothing, never holding one while waiting for another -------------------------------------
 
@@ -296,7 +347,7 @@ class Coordinator:
             else:
                 self._forget(leases[name])
         if failed:
-            raise GameFailed(f"game {task_id}: end failed on {', '.join(failed)}: {list(failed.values())[0]}")
+            raise GameFailed(f"game {task_id}: end failed on {', '.join(failed)}: {next(iter(failed.values()))}")
 
     def _output(self, server: str, result: GameResult) -> EpisodeOutput:
         rewards = {role: r for role, r in result.role_rewards.items() if self.role_servers.get(role) == server}
@@ -334,6 +385,16 @@ class Coordinator:
 
     def close(self) -> None:
         self._io.shutdown(wait=False, cancel_futures=True)
+
+
+def _close(players: Iterable[Any]) -> None:
+    for player in players:
+        close = getattr(player, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - a player that cannot clean up must not fail the game
+                log.warning("could not close player %r: %s", player, exc)
 
 
 def _says_wait(exc: Exception) -> bool:

@@ -1,0 +1,123 @@
+"""AgentScope agents play Werewolves through the coordinator, on a running trainable swarm server.
+
+    pip install -e ".[agentscope]"
+    marl serve --model smollm2-135m --port 8000 --admin-token "$MARL_ADMIN_TOKEN" &
+    python examples/agentscope_werewolves.py --server http://127.0.0.1:8000 --roles werewolf,seer --games 4
+
+The roles in --roles are played by AgentScope agents on the server (each game is one leased episode there; the calls
+are recorded under their role and get that role's reward). Every other role is scripted by the env, or played by
+AgentScope agents on the --fallback-url model (any OpenAI-compatible endpoint; not trained) if one is given.
+Env arguments: --env-arg max_rounds=3. Another game: --env envs.signalling:SignallingGame --roles speaker,listener.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from itertools import islice
+
+import yaml
+
+from marl import SwarmClient, SwarmError
+from marl.agentscope_agents import Fallback, agentscope_players
+from marl.coordinator import Coordinator, Endpoint, GameFailed, GameSettings, tasks
+from marl.topology import import_class
+
+SERVER = "server"  # the swarm server's name in the coordinator
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server", required=True, help="URL of a running trainable `marl serve` swarm server")
+    parser.add_argument("--admin-token", default=os.environ.get("MARL_ADMIN_TOKEN"),
+                        help="the server's admin token (default: $MARL_ADMIN_TOKEN)")
+    parser.add_argument("--roles", default="werewolf,seer", help="roles played by AgentScope agents on the server")
+    parser.add_argument("--games", type=int, default=2)
+    parser.add_argument("--env", default="envs.werewolves:Werewolves", help="the env class, module:Class")
+    parser.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="an argument of the env class, e.g. max_rounds=3 (repeatable; VALUE is read as YAML)")
+    parser.add_argument("--repeats", type=int, default=2, help="games per task (the server's GRPO group size)")
+    parser.add_argument("--batch-size", type=int, default=4, help="GRPO groups per training step on the server")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fallback-url", help="an OpenAI-compatible base URL for the other roles (default: scripted)")
+    parser.add_argument("--fallback-model", default="default", help="the model name at --fallback-url")
+    parser.add_argument("--fallback-api-key", default=os.environ.get("MARL_FALLBACK_API_KEY", "none"),
+                        help="the API key at --fallback-url (default: $MARL_FALLBACK_API_KEY)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.admin_token:
+        print("error: give the server's admin token (--admin-token or $MARL_ADMIN_TOKEN)", file=sys.stderr)
+        return 2
+    env_class = import_class(args.env)
+    env_args = {key: yaml.safe_load(value) for key, _, value in (arg.partition("=") for arg in args.env_arg)}
+    games = list(islice(tasks("agentscope", args.repeats, args.seed), args.games))  # (task id, seed) pairs
+
+    # Which roles the env deals in these games: ours go to the server, the rest are scripted (or the fallback's).
+    env = env_class(**env_args)
+    dealt = set()
+    for _, seed in games:
+        env.reset(seed=seed)
+        dealt |= {env.role_of(agent) for agent in env.possible_agents}
+    env.close()
+    ours = [role.strip() for role in args.roles.split(",") if role.strip()]
+    unknown = [role for role in ours if role not in dealt]
+    if unknown:
+        print(f"error: {args.env} deals no role {unknown} in these games; its roles: {sorted(dealt)}", file=sys.stderr)
+        return 2
+    role_servers = {role: SERVER if role in ours else None for role in sorted(dealt)}
+
+    # The server trains this config (synced, and its engine started, if it is not running yet).
+    config = {"job": "agentscope", "batch_size": args.batch_size, "num_repeat": args.repeats}
+    client = SwarmClient(args.server, admin_token=args.admin_token)
+    try:
+        client.auto_sync_train_config_and_start_engine(config)
+    except SwarmError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    last_env = []  # the env of the game just played, for its winner (Werewolves sets `env.winner`)
+
+    def new_env():
+        last_env[:] = [env_class(**env_args)]
+        return last_env[0]
+
+    fallback = Fallback(args.fallback_url, args.fallback_model, args.fallback_api_key) if args.fallback_url else None
+    coordinator = Coordinator(
+        env_factory=new_env,
+        role_servers=role_servers,
+        endpoints={SERVER: Endpoint(SERVER, client=client, train_config=config)},
+        settings=GameSettings(max_tokens=args.max_tokens, temperature=args.temperature),
+        player_factory=agentscope_players(fallback),
+    )
+    others = "the fallback model" if fallback else "scripted"
+    print(f"{args.env}: {', '.join(ours)} played by AgentScope agents on {args.server}; other roles {others}")
+    failed = 0
+    try:
+        for task_id, seed in games:
+            try:
+                result = coordinator.play_game(task_id, seed)
+            except GameFailed as exc:
+                print(f"{task_id} (seed {seed}) failed: {exc}")
+                failed += 1
+                continue
+            winner = getattr(last_env[0], "winner", None)
+            rewards = sorted(result.role_rewards.items(), key=lambda item: -item[1])
+            print(f"{task_id} (seed {seed}): " + (f"winner {winner}, " if winner else "")
+                  + f"{result.turns} turns, {result.seconds:.1f}s, rewards "
+                  + ", ".join(f"{role} {reward:+.2f}" for role, reward in rewards)
+                  + f"; episode {result.episodes[SERVER]} at policy version {result.policy_versions[SERVER]}")
+    finally:
+        coordinator.abort_all()  # leases of a game interrupted by Ctrl-C
+        coordinator.close()
+        client.close()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
