@@ -80,3 +80,18 @@ def merge_calls(
         )
         for b in building
     ]
+
+
+def unmerged_tokens(sample: Sample) -> int:
+    """Tokens the trainer would process for `sample`'s calls had each call been its own sample (no merging).
+
+    Call k of a merged sample saw as its prompt every token before its completion, so on its own it would be
+    (end of the k-th generated span) tokens long; the sum over the spans is the unmerged cost. Exact when every call
+    generated at least one token (a call with an empty completion leaves no span and is not counted).
+    """
+    total, inside = 0, False
+    for i, m in enumerate(sample.loss_mask):
+        if inside and not m:
+            total += i
+        inside = bool(m)
+    return total + (len(sample.loss_mask) if inside else 0)

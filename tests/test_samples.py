@@ -1,6 +1,6 @@
 """Timeline merging on hand-made calls: which calls become one sample, and the exact tokens, masks and logprobs."""
 
-from servers.samples import CallRecord, merge_calls
+from servers.samples import CallRecord, merge_calls, unmerged_tokens
 
 
 def call(agent, prompt, completion, version=0):
@@ -57,3 +57,14 @@ def test_unrelated_calls_stay_separate():
     samples = merge_calls("ep", [call("a", [1], [2]), call("a", [5], [6]), call("a", [1, 2, 3], [4])], reward=0)
     assert [s.token_ids for s in samples] == [[1, 2, 3, 4], [5, 6]]
     assert samples[0].loss_mask == [0, 1, 0, 1]
+
+
+def test_unmerged_tokens_counts_every_call_as_its_own_sample():
+    calls, prompt = [], [1, 2, 3]
+    for turn in range(4):  # each call re-sends the conversation so far plus a new observation
+        completion = [10 + turn] * (turn + 1)
+        calls.append(call("a", prompt, completion))
+        prompt = prompt + completion + [7, 7]
+    (sample,) = merge_calls("e", calls, reward=1.0)
+    assert unmerged_tokens(sample) == sum(len(c.prompt_ids) + len(c.completion_ids) for c in calls)
+    assert len(sample.token_ids) < unmerged_tokens(sample)
