@@ -232,6 +232,11 @@ class TextAECEnv(AECEnv):
         return self._by_role(self.invalid_actions)
 
     @property
+    def replies_by_role(self) -> dict[str, int]:
+        """Replies per role (valid or not): the valid-reply rate of a role is 1 - invalid / replies."""
+        return self._by_role(self.replies)
+
+    @property
     def fallbacks_by_role(self) -> dict[str, int]:
         return self._by_role(self.fallbacks)
 
@@ -265,6 +270,7 @@ class TextAECEnv(AECEnv):
         self.infos = {a: {} for a in self.agents}
         self._returns = {a: 0.0 for a in self.agents}
         self.invalid_actions = {a: 0 for a in self.agents}
+        self.replies = {a: 0 for a in self.agents}  # every reply of a live agent, valid or not
         self.fallbacks = {a: 0 for a in self.agents}
         self._invalid_streak = {a: 0 for a in self.agents}
         self._feedback = {}
@@ -297,6 +303,7 @@ class TextAECEnv(AECEnv):
             return
         self._cumulative_rewards[agent] = 0.0
         self._clear_rewards()
+        self.replies[agent] += 1
         text = _as_text(action)[: self.max_action_chars]
         try:
             parsed, reason = self._parse(agent, text), None

@@ -111,6 +111,7 @@ class GameResult:
     invalid_actions: dict[str, int]  # per role
     seconds: float
     turns: int
+    replies: dict[str, int] = field(default_factory=dict)  # per role, valid or not (env.replies_by_role)
 
 
 @dataclass
@@ -200,7 +201,7 @@ class Coordinator:
             _close(players.values())
         agent_rewards = {agent: float(r) for agent, r in env.outcome().items()}
         role_rewards = {role: float(r) for role, r in env.outcome_by_role().items()}
-        invalid = dict(env.invalid_actions_by_role)
+        invalid, replies = dict(env.invalid_actions_by_role), dict(getattr(env, "replies_by_role", {}))
         env.close()
         return GameResult(
             task_id=task_id,
@@ -210,6 +211,7 @@ class Coordinator:
             episodes={name: lease.episode_id for name, lease in leases.items()},
             policy_versions={name: lease.lease.policy_version for name, lease in leases.items()},
             invalid_actions=invalid,
+            replies=replies,
             seconds=time.monotonic() - start,
             turns=turns,
         )

@@ -15,7 +15,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["plot_reward_curves", "plot_run", "plot_training"]
+__all__ = ["plot_reward_curves", "plot_run", "plot_training", "summarize_games"]
 
 
 def plot_run(run_dir: Path) -> list[Path]:
@@ -108,4 +108,23 @@ def plot_training(data_dir: Path) -> Path | None:
     out = Path(data_dir) / "training.png"
     fig.savefig(out, dpi=100)
     plt.close(fig)
+    return out
+
+
+def summarize_games(run_dir: Path) -> dict[str, dict[str, float]]:
+    """Per role over games.jsonl: games, mean reward, valid-reply rate (1 - invalid / replies), and games/hour."""
+    games = _read_jsonl(Path(run_dir) / "games.jsonl")
+    out: dict[str, dict[str, float]] = {}
+    for role in sorted({r for g in games for r in g.get("role_rewards", {})}):
+        played = [g for g in games if role in g["role_rewards"]]
+        replies = sum(g.get("replies", {}).get(role, 0) for g in played)
+        invalid = sum(g.get("invalid_actions", {}).get(role, 0) for g in played)
+        out[role] = {
+            "games": len(played),
+            "mean_reward": sum(g["role_rewards"][role] for g in played) / len(played),
+            "valid_reply_rate": 1 - invalid / replies if replies else math.nan,
+        }
+    if len(games) > 1:
+        hours = (games[-1]["time"] - games[0]["time"]) / 3600
+        out["all"] = {"games": len(games), "games_per_hour": (len(games) - 1) / hours if hours > 0 else math.nan}
     return out

@@ -39,7 +39,7 @@ from marl.coordinator import (
     tasks,
 )
 from marl.launch import SERVERS_FILE, ServerProcess
-from marl.plot import plot_run
+from marl.plot import plot_run, summarize_games
 from marl.protocol import EngineState
 from marl.topology import ServerKind, Topology
 
@@ -138,6 +138,7 @@ def run(path: str, overrides: list[str] | None = None, *, console: Console | Non
         if processes:
             console.print(f"stopped {len(processes)} local servers")
     plot_run(run_dir)
+    _print_summary(run_dir, console)
     summary = RunSummary(run_dir=run_dir, games=board.games, failed=board.failed,
                          seconds=time.monotonic() - started, policy_versions=board.versions(), interrupted=interrupted,
                          error=board.fatal)
@@ -146,6 +147,23 @@ def run(path: str, overrides: list[str] | None = None, *, console: Console | Non
     console.print(f"{'interrupted' if interrupted else 'done'}: {summary.games} games ({summary.failed} failed) in"
                   f" {summary.seconds:.0f}s; policy versions {summary.policy_versions}; see {run_dir}")
     return summary
+
+
+def _print_summary(run_dir: Path, console: Console) -> None:
+    stats = summarize_games(run_dir)
+    if not stats:
+        return
+    table = Table(title=f"games in {run_dir / 'games.jsonl'}", title_justify="left")
+    for column in ("role", "games", "mean reward", "valid replies"):
+        table.add_column(column, justify="left" if column == "role" else "right")
+    for role, row in stats.items():
+        if role != "all":
+            rate = row["valid_reply_rate"]
+            table.add_row(role, str(int(row["games"])), f"{row['mean_reward']:.3f}",
+                          "-" if rate != rate else f"{100 * rate:.1f}%")
+    if "all" in stats:
+        table.caption = f"{stats['all']['games_per_hour']:.0f} games/hour"
+    console.print(table)
 
 
 def _sigterm_as_ctrl_c():

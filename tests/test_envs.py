@@ -273,6 +273,7 @@ def test_signalling_fallbacks():
     assert env.fallbacks["listener"] == 1 and env.choice == ""
     assert env.outcome() == {"speaker": 0.0, "listener": 0.0}  # the listener's fallback picks nothing: a loss
     assert env.invalid_actions_by_role == {"speaker": 3, "listener": 3}
+    assert env.replies_by_role == {"speaker": 3, "listener": 3}  # every reply, valid or not
 
 
 def test_signalling_prompts_and_bad_arguments():

@@ -54,6 +54,8 @@ def test_marl_run_plays_trains_and_writes_the_run_directory(tiny_model, tmp_path
     with Image.open(run_dir / "reward_curves.png") as image:
         assert image.size[0] > 500
     assert "stopped 2 local servers" in result.stdout
+    assert "valid replies" in result.stdout and "games/hour" in result.stdout  # the per-role summary
+    assert all(g["replies"]["listener"] - g["invalid_actions"]["listener"] in (0, 1) for g in games)  # 1 pick or a fallback
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
