@@ -261,3 +261,19 @@ def test_episode_viewer_shows_the_mask_boundaries_of_a_merged_sample(local_serve
     list_episodes(data_dir, console=listing)
     listed = listing.export_text()
     assert lease["episode_id"] in listed and "reward 0.25" in listed and "3 calls" in listed and "in pool" in listed
+
+
+def test_overwatch_once_prints_a_snapshot_and_bad_targets_exit_2(local_server):
+    import os
+    import subprocess
+    import sys
+
+    with local_server() as srv:
+        env = {**os.environ, "MARL_ADMIN_TOKEN": ADMIN, "COLUMNS": "160"}
+        out = subprocess.run([sys.executable, "-m", "marl.cli", "overwatch", srv.url, "--once"], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "OFFLINE" in out.stdout and "policy v0" in out.stdout and srv.url in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "marl.cli", "overwatch", "localhost:1"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "neither a URL" in bad.stderr
