@@ -126,3 +126,14 @@ def server_process(model: Path, data_dir: Path, *, static: bool = False) -> Iter
         yield proc, proc.url
     finally:
         proc.kill()
+
+
+def trainable(name: str, url: str, **config):
+    """A coordinator `Endpoint` for the trainable server at `url`, its config synced and its engine started."""
+    from marl import SwarmClient
+    from marl.coordinator import Endpoint
+
+    config = {"batch_size": 2, "num_repeat": 2, "save_freq": 0, **config}
+    client = SwarmClient(url, admin_token=ADMIN)
+    client.auto_sync_train_config_and_start_engine(config)
+    return Endpoint(name, client=client, train_config=config)

@@ -7,20 +7,13 @@ import threading
 import time
 from collections import Counter
 
-from conftest import ADMIN, LocalServer, admin_http, server_process, wait_state
+from conftest import ADMIN, LocalServer, admin_http, server_process, trainable, wait_state
 from envs.signalling import SignallingGame
 from marl import SwarmClient
 from marl.coordinator import Coordinator, Endpoint, GameFailed, GameSettings, play_games, tasks
 
 SETTINGS = GameSettings(max_tokens=6, lease_timeout_s=60)
 ROLES = {"speaker": "speaker_model", "listener": "listener_model"}
-
-
-def trainable(name: str, url: str, **config) -> Endpoint:
-    config = {"batch_size": 2, "num_repeat": 2, "save_freq": 0, **config}
-    client = SwarmClient(url, admin_token=ADMIN)
-    client.auto_sync_train_config_and_start_engine(config)
-    return Endpoint(name, client=client, train_config=config)
 
 
 def episodes(data_dir) -> list[tuple]:

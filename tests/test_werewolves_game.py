@@ -5,18 +5,10 @@ from __future__ import annotations
 
 import sqlite3
 
-from conftest import ADMIN, LocalServer
+from conftest import LocalServer, trainable
 from envs.werewolves import Werewolves
-from marl import SwarmClient
-from marl.coordinator import Coordinator, Endpoint, GameSettings
+from marl.coordinator import Coordinator, GameSettings
 from servers.tiny_model import build_tiny_model
-
-
-def trainable(name: str, url: str) -> Endpoint:
-    config = {"job": "werewolves", "batch_size": 4, "num_repeat": 2, "save_freq": 0}
-    client = SwarmClient(url, admin_token=ADMIN)
-    client.auto_sync_train_config_and_start_engine(config)
-    return Endpoint(name, client=client, train_config=config)
 
 
 def samples(data_dir) -> list[tuple]:
@@ -36,8 +28,8 @@ def test_llm_werewolves_and_seer_train_on_their_own_servers(tmp_path):
             env_factory=lambda: Werewolves(max_rounds=2),
             role_servers={"werewolf": "wolves_model", "seer": "seer_model", "villager": None, "witch": None,
                           "hunter": None},
-            endpoints={"wolves_model": trainable("wolves_model", wolves.url),
-                       "seer_model": trainable("seer_model", seer.url)},
+            endpoints={"wolves_model": trainable("wolves_model", wolves.url, job="werewolves", batch_size=4),
+                       "seer_model": trainable("seer_model", seer.url, job="werewolves", batch_size=4)},
             settings=GameSettings(max_tokens=8, lease_timeout_s=60))
         try:
             result = coordinator.play_game("ww-0", seed=3)
