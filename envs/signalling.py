@@ -1,7 +1,7 @@
 """`SignallingGame`: the first learnable game. A speaker names a target; a listener picks it out.
 
     speaker   sees the items and the target; says a short free-text message (at most 20 words are kept)
-    listener  sees the same items (unnumbered, in its own shuffled order) and the message; replies with a name
+    listener  sees the same items in its own shuffled order and the message; replies with a number (or a name)
     reward    1.0 to both if the listener picked the target, else 0.0
 
 With `observers=N`, agents observer_0 ... observer_{N-1} (role "observer") are extra listeners: each sees the
@@ -37,10 +37,7 @@ MAX_WORDS = 20
 class SignallingGame(TextAECEnv):
     metadata = {"name": "signalling_v0", "render_modes": ["human", "ansi"], "is_parallelizable": False}
     possible_agents = ["speaker", "listener"]
-    # Options are listed by name only: a small model copies the item the message names far more readily than it
-    # maps that name onto a number (numbered, SmolLM2 settled on "2." whatever the message said).
-    number_options = False
-    choice_prompt = "Reply with the name of your choice."
+    choice_prompt = "Reply with the number or the name of your choice."
 
     def __init__(self, num_items: int = 3, items: tuple[str, ...] = ITEMS, observers: int = 0,
                  naming_bonus: float = 0.0, render_mode: str | None = None):
@@ -146,5 +143,5 @@ class SignallingGame(TextAECEnv):
     def scripted_action(self, agent: str) -> str:
         if agent == "speaker":
             return self.target
-        index = match_choice(self.message or "", self.orders[agent], numbers=False)
-        return self.orders[agent][0 if index is None else index]
+        index = match_choice(self.message or "", self.orders[agent])
+        return str(1 if index is None else index + 1)
