@@ -39,6 +39,7 @@ log = logging.getLogger("marl.coordinator")
 
 _STATUS_TTL_S = 0.5
 _LEASE_ATTEMPT_S = 2.0
+_KEEPALIVE_POLL_S = 0.25  # how often the coordinator looks for leases due for renewal
 
 
 class GameFailed(Exception):
@@ -119,6 +120,7 @@ class _Lease:
     server: str
     episode_id: str
     lease: EpisodeLease
+    renewed_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -163,6 +165,8 @@ class Coordinator:
         self._status: dict[str, tuple[float, EngineState | None]] = {}
         self._status_lock = threading.Lock()
         self._reviving: set[str] = set()
+        self._closed = threading.Event()
+        threading.Thread(target=self._keep_leases_alive, name="coordinator-keepalive", daemon=True).start()
 
     # --- one game ------------------------------------------------------------------------------------------------
 
@@ -386,7 +390,34 @@ class Coordinator:
         return _Slots([self._limits[name] for name in sorted(self._limits) if name in self.trainable])
 
     def close(self) -> None:
+        self._closed.set()
         self._io.shutdown(wait=False, cancel_futures=True)
+
+    def _keep_leases_alive(self) -> None:
+        """Renew every held lease at a quarter of its patience.
+
+        A lease expires after `patience_s` without a model call, but in a game a role may rightly wait for minutes
+        (Werewolves' seer acts once a night while three werewolves talk), so the coordinator vouches for the leases
+        of the games it is playing. If the coordinator dies, the renewals stop and the servers reclaim the slots.
+        """
+        while not self._closed.wait(_KEEPALIVE_POLL_S):
+            with self._open_lock:
+                held = list(self._open.values())
+            now = time.monotonic()
+            for lease in held:
+                if now - lease.renewed_at < lease.lease.patience_s / 4:
+                    continue
+                lease.renewed_at = now
+                try:
+                    self._io.submit(self._renew, lease)  # in parallel: a dead server must not delay the others
+                except RuntimeError:  # closed meanwhile
+                    return
+
+    def _renew(self, lease: _Lease) -> None:
+        try:
+            self.endpoints[lease.server].client.renew_episode(lease.episode_id, timeout=10)
+        except (SwarmError, httpx.HTTPError) as exc:  # gone or ended meanwhile: the game finds out by itself
+            log.debug("could not renew %s on %s: %s", lease.episode_id, lease.server, exc)
 
 
 def _close(players: Iterable[Any]) -> None:

@@ -132,3 +132,26 @@ def test_weight_sync_on_one_server_does_not_expire_leases_on_the_other(tiny_mode
             assert http.get("/control/status").json()["policy_version"] >= 2  # a did sync weights, repeatedly
         assert stats.failed == 0 and stats.games >= 8
         assert pool(b.url)["expired"] == 0  # no lease on b was left waiting while a was syncing
+
+
+class _SlowListenerGame(SignallingGame):
+    """The listener thinks for 4 s after the speaker spoke: longer than the speaker's lease patience (1.5 s)."""
+
+    def _apply(self, agent, action):
+        super()._apply(agent, action)
+        if agent == "speaker":
+            time.sleep(4)
+
+
+def test_a_role_waiting_longer_than_its_lease_patience_keeps_its_lease(tiny_model, tmp_path):
+    with LocalServer(tiny_model, tmp_path / "a") as a, LocalServer(tiny_model, tmp_path / "b") as b:
+        coordinator = Coordinator(env_factory=lambda: _SlowListenerGame(num_items=3), role_servers=ROLES,
+                                  endpoints={"speaker_model": trainable("speaker_model", a.url, lease_patience_s=1.5),
+                                             "listener_model": trainable("listener_model", b.url)},
+                                  settings=SETTINGS)
+        try:
+            result = coordinator.play_game("slow-0", 0)  # would fail at commit if the speaker's lease expired
+        finally:
+            coordinator.close()
+        assert pool(a.url)["expired"] == 0 and pool(a.url)["pending_episodes"] == 1
+        assert [episode for episode, *_ in episodes(tmp_path / "a")] == [result.episodes["speaker_model"]]
