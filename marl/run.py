@@ -133,8 +133,8 @@ def run(path: str, overrides: list[str] | None = None, *, console: Console | Non
             if aborted:
                 console.print(f"aborted {aborted} open leases")
             coordinator.close()
-        for name, proc in processes.items():
-            proc.stop()
+        with ThreadPoolExecutor(len(processes) or 1) as stopping:  # together: each may drain in-flight calls
+            list(stopping.map(ServerProcess.stop, processes.values()))
         if processes:
             console.print(f"stopped {len(processes)} local servers")
     plot_run(run_dir)

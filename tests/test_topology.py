@@ -84,9 +84,9 @@ def test_shipped_cpu_topology():
     assert topo.static_endpoints() == []
     assert spec.servers["speaker_model"].kind is ServerKind.LOCAL_TRAINABLE
     assert spec.servers["speaker_model"].train == TrainConfig(job="signalling", batch_size=4, num_repeat=4,
-                                                              learning_rate=2e-5)
+                                                              learning_rate=2e-5, micro_batch_tokens=1024)
     assert topo.server_of("speaker") == "speaker_model" and topo.server_of("listener") == "listener_model"
-    assert spec.env.class_path == "envs.signalling:SignallingGame" and spec.env.args == {"num_items": 3}
+    assert spec.env.class_path == "envs.signalling:SignallingGame" and spec.env.args == {"num_items": 3, "naming_bonus": 0.5}
     assert spec.run.repeats == 4 and spec.run.max_steps == 20 and spec.run.games is None
     assert spec.run.run_dir == Path("runs/signalling-cpu")  # ${name} resolved
     assert topo.warnings == []
@@ -115,7 +115,7 @@ def test_overrides_are_merged_and_interpolated():
     assert topo.spec.run.max_steps == 5 and topo.spec.run.games == 40
     assert topo.spec.servers["speaker_model"].train.learning_rate == 1e-5
     assert topo.spec.servers["listener_model"].train.learning_rate == 2e-5
-    assert topo.spec.env.args == {"num_items": 4}
+    assert topo.spec.env.args == {"num_items": 4, "naming_bonus": 0.5}
     assert topo.spec.run.run_dir == Path("runs/quick")  # run_dir: runs/${name} follows the overridden name
     assert topo.overrides[0] == "run.max_steps=5"
 
