@@ -277,3 +277,21 @@ def test_overwatch_once_prints_a_snapshot_and_bad_targets_exit_2(local_server):
     bad = subprocess.run([sys.executable, "-m", "marl.cli", "overwatch", "localhost:1"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "neither a URL" in bad.stderr
+
+
+def test_training_record_reads_back_its_tail_and_writes_tensorboard_when_installed(tmp_path):
+    from servers.records import TrainingRecord
+
+    record = TrainingRecord(tmp_path)
+    record.append(1, {"reward_mean": 0.5, "loss": 0.1})
+    record.append(2, {"reward_mean": 0.75, "loss": 0.05})
+    record.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "ti')  # torn by a crash
+    assert [(s.step, s.metrics["reward_mean"]) for s in TrainingRecord(tmp_path).recent] == [(1, 0.5), (2, 0.75)]
+    pytest.importorskip("tensorboard")  # optional: event files only when it is installed
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("reward_mean")] == [(1, 0.5), (2, 0.75)]
