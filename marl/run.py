@@ -166,20 +166,25 @@ def _print_summary(run_dir: Path, console: Console) -> None:
     console.print(table)
 
 
-def _sigterm_as_ctrl_c():
-    """A scheduler's SIGTERM (Slurm, Kubernetes, `kill`) cleans up like Ctrl-C: abort leases, stop servers."""
+def _sigterm_as_ctrl_c() -> dict | None:
+    """Ctrl-C and a scheduler's SIGTERM (Slurm, Kubernetes, `kill`) both clean up: abort leases, stop servers.
+
+    SIGINT gets Python's handler even if this process inherited it ignored (started in the background by a
+    non-interactive shell, as CI runners and nohup do): a run must always be stoppable the same way.
+    """
     if threading.current_thread() is not threading.main_thread():
         return None
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
-    return signal.signal(signal.SIGTERM, interrupt)
+    return {signal.SIGTERM: signal.signal(signal.SIGTERM, interrupt),
+            signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
 
 
-def _restore_sigterm(previous) -> None:
-    if previous is not None:
-        signal.signal(signal.SIGTERM, previous)
+def _restore_sigterm(previous: dict | None) -> None:
+    for signum, handler in (previous or {}).items():
+        signal.signal(signum, handler)
 
 
 def _supervise(processes: dict[str, ServerProcess], board: _Board, console: Console) -> None:
