@@ -71,7 +71,12 @@ def test_ctrl_c_aborts_open_leases_and_stops_the_servers(tiny_model, tmp_path, s
             raise AssertionError("no games were played:\n" + proc.communicate()[0])
         time.sleep(0.5)
     proc.send_signal(signum)
-    output, _ = proc.communicate(timeout=120)
+    try:
+        output, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # do not leave the run (and its servers) behind
+        proc.terminate()
+        output = proc.communicate(timeout=60)[0]
+        raise AssertionError(f"marl run did not stop on signal {signum}:\n{output}") from None
     assert proc.returncode == 130, output
     assert "stopped 2 local servers" in output
     ports = [line.rsplit(":", 1)[1] for line in output.splitlines() if "started local trainable" in line]
