@@ -33,17 +33,17 @@ def measure(data_dirs: list[Path]) -> dict[tuple[str, str], dict[str, int]]:
         ledger = Ledger(data_dir / "ledger.sqlite")
         try:
             for row in ledger.episodes(limit=1_000_000):
-                for sample in ledger.samples_of(row.episode_id):
+                samples = ledger.samples_of(row.episode_id)
+                for agent in {s.agent for s in samples}:
+                    totals[data_dir.name, agent]["episodes"] += 1
+                for sample in samples:
                     t = totals[data_dir.name, sample.agent]
-                    t["episodes"] += 0
                     t["samples"] += 1
                     t["calls"] += sample.num_calls
                     t["generated"] += sum(sample.loss_mask)
                     t["merged"] += len(sample.token_ids)
                     t["unmerged"] += unmerged_tokens(sample)
                     t["max_len"] = max(t["max_len"], len(sample.token_ids))
-                for key in {(data_dir.name, s.agent) for s in ledger.samples_of(row.episode_id)}:
-                    totals[key]["episodes"] += 1
         finally:
             ledger.close()
     return totals

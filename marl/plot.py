@@ -40,6 +40,13 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+    return path
+
+
 def _read_jsonl(path: Path) -> list[dict]:
     rows = []
     for line in path.read_text().splitlines():
@@ -72,11 +79,7 @@ def plot_reward_curves(run_dir: Path) -> Path | None:
         ax.set_xlabel("policy version")
         ax.set_ylabel("mean reward")
         ax.legend()
-    fig.tight_layout()
-    out = Path(run_dir) / "reward_curves.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(fig, Path(run_dir) / "reward_curves.png")
 
 
 def plot_training(data_dir: Path) -> Path | None:
@@ -104,11 +107,7 @@ def plot_training(data_dir: Path) -> Path | None:
         ax.set_xlabel("training step")
         if len(series) > 1 or title == "reward":
             ax.legend()
-    fig.tight_layout()
-    out = Path(data_dir) / "training.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(fig, Path(data_dir) / "training.png")
 
 
 def summarize_games(run_dir: Path) -> dict[str, dict[str, float]]:

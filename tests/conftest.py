@@ -137,3 +137,14 @@ def trainable(name: str, url: str, **config):
     client = SwarmClient(url, admin_token=ADMIN)
     client.auto_sync_train_config_and_start_engine(config)
     return Endpoint(name, client=client, train_config=config)
+
+
+def ledger_samples(data_dir: Path, columns: str = "e.episode_id, e.task_id, s.agent, s.reward") -> list[tuple]:
+    """`columns` of every sample in a server's ledger, joined with its episode (`e.`) row."""
+    import sqlite3
+
+    db = sqlite3.connect(data_dir / "ledger.sqlite")
+    try:
+        return db.execute(f"SELECT {columns} FROM episodes e JOIN samples s USING (episode_id)").fetchall()
+    finally:
+        db.close()

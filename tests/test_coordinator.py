@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 import time
 from collections import Counter
 
-from conftest import ADMIN, LocalServer, admin_http, server_process, trainable, wait_state
+from conftest import ADMIN, LocalServer, admin_http, ledger_samples, server_process, trainable, wait_state
 from envs.signalling import SignallingGame
 from marl import SwarmClient
 from marl.coordinator import Coordinator, Endpoint, GameFailed, GameSettings, play_games, tasks
@@ -18,12 +17,7 @@ ROLES = {"speaker": "speaker_model", "listener": "listener_model"}
 
 def episodes(data_dir) -> list[tuple]:
     """(episode_id, task_id, agent, reward) of every sample in a server's ledger."""
-    db = sqlite3.connect(data_dir / "ledger.sqlite")
-    try:
-        return db.execute("SELECT e.episode_id, e.task_id, s.agent, s.reward FROM episodes e"
-                          " JOIN samples s USING (episode_id)").fetchall()
-    finally:
-        db.close()
+    return ledger_samples(data_dir)
 
 
 def pool(url: str) -> dict:

@@ -3,21 +3,15 @@ and the seer's server each receive their own linked episode, tagged with their o
 
 from __future__ import annotations
 
-import sqlite3
 
-from conftest import LocalServer, trainable
+from conftest import LocalServer, ledger_samples, trainable
 from envs.werewolves import Werewolves
 from marl.coordinator import Coordinator, GameSettings
 from servers.tiny_model import build_tiny_model
 
 
 def samples(data_dir) -> list[tuple]:
-    db = sqlite3.connect(data_dir / "ledger.sqlite")
-    try:
-        return db.execute("SELECT e.episode_id, e.task_id, s.agent, s.reward, s.num_calls, e.num_calls FROM episodes e"
-                          " JOIN samples s USING (episode_id)").fetchall()
-    finally:
-        db.close()
+    return ledger_samples(data_dir, "e.episode_id, e.task_id, s.agent, s.reward, s.num_calls, e.num_calls")
 
 
 def test_llm_werewolves_and_seer_train_on_their_own_servers(tmp_path):
