@@ -25,6 +25,7 @@ patching its internals. The design here needs only the public model forward and 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import random
@@ -32,7 +33,7 @@ import threading
 import time
 import types
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -41,6 +42,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache, DynamicLayer
 
+from servers.engines.prefix_cache import CachedPrefix, PrefixCache
 from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams
 from servers.models import load_tokenizer
 
@@ -51,6 +53,9 @@ log = logging.getLogger(__name__)
 # Padded tokens of one prefill forward (rows x longest prompt): bounds the activation memory of admitting many long
 # prompts at once, and how long running requests stall while newcomers are prefilled.
 _PREFILL_TOKEN_BUDGET = 16384
+
+# Memory for the keys/values of finished conversations (see prefix_cache): about 45k tokens of SmolLM2-135M in fp32.
+DEFAULT_PREFIX_CACHE_BYTES = 2 * 2**30
 
 
 @dataclass
@@ -64,6 +69,8 @@ class EngineStats:
     failed_requests: int = 0
     max_batch: int = 0  # largest number of requests one decode step advanced
     weight_loads: int = 0
+    prefilled_tokens: int = 0  # prompt tokens run through the model
+    cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache instead
 
     @property
     def forwards(self) -> int:
@@ -91,6 +98,15 @@ class _SlabLayer(DynamicLayer):
         self.length = 0
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
+
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, spare_columns: int) -> _SlabLayer:
+        """A one-row layer holding a copy of [heads, columns, dim] `keys`/`values`, with room to grow."""
+        layer = cls()
+        layer.lazy_initialization(keys[None], values[None])
+        layer._reserve(1, keys.shape[-2] + spare_columns)
+        layer.update(keys[None], values[None])
+        return layer
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -271,6 +287,7 @@ class TorchEngine(InferenceEngine):
         dtype: torch.dtype | None = None,
         max_batch_size: int = 64,
         tokenizer: Any | None = None,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
     ) -> None:
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         # fp32 on CPU: bf16 matmuls are slow on most CPUs and logprobs must match a training forward closely.
@@ -294,6 +311,9 @@ class TorchEngine(InferenceEngine):
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids, default=0)
 
+        per_token = _kv_bytes_per_token(config, self.dtype)
+        #: Keys/values of finished generations, reused by prompts that extend them (None: disabled, 0 bytes).
+        self.prefix_cache = PrefixCache(prefix_cache_bytes // per_token) if prefix_cache_bytes > 0 else None
         self.stats = EngineStats()
         self._cv = threading.Condition()
         self._waiting: deque[_Request] = deque()
@@ -377,6 +397,8 @@ class TorchEngine(InferenceEngine):
                         raise RuntimeError("the engine is closed")
                 # The worker stays parked while _swap_requests > 0 (it admits nothing and has nothing running), so
                 # the copy runs without the lock: generate() callers can keep queueing meanwhile.
+                if self.prefix_cache is not None:
+                    self.prefix_cache.clear()  # computed by the old weights
                 with torch.no_grad():
                     for target, tensor in updates:
                         target.copy_(tensor.to(device=target.device, dtype=target.dtype))
@@ -449,20 +471,7 @@ class TorchEngine(InferenceEngine):
         try:
             while (admitted := self._wait_for_work()) is not None:
                 if admitted:
-                    try:
-                        fresh = self._prefill(admitted)
-                    except Exception as error:  # noqa: BLE001 - e.g. out of memory on a long prompt
-                        fresh = None
-                        self._step_failed(error, admitted)  # the running batch is untouched and goes on
-                    if fresh is not None and self._batch is None:
-                        self._batch = fresh
-                    elif fresh is not None:
-                        try:
-                            self._batch.absorb(fresh)  # type: ignore[union-attr]
-                        except Exception as error:  # noqa: BLE001 - the batch may be half-merged: drop it all
-                            victims = fresh.requests + self._batch.requests  # type: ignore[union-attr]
-                            self._batch = None
-                            self._step_failed(error, victims)
+                    self._admit(admitted)
                 if self._batch is not None:
                     try:
                         self._decode()
@@ -478,6 +487,37 @@ class TorchEngine(InferenceEngine):
                 self._worker_idle = True
                 self._cv.notify_all()
             self._fail(leftovers, RuntimeError("the engine is closed"))
+
+    def _admit(self, group: list[_Request]) -> None:
+        """Prefill `group` and add it to the running batch: prompts extending a cached prefix one by one on top
+        of it, the others together in one forward."""
+        misses = []
+        for request in group:
+            hit = self.prefix_cache.lookup(request.prompt_ids) if self.prefix_cache is not None else None
+            if hit is None:
+                misses.append(request)
+            else:
+                self._join([request], functools.partial(self._prefill_on_prefix, request, *hit))
+        if misses:
+            self._join(misses, functools.partial(self._prefill, misses))
+
+    def _join(self, requests: list[_Request], prefill: Callable[[], _Batch | None]) -> None:
+        try:
+            fresh = prefill()
+        except Exception as error:  # noqa: BLE001 - e.g. out of memory on a long prompt
+            self._step_failed(error, requests)  # the running batch is untouched and goes on
+            return
+        if fresh is None:
+            return
+        if self._batch is None:
+            self._batch = fresh
+            return
+        try:
+            self._batch.absorb(fresh)
+        except Exception as error:  # noqa: BLE001 - the batch may be half-merged: drop it all
+            victims = fresh.requests + self._batch.requests
+            self._batch = None
+            self._step_failed(error, victims)
 
     def _step_failed(self, error: Exception, victims: list[_Request]) -> None:
         log.exception("torch engine step failed; failing %d request(s)", len(victims), exc_info=error)
@@ -529,6 +569,7 @@ class TorchEngine(InferenceEngine):
             input_ids[row, longest - n :] = torch.tensor(request.prompt_ids)
             mask[row, longest - n :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        self.stats.prefilled_tokens += sum(len(r.prompt_ids) for r in group)
         # Positions count real tokens only, so a padded row sees exactly the positions of an unpadded forward.
         position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = Cache(layer_class_to_replicate=_SlabLayer)
@@ -547,6 +588,32 @@ class TorchEngine(InferenceEngine):
             mask=mask,
             positions=mask.sum(dim=1),
             next_tokens=torch.zeros(len(group), dtype=torch.long, device=self.device),
+        )
+        return self._sample_and_emit(fresh, out.logits[:, -1, :])
+
+    def _prefill_on_prefix(self, request: _Request, prefix: CachedPrefix, reused: int) -> _Batch | None:
+        """Prefill only what `request`'s prompt adds to the first `reused` tokens of a cached prefix."""
+        total, suffix = len(request.prompt_ids), request.prompt_ids[reused:]
+        spare = len(suffix) + request.max_new_tokens
+        layers = [_SlabLayer.holding(k[:, :reused], v[:, :reused], spare) for k, v in zip(prefix.keys, prefix.values)]
+        mask = torch.ones((1, total), dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=torch.tensor([suffix], dtype=torch.long, device=self.device),
+            attention_mask=mask,
+            position_ids=torch.arange(reused, total, device=self.device)[None],
+            past_key_values=Cache(layers=list(layers)),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.stats.prefill_forwards += 1
+        self.stats.prefilled_tokens += len(suffix)
+        self.stats.cached_tokens += reused
+        fresh = _Batch(
+            requests=[request],
+            layers=layers,
+            mask=mask,
+            positions=torch.tensor([total], device=self.device),
+            next_tokens=torch.zeros(1, dtype=torch.long, device=self.device),
         )
         return self._sample_and_emit(fresh, out.logits[:, -1, :])
 
@@ -594,7 +661,20 @@ class TorchEngine(InferenceEngine):
             else:
                 self.stats.finished_requests += 1
             request.post(GenerationChunk([token], [logprob], finish))
+            if finish is not None and self.prefix_cache is not None:
+                self._remember(batch, row, request)
         return batch.keep(keep)
+
+    def _remember(self, batch: _Batch, row: int, request: _Request) -> None:
+        """Copy a finished row's keys/values into the prefix cache: its prompt and all but its last token (the
+        last one was sampled, never fed back)."""
+        tokens = request.prompt_ids + request.token_ids[:-1]
+        if len(tokens) < self.prefix_cache.min_reuse:  # type: ignore[union-attr]
+            return
+        start = batch.mask.shape[1] - len(tokens)  # rows are right-aligned: the row's tokens end the cache
+        keys = [layer.keys[row, :, start:].clone() for layer in batch.layers]
+        values = [layer.values[row, :, start:].clone() for layer in batch.layers]
+        self.prefix_cache.insert(tokens, keys, values)  # type: ignore[union-attr]
 
     def _finish_reason(self, request: _Request, token: int) -> str | None:
         if token in self.eos_token_ids:
@@ -727,6 +807,14 @@ def _hits_stop(tokenizer: Any, token_ids: list[int], stops: tuple[str, ...]) -> 
     window = max(len(s) for s in stops) + 4
     text = tokenizer.decode(token_ids[-window:], skip_special_tokens=True)
     return any(s and s in text for s in stops)
+
+
+def _kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one token takes in the cache, over all layers."""
+    heads = getattr(config, "num_attention_heads", 1)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -1,0 +1,103 @@
+"""Seconds per call of multi-turn agents on TorchEngine, with and without the prefix cache.
+
+    python bench/prefix_cache.py                          # a tiny random model, built on the fly
+    python bench/prefix_cache.py --model smollm2-135m     # the real SmolLM2-135M-Instruct (cached after first use)
+    python bench/prefix_cache.py --model smollm2-135m --agents 3 --turns 16 --turn-tokens 120
+
+Like Werewolves players, each agent's conversation grows every turn by a new observation (a user message of about
+`--turn-tokens` tokens) and its own reply (up to `--max-tokens`). Prompts are built the way the server builds them:
+the previous prompt's and completion's exact token ids, then the new turn. The agents of a turn call concurrently.
+Both engines see the same prompts (greedy, so the replies agree) and run one after the other, not side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
+
+from servers.engines.torch_engine import TorchEngine
+from servers.interfaces import SamplingParams
+from servers.models import resolve_model
+from servers.tiny_model import build_tiny_model
+
+SYSTEM = "You are player_{n} in a game of Werewolves. You are a werewolf. Keep your replies short."
+WORDS = ("player_3 says they are a villager and that player_7 acted strangely last night, so the village should "
+         "watch player_7 closely and vote carefully today because the wolves are still among us and ").split()  # fmt: skip
+
+
+def observation(turn: int, agent: int, tokens: int, tokenizer) -> str:
+    """About `tokens` tokens of game news, different for every agent and turn."""
+    words, text = [f"Round {turn}, news for player_{agent}:"], ""
+    i = turn * 7 + agent
+    while len(tokenizer.encode(text)) < tokens:
+        words.append(WORDS[i % len(WORDS)])
+        i += 1
+        text = " ".join(words)
+    return text
+
+
+async def replay(engine: TorchEngine, agents: int, turns: int, turn_tokens: int, max_tokens: int) -> list[float]:
+    """Play the conversations; return the wall seconds of each turn (all agents' calls)."""
+    tok = engine.tokenizer
+    prompts = [
+        tok.apply_chat_template([{"role": "system", "content": SYSTEM.format(n=a)}], tokenize=False)
+        for a in range(agents)
+    ]
+    ids = [list(tok.encode(p, add_special_tokens=False)) for p in prompts]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    seconds = []
+    for turn in range(turns):
+        for a in range(agents):
+            news = observation(turn, a, turn_tokens, tok)
+            ids[a] += tok.encode(f"<|im_start|>user\n{news}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+
+        async def call(a: int) -> list[int]:
+            out: list[int] = []
+            async for chunk in engine.generate(ids[a], params):
+                out += chunk.token_ids
+            return out
+
+        start = time.perf_counter()
+        replies = await asyncio.gather(*(call(a) for a in range(agents)))
+        seconds.append(time.perf_counter() - start)
+        for a, reply in enumerate(replies):
+            ids[a] += reply + tok.encode("\n", add_special_tokens=False)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="model directory or alias (default: a tiny random model)")
+    parser.add_argument("--agents", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=12)
+    parser.add_argument("--turn-tokens", type=int, default=120)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = resolve_model(args.model) if args.model else build_tiny_model(Path(scratch) / "tiny")
+        rows = {}
+        for label, budget in (("no prefix cache", 0), ("prefix cache", None)):
+            kwargs = {} if budget is None else {"prefix_cache_bytes": budget}
+            with TorchEngine(model_dir, device=args.device, **kwargs) as engine:
+                asyncio.run(replay(engine, 1, 1, 16, 4))  # warm-up
+                engine.stats.prefilled_tokens = engine.stats.cached_tokens = 0
+                seconds = asyncio.run(replay(engine, args.agents, args.turns, args.turn_tokens, args.max_tokens))
+                rows[label] = (seconds, engine.stats.prefilled_tokens, engine.stats.cached_tokens)
+    print(f"{args.agents} agents x {args.turns} turns, ~{args.turn_tokens} new prompt tokens and <= {args.max_tokens} "
+          f"generated per call; model {args.model or 'tiny random'}")
+    print(f"{'':18}{'total s':>9}{'first turn s':>14}{'last turn s':>13}{'prefilled tok':>15}{'cached tok':>12}")
+    for label, (seconds, prefilled, cached) in rows.items():
+        print(f"{label:18}{sum(seconds):9.1f}{seconds[0]:14.2f}{seconds[-1]:13.2f}{prefilled:15d}{cached:12d}")
+    plain, cached = (sum(rows[k][0]) for k in ("no prefix cache", "prefix cache"))
+    print(f"speed-up over the whole replay: {plain / cached:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
