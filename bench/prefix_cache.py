@@ -27,16 +27,17 @@ from servers.models import resolve_model
 from servers.tiny_model import build_tiny_model
 
 SYSTEM = "You are player_{n} in a game of Werewolves. You are a werewolf. Keep your replies short."
-WORDS = ("player_3 says they are a villager and that player_7 acted strangely last night, so the village should "
-         "watch player_7 closely and vote carefully today because the wolves are still among us and ").split()  # fmt: skip
+NEWS = ("player_3 says they are a villager and that player_7 acted strangely last night, so the village should "
+        "watch player_7 closely and vote carefully today because the wolves are still among us and")
 
 
 def observation(turn: int, agent: int, tokens: int, tokenizer) -> str:
     """About `tokens` tokens of game news, different for every agent and turn."""
+    vocabulary = NEWS.split()
     words, text = [f"Round {turn}, news for player_{agent}:"], ""
     i = turn * 7 + agent
     while len(tokenizer.encode(text)) < tokens:
-        words.append(WORDS[i % len(WORDS)])
+        words.append(vocabulary[i % len(vocabulary)])
         i += 1
         text = " ".join(words)
     return text
@@ -55,7 +56,8 @@ async def replay(engine: TorchEngine, agents: int, turns: int, turn_tokens: int,
     for turn in range(turns):
         for a in range(agents):
             news = observation(turn, a, turn_tokens, tok)
-            ids[a] += tok.encode(f"<|im_start|>user\n{news}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+            turn_text = f"<|im_start|>user\n{news}<|im_end|>\n<|im_start|>assistant\n"
+            ids[a] += tok.encode(turn_text, add_special_tokens=False)
 
         async def call(a: int) -> list[int]:
             out: list[int] = []

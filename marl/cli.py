@@ -9,6 +9,16 @@ import sys
 from pathlib import Path
 
 
+def _gigabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of GB >= 0, got {text!r}")
+    return value
+
+
 def _serve(args: argparse.Namespace) -> None:
     # The only place marl/ imports servers/: starting a server process is what `serve` is for.
     from servers.serve import ServeOptions, serve
@@ -17,7 +27,7 @@ def _serve(args: argparse.Namespace) -> None:
         model=args.model, port=args.port, host=args.host, admin_token=args.admin_token,
         data_dir=Path(args.data_dir) if args.data_dir else None, static=args.static,
         served_model_name=args.served_model_name, public_url=args.public_url, device=args.device,
-        log_level=args.log_level,
+        prefix_cache_gb=args.prefix_cache_gb, log_level=args.log_level,
     ))
 
 
@@ -120,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", help="model id clients send (default: the --model value)")
     serve.add_argument("--public-url", help="base URL handed to agents (default: the URL the client used)")
     serve.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    serve.add_argument("--prefix-cache-gb", type=_gigabytes, default=2.0,
+                       help="memory for the keys/values of finished calls, reused by the next turn of the same"
+                            " conversation instead of prefilling it again (default: 2; 0 turns it off)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
 

@@ -140,6 +140,8 @@ class ServerSpec(_Spec):
     # local servers only
     device: str | None = Field(None, description="Local: cpu or cuda (default: cuda when available).")
     port: int | None = Field(None, ge=1, le=65535, description="Local: fixed port (default: a free one).")
+    prefix_cache_gb: float | None = Field(None, ge=0, description="Local: memory for the keys/values of finished "
+                                          "calls that the next turn of a conversation reuses (default 2; 0: off).")
     # external OpenAI endpoint
     url: str | None = Field(None, description="External: OpenAI base URL, e.g. http://host:8000/v1.")
     api_key_env: str | None = Field(None, description="External: environment variable holding the API key.")
@@ -416,7 +418,7 @@ def _check(spec: TopologySpec, locator: _Locator, check_env: bool) -> tuple[list
         kind = s.kind
         remote = kind in (ServerKind.REMOTE_SWARM, ServerKind.EXTERNAL_OPENAI)
         if remote:
-            for key in ("device", "port"):
+            for key in ("device", "port", "prefix_cache_gb"):
                 if getattr(s, key) is not None:
                     which = "url" if kind is ServerKind.EXTERNAL_OPENAI else "swarm_url"
                     bad([*at, key], f"{key} only applies to a local server that `marl run` starts, but this server"
@@ -810,7 +812,7 @@ class Topology:
             line = Text.assemble((name, "bold"), "  ", (s.kind.value, styles[s.kind]))
             if s.model:
                 line.append(f"  model={s.model}")
-            for key in ("url", "swarm_url", "device", "port", "api_key_env", "admin_token_env"):
+            for key in ("url", "swarm_url", "device", "port", "prefix_cache_gb", "api_key_env", "admin_token_env"):
                 value = getattr(s, key)
                 if value is not None:
                     line.append(f"  {key}={value}", style="dim" if key.endswith("_env") else "")

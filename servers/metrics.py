@@ -45,6 +45,13 @@ class SwarmCollector(Collector):
         tokens.add_metric([*model, "prompt"], counts["tokens_prompt"])
         tokens.add_metric([*model, "generated"], counts["tokens_generated"])
         yield tokens
+        stats = getattr(s.engine, "stats", None)  # the torch engine's prefill counters (see its prefix cache)
+        if stats is not None and hasattr(stats, "cached_tokens"):
+            prompt = CounterMetricFamily("marl_engine_prompt_tokens", "Prompt tokens run through the model (prefilled)"
+                                         " or reused from the prefix cache (cached).", labels=["model", "kind"])
+            prompt.add_metric([*model, "prefilled"], stats.prefilled_tokens)
+            prompt.add_metric([*model, "cached"], stats.cached_tokens)
+            yield prompt
         yield _counter("marl_samples_recorded", "Training samples written to the ledger.", model,
                        counts["samples_recorded"])
         yield _counter("marl_samples_dropped_stale", "Samples too stale to train on.", model,

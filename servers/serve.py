@@ -26,14 +26,15 @@ class ServeOptions:
     served_model_name: str | None = None
     public_url: str | None = None
     device: str | None = None
+    prefix_cache_gb: float = 2.0
     log_level: str = "info"
 
 
-def torch_engine_factory(device: str | None):
+def torch_engine_factory(device: str | None, prefix_cache_gb: float = 2.0):
     def build(model_dir: Path):
         from servers.engines.torch_engine import TorchEngine
 
-        return TorchEngine(model_dir, device=device)
+        return TorchEngine(model_dir, device=device, prefix_cache_bytes=int(prefix_cache_gb * 2**30))
 
     return build
 
@@ -65,7 +66,7 @@ def build_server(options: ServeOptions) -> tuple[SwarmServer, str]:
         model=options.model,
         served_name=options.served_model_name or options.model,
         data_dir=Path(data_dir),
-        engine_factory=torch_engine_factory(options.device),
+        engine_factory=torch_engine_factory(options.device, options.prefix_cache_gb),
         trainer_factory=None if options.static else grpo_trainer_factory(options.device),
         resolve_model=resolve,
         static=options.static,

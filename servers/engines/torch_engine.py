@@ -15,6 +15,8 @@ Many agents call one model at once, and one decode step over 16 sequences costs 
   as `torch.cat` (transformers' DynamicCache) does, which on a CPU costs about as much as the step at a few
   hundred tokens; joining rows are written in place and a leaving row is overwritten by the last one.
 - On CPUs where it is faster (timed at start-up), decode-time Linear layers compute W @ x.T instead of x @ W.T.
+- A finished request's keys/values go to a prefix cache (servers.engines.prefix_cache). A prompt that extends one
+  (an agent's next turn) is prefilled in a forward of its own on top of a copy of them, and joins the batch.
 
 Why not transformers' own continuous batching (`generate_batch` / paged attention)? In 5.23 it samples with one
 global RNG and one do_sample flag for the whole batch, and its logprobs are taken after temperature and top-p:
@@ -660,9 +662,9 @@ class TorchEngine(InferenceEngine):
                 keep.append(row)
             else:
                 self.stats.finished_requests += 1
-            request.post(GenerationChunk([token], [logprob], finish))
             if finish is not None and self.prefix_cache is not None:
-                self._remember(batch, row, request)
+                self._remember(batch, row, request)  # before the last chunk: the next call may follow at once
+            request.post(GenerationChunk([token], [logprob], finish))
         return batch.keep(keep)
 
     def _remember(self, batch: _Batch, row: int, request: _Request) -> None:

@@ -1,0 +1,196 @@
+"""The prefix cache: a prompt that extends a finished generation reuses its keys/values, with the same result."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from servers.engines.prefix_cache import PrefixCache
+from servers.engines.torch_engine import TorchEngine
+from servers.interfaces import SamplingParams
+from tests.test_torch_engine import build_lively_model, collect
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0)
+STORY = "The seer checks one player each night; the witch holds a potion to save and a potion to poison. " * 2
+
+
+def synchronously(test):
+    """Run an async test body with asyncio.run (the engine's requests need a running event loop)."""
+
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        return asyncio.run(test(*args, **kwargs))
+
+    return wrapper
+
+
+def kv(n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return [torch.zeros(1, n, 2)], [torch.zeros(1, n, 2)]
+
+
+# ---------------------------------------------------------------------------------------------- the cache alone
+
+
+def test_lookup_picks_the_longest_shared_prefix_and_leaves_the_last_prompt_token_to_compute():
+    cache = PrefixCache(budget_tokens=1000, min_reuse=4)
+    cache.insert(list(range(10)), *kv(10))
+    cache.insert([0, 1, 2, 3, 4, 50, 51, 52], *kv(8))
+    entry, reused = cache.lookup(list(range(20)))
+    assert entry.tokens.tolist() == list(range(10)) and reused == 10
+    entry, reused = cache.lookup([0, 1, 2, 3, 4, 50, 51, 52, 53])
+    assert entry.tokens.tolist()[5:] == [50, 51, 52] and reused == 8
+    _, reused = cache.lookup(list(range(10)))  # the whole prompt is cached: its last token is still computed
+    assert reused == 9
+    assert cache.lookup([0, 1, 2, 9, 9, 9, 9]) is None  # 3 shared tokens < min_reuse
+    assert cache.lookup([7] * 30) is None
+
+
+def test_an_entry_that_a_newer_one_extends_is_dropped():
+    cache = PrefixCache(budget_tokens=1000, min_reuse=4)
+    cache.insert(list(range(10)), *kv(10))
+    cache.insert(list(range(16)), *kv(16))  # the conversation moved on
+    assert len(cache) == 1 and cache.tokens == 16
+    cache.insert([0, 1, 2, 3, 99, 98], *kv(6))  # a branch: both stay
+    assert len(cache) == 2 and cache.tokens == 22
+
+
+def test_the_least_recently_used_entries_leave_first_and_the_budget_holds():
+    cache = PrefixCache(budget_tokens=25, min_reuse=4)
+    for first in (100, 200, 300):
+        cache.insert([first, *range(9)], *kv(10))
+        assert cache.tokens <= 25
+    assert len(cache) == 2  # 100 went first
+    assert cache.lookup([100, *range(9)]) is None
+    cache.lookup([200, *range(9), 5])  # 200 is now the most recently used
+    cache.insert([400, *range(9)], *kv(10))
+    assert cache.lookup([200, *range(9), 5]) is not None and cache.lookup([300, *range(9), 5]) is None
+    cache.insert(list(range(26)), *kv(26))  # larger than the whole budget: not kept, nothing evicted for it
+    assert len(cache) == 2 and cache.tokens == 20
+
+
+# ---------------------------------------------------------------------------------------------- in the engine
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_lively_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture
+def engines(model_dir: Path):
+    """The same model with and without a prefix cache; neither samples an eos, so lengths are exact."""
+    with TorchEngine(model_dir) as cached, TorchEngine(model_dir, prefix_cache_bytes=0) as plain:
+        cached.eos_token_ids = plain.eos_token_ids = frozenset()
+        yield cached, plain
+
+
+def assert_same(a: tuple[list[int], list[float], str], b: tuple[list[int], list[float], str]) -> None:
+    assert a[0] == b[0]
+    assert max(abs(x - y) for x, y in zip(a[1], b[1], strict=True)) < 1e-4
+
+
+@synchronously
+async def test_a_prompt_extending_a_finished_generation_prefills_only_its_new_tokens(engines):
+    cached, plain = engines
+    prompt = cached.tokenizer.encode(STORY)
+    first = await collect(cached, prompt, GREEDY)
+    assert cached.stats.cached_tokens == 0 and cached.stats.prefilled_tokens == len(prompt)
+
+    turn = cached.tokenizer.encode(" Then the wolves woke up and voted.")
+    follow_up = prompt + first[0] + turn
+    assert_same(await collect(cached, follow_up, GREEDY), await collect(plain, follow_up, GREEDY))
+    # Reused: the prompt and all generated tokens but the last (sampled, never fed back); prefilled: the rest.
+    assert cached.stats.cached_tokens == len(prompt) + len(first[0]) - 1
+    assert cached.stats.prefilled_tokens == len(prompt) + 1 + len(turn)
+    assert len(cached.prefix_cache) == 1  # the first call's entry gave way to the longer conversation
+    assert plain.prefix_cache is None and plain.stats.cached_tokens == 0
+
+
+@synchronously
+async def test_cached_and_fresh_prompts_in_one_batch_match_an_engine_without_cache(engines):
+    cached, plain = engines
+    base = cached.tokenizer.encode(STORY)
+    reply = (await collect(cached, base, GREEDY))[0]
+    await collect(plain, base, GREEDY)
+    conversation = base + reply
+    prompts = [conversation + [5] * i for i in range(1, 4)] + [base[:40], base[3:], conversation[: len(base) // 2]]
+    ours = await asyncio.gather(*(collect(cached, p, GREEDY) for p in prompts))
+    theirs = await asyncio.gather(*(collect(plain, p, GREEDY) for p in prompts))
+    for a, b in zip(ours, theirs, strict=True):
+        assert_same(a, b)
+    assert cached.stats.cached_tokens > 3 * len(conversation) - 3  # the three extensions at least
+
+
+@synchronously
+async def test_new_weights_empty_the_cache(engines, model_dir: Path):
+    cached, plain = engines
+    prompt = cached.tokenizer.encode(STORY)
+    reply = (await collect(cached, prompt, GREEDY))[0]
+    assert len(cached.prefix_cache) == 1
+    other = build_lively_model(model_dir.parent / "other", seed=1)
+    from transformers import AutoModelForCausalLM
+
+    new_weights = AutoModelForCausalLM.from_pretrained(other).state_dict()
+    for engine in (cached, plain):
+        await asyncio.to_thread(engine.load_weights, new_weights.items())
+    assert len(cached.prefix_cache) == 0 and cached.prefix_cache.tokens == 0
+    reused = cached.stats.cached_tokens
+    follow_up = prompt + reply + [7, 8, 9]
+    assert_same(await collect(cached, follow_up, GREEDY), await collect(plain, follow_up, GREEDY))
+    assert cached.stats.cached_tokens == reused  # nothing computed by the old weights was used
+
+
+@synchronously
+async def test_the_cache_keeps_to_its_byte_budget(model_dir: Path):
+    with TorchEngine(model_dir, prefix_cache_bytes=1) as engine:
+        assert engine.prefix_cache is not None and engine.prefix_cache.budget_tokens == 0
+    with TorchEngine(model_dir, prefix_cache_bytes=0) as engine:
+        assert engine.prefix_cache is None
+    config = engine.model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4  # keys and values, fp32
+    with TorchEngine(model_dir, prefix_cache_bytes=100 * per_token) as engine:
+        engine.eos_token_ids = frozenset()
+        assert engine.prefix_cache.budget_tokens == 100
+        for i in range(5):
+            await collect(engine, [10 + i] * 30, GREEDY)
+            assert engine.prefix_cache.tokens <= 100
+        assert len(engine.prefix_cache) == 2  # 30 + 11 tokens each: two fit in 100
+        entries = engine.prefix_cache._entries.values()
+        held = sum(t.numel() * t.element_size() for e in entries for t in e.keys + e.values)
+        assert held == engine.prefix_cache.tokens * per_token
+
+
+# ---------------------------------------------------------------------------------------------- over HTTP
+
+
+def test_an_agents_next_turn_over_the_sdk_reuses_its_conversation(local_server):
+    """The server splices each turn onto the last call's exact ids, so the engine finds it in the cache."""
+    import openai
+
+    from tests.conftest import admin_http, start_rolling
+    from tests.test_overwatch import scrape
+
+    with local_server() as srv, admin_http(srv.url) as http:
+        start_rolling(http, batch_size=1, num_repeat=2, max_leases=4)
+        lease = http.post("/episodes/begin", json={"client_id": "c"}).json()
+        client = openai.OpenAI(base_url=lease["base_url"], api_key=lease["api_key"])
+        messages = [{"role": "system", "content": STORY}, {"role": "user", "content": "Who do you vote for?"}]
+        prompt_tokens, completion_tokens = [], []
+        for turn in range(3):
+            out = client.chat.completions.create(model="tiny", max_tokens=4, messages=messages)
+            prompt_tokens.append(out.usage.prompt_tokens)
+            completion_tokens.append(out.usage.completion_tokens)
+            messages += [{"role": "assistant", "content": out.choices[0].message.content},
+                         {"role": "user", "content": f"Night {turn} is over. Who do you vote for now?"}]  # fmt: skip
+        m = scrape(http)
+        tiny = ("model", "tiny")
+        cached = m["marl_engine_prompt_tokens_total", (("kind", "cached"), tiny)]
+        prefilled = m["marl_engine_prompt_tokens_total", (("kind", "prefilled"), tiny)]
+        assert cached + prefilled == sum(prompt_tokens)
+        # Turns 2 and 3 reuse all of the previous turn but its last generated token (sampled, never fed back).
+        assert cached == sum(prompt_tokens[t] + completion_tokens[t] - 1 for t in (0, 1))
