@@ -1,4 +1,4 @@
-"""What a `marl run` achieved, from its run directory: reward and valid replies per role, by policy version.
+"""What a `marl run` achieved, from its run directory: reward, valid replies and wins per role, by policy version.
 
     python bench/run_report.py runs/signalling-cpu                 # versions of the first trainable server
     python bench/run_report.py runs/werewolves-local --server wolves_model --buckets 2
@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
-from marl.plot import summarize_games
+from marl.plot import percent, summarize_games, summarize_roles
 
 
 def main() -> None:
@@ -40,19 +40,24 @@ def main() -> None:
         groups[bucket_of[g["policy_versions"][server]]].append(g)
 
     print(f"{args.run_dir}: {len(games)} games, grouped by {server}'s policy version")
-    print(f"{'versions':>10} {'games':>6} " + " ".join(f"{role[:12] + ' reward':>20} {'valid':>6}" for role in roles))
+    print(f"{'versions':>10} {'games':>6} "
+          + " ".join(f"{role[:12] + ' reward':>20} {'valid':>6} {'won':>5}" for role in roles))
     for start in sorted(groups):
         rows = groups[start]
         end = max(g["policy_versions"][server] for g in rows)
+        stats = summarize_roles(rows)
         cells = []
         for role in roles:
-            played = [g for g in rows if role in g["role_rewards"]]
-            reward = sum(g["role_rewards"][role] for g in played) / max(len(played), 1)
-            replies = sum(g.get("replies", {}).get(role, 0) for g in played)
-            invalid = sum(g.get("invalid_actions", {}).get(role, 0) for g in played)
-            cells.append(f"{reward:>20.3f} {(f'{100 * (1 - invalid / replies):.0f}%' if replies else '-'):>6}")
+            row = stats.get(role)
+            if row is None:
+                cells.append(f"{'-':>20} {'-':>6} {'-':>5}")
+                continue
+            cells.append(f"{row['mean_reward']:>20.3f} {percent(row['valid_reply_rate']):>6} {percent(row['win_rate']):>5}")
         label = f"v{start}" if start == end else f"v{start}-{end}"
         print(f"{label:>10} {len(rows):>6} " + " ".join(cells))
+    winners = Counter(g.get("winner") for g in games)
+    if set(winners) != {None}:
+        print("winners: " + ", ".join(f"{w or 'not recorded'} {n}" for w, n in winners.most_common()))
     stats = summarize_games(args.run_dir)
     if "all" in stats:
         print(f"whole run: {stats['all']['games_per_hour']:.0f} games/hour")

@@ -141,6 +141,9 @@ class TextAECEnv(AECEnv):
     number_options: bool = True
     max_observation_chars: int = 65536
     max_action_chars: int = 4096
+    #: The team that won, in games that have one (Werewolves: "werewolves", "village" or "draw"); an env sets it when
+    #: the game ends. None: not decided, or no such notion. `marl run` records it with each game's rewards.
+    winner: str | None = None
 
     def __init__(self, render_mode: str | None = None):
         super().__init__()

@@ -113,6 +113,8 @@ class GameResult:
     seconds: float
     turns: int
     replies: dict[str, int] = field(default_factory=dict)  # per role, valid or not (env.replies_by_role)
+    winner: str | None = None  # env.winner: the team that won, if the game has that notion
+    teams: dict[str, str] = field(default_factory=dict)  # role -> team this game
 
 
 @dataclass
@@ -206,6 +208,8 @@ class Coordinator:
         agent_rewards = {agent: float(r) for agent, r in env.outcome().items()}
         role_rewards = {role: float(r) for role, r in env.outcome_by_role().items()}
         invalid, replies = dict(env.invalid_actions_by_role), dict(getattr(env, "replies_by_role", {}))
+        teams = {env.role_of(agent): env.team_of(agent) for agent in env.possible_agents}
+        winner = getattr(env, "winner", None)
         env.close()
         return GameResult(
             task_id=task_id,
@@ -218,6 +222,8 @@ class Coordinator:
             replies=replies,
             seconds=time.monotonic() - start,
             turns=turns,
+            winner=winner,
+            teams=teams,
         )
 
     def _seat(self, env: Any, agent: str, leases: dict[str, _Lease]) -> Seat:

@@ -111,18 +111,37 @@ def plot_training(data_dir: Path) -> Path | None:
 
 
 def summarize_games(run_dir: Path) -> dict[str, dict[str, float]]:
-    """Per role over games.jsonl: games, mean reward, valid-reply rate (1 - invalid / replies), and games/hour."""
+    """Per role over games.jsonl: games, mean reward, valid-reply rate (1 - invalid / replies), win rate (games its
+    team won, of those with a recorded winner; NaN for games without winners), and games/hour over all games."""
     games = _read_jsonl(Path(run_dir) / "games.jsonl")
+    return {**summarize_roles(games), **_pace(games)}
+
+
+def summarize_roles(games: list[dict]) -> dict[str, dict[str, float]]:
+    """`summarize_games` for a list of games.jsonl records, without the pace."""
     out: dict[str, dict[str, float]] = {}
     for role in sorted({r for g in games for r in g.get("role_rewards", {})}):
         played = [g for g in games if role in g["role_rewards"]]
         replies = sum(g.get("replies", {}).get(role, 0) for g in played)
         invalid = sum(g.get("invalid_actions", {}).get(role, 0) for g in played)
+        decided = [g for g in played if g.get("winner") is not None and role in g.get("teams", {})]
+        won = sum(g["teams"][role] == g["winner"] for g in decided)
         out[role] = {
             "games": len(played),
             "mean_reward": sum(g["role_rewards"][role] for g in played) / len(played),
             "valid_reply_rate": 1 - invalid / replies if replies else math.nan,
+            "win_rate": won / len(decided) if decided else math.nan,
         }
+    return out
+
+
+def percent(rate: float) -> str:
+    """A rate for a table: "-" for NaN (nothing counted: no replies, no recorded winner)."""
+    return "-" if rate != rate else f"{100 * rate:.0f}%"
+
+
+def _pace(games: list[dict]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
     if len(games) > 1:
         hours = (games[-1]["time"] - games[0]["time"]) / 3600
         out["all"] = {"games": len(games), "games_per_hour": (len(games) - 1) / hours if hours > 0 else math.nan}

@@ -4,7 +4,8 @@ The run directory (`run.run_dir`, default `runs/<name>`) gets:
   topology.yaml             the resolved topology (overrides applied)
   logs/<server>.log         output of every local server
   servers/<server>/         each local server's data dir: ledger, checkpoints, metrics.jsonl (one line per step)
-  games.jsonl               one line per finished game: task, rewards per role, policy versions, invalid actions
+  games.jsonl               one line per finished game: task, rewards per role, policy versions, invalid actions,
+                            the winner (for games with teams)
   reward_curves.png         mean reward per role against each trainable server's policy version (`marl plot`)
   servers.json              where the local servers listen, for `marl overwatch TOPOLOGY.yaml` (owner-only)
 Ctrl-C aborts every open lease and stops the servers this run started.
@@ -39,7 +40,7 @@ from marl.coordinator import (
     tasks,
 )
 from marl.launch import SERVERS_FILE, ServerProcess
-from marl.plot import plot_run, summarize_games
+from marl.plot import percent, plot_run, summarize_games
 from marl.protocol import EngineState
 from marl.topology import ServerKind, Topology
 
@@ -154,13 +155,12 @@ def _print_summary(run_dir: Path, console: Console) -> None:
     if not stats:
         return
     table = Table(title=f"games in {run_dir / 'games.jsonl'}", title_justify="left")
-    for column in ("role", "games", "mean reward", "valid replies"):
+    for column in ("role", "games", "mean reward", "valid replies", "won"):
         table.add_column(column, justify="left" if column == "role" else "right")
     for role, row in stats.items():
         if role != "all":
-            rate = row["valid_reply_rate"]
             table.add_row(role, str(int(row["games"])), f"{row['mean_reward']:.3f}",
-                          "-" if rate != rate else f"{100 * rate:.1f}%")
+                          *(percent(row[key]) for key in ("valid_reply_rate", "win_rate")))
     if "all" in stats:
         table.caption = f"{stats['all']['games_per_hour']:.0f} games/hour"
     console.print(table)

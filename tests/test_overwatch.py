@@ -295,3 +295,23 @@ def test_training_record_reads_back_its_tail_and_writes_tensorboard_when_install
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, round(e.value, 3)) for e in events.Scalars("reward_mean")] == [(1, 0.5), (2, 0.75)]
+
+
+def test_game_summaries_count_valid_replies_and_wins_per_role():
+    from marl.plot import percent, summarize_roles
+
+    games = [
+        {"role_rewards": {"wolf": 1, "seer": 0}, "replies": {"wolf": 4, "seer": 2}, "invalid_actions": {"wolf": 1},
+         "winner": "wolves", "teams": {"wolf": "wolves", "seer": "village"}},
+        {"role_rewards": {"wolf": 0, "seer": 1}, "replies": {"wolf": 4, "seer": 2}, "invalid_actions": {"seer": 2},
+         "winner": "village", "teams": {"wolf": "wolves", "seer": "village"}},
+        {"role_rewards": {"wolf": 0, "seer": 0}, "replies": {"wolf": 2}, "winner": "draw",
+         "teams": {"wolf": "wolves", "seer": "village"}},
+        {"role_rewards": {"wolf": 1, "seer": 0}},  # written before winners were recorded: not counted for wins
+    ]
+    stats = summarize_roles(games)
+    assert stats["wolf"] == {"games": 4, "mean_reward": 0.5, "valid_reply_rate": 1 - 1 / 10, "win_rate": 1 / 3}
+    assert stats["seer"]["valid_reply_rate"] == 0.5 and stats["seer"]["win_rate"] == 1 / 3
+    no_winners = summarize_roles([{"role_rewards": {"speaker": 1.0}}])["speaker"]
+    assert percent(no_winners["win_rate"]) == percent(no_winners["valid_reply_rate"]) == "-"
+    assert percent(0.125) == "12%"

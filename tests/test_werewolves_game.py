@@ -36,6 +36,11 @@ def test_llm_werewolves_and_seer_train_on_their_own_servers(tmp_path):
     assert len(wolves_seats) == 3
     assert set(result.role_rewards) == {"werewolf", "seer", "villager", "witch", "hunter"}
     assert result.role_rewards["seer"] == result.role_rewards["villager"]  # one team, one result
+    assert result.teams == {"werewolf": "werewolves", "seer": "village", "villager": "village", "witch": "village",
+                            "hunter": "village"}
+    assert result.winner in ("werewolves", "village", "draw")
+    village_won = {"werewolves": 0.0, "village": 1.0, "draw": 0.0}[result.winner]  # draw_reward defaults to 0
+    assert result.role_rewards["villager"] == village_won
 
     for server, data, role in (("wolves_model", "wolves", "werewolf"), ("seer_model", "seer", "seer")):
         rows = samples(tmp_path / data)
