@@ -32,7 +32,7 @@ from textual.widgets import Footer, Static
 
 from marl.client import SwarmClient, SwarmError
 from marl.launch import SERVERS_FILE
-from marl.protocol import EngineState, MonitorSnapshot
+from marl.protocol import EngineState, MonitorSnapshot, TrainingProgress
 
 _STATE_STYLE = {
     EngineState.OFFLINE: "bold white on grey35",
@@ -105,6 +105,8 @@ class ServerView:
         head.append(f" {status.state.value} ", style=_STATE_STYLE.get(status.state, "bold"))
         head.append(f"  policy v{status.policy_version}  {status.model}  up {_duration(now - snap.started_at)}")
         lines: list[RenderableType] = [head]
+        if snap.training is not None:
+            lines.append(_training_line(snap.training))
         if self.problem is not None:
             lines.append(Text(f"UNREACHABLE for {now - self.unreachable_since:.0f}s (last seen "
                               f"{_duration(now - self.last_ok)} ago): {self.problem}", style="bold red"))
@@ -174,6 +176,14 @@ def sparkline(values: list[float]) -> str:
 def _bar(value: float, total: float, width: int = 12, style: str = "green") -> Text:
     filled = 0 if total <= 0 else max(0, min(width, round(width * value / total)))
     return Text.assemble(("█" * filled, style), ("░" * (width - filled), "dim"))
+
+
+def _training_line(training: TrainingProgress) -> Text:
+    what = f"step {training.step} on {training.samples} samples · {_duration(training.seconds)}"
+    if training.done is None or not training.total:
+        return Text(f"training {what}")
+    return Text.assemble("training ", _bar(training.done, training.total),
+                         f" {training.done}/{training.total} micro-batches · {what}")
 
 
 def _duration(seconds: float) -> str:

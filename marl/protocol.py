@@ -179,6 +179,16 @@ class ErrorEvent(BaseModel):
     message: str
 
 
+class TrainingProgress(BaseModel):
+    """The training step in progress (a server in WEIGHT_SYNCING)."""
+
+    step: int  # the policy version it will produce
+    seconds: float  # since the step began
+    samples: int
+    done: int | None = None  # units of work done (GRPO: micro-batch passes); None: the trainer does not say
+    total: int | None = None
+
+
 class MonitorSnapshot(BaseModel):
     """What a monitor shows for one server, read in one call (`GET /control/monitor`)."""
 
@@ -190,6 +200,7 @@ class MonitorSnapshot(BaseModel):
     tokens_per_s: float = 0.0  # generated tokens per second over the last `rate_window_s`
     rate_window_s: float = 0.0
     errors: list[ErrorEvent] = []  # the latest errors, oldest first
+    training: TrainingProgress | None = None  # while a training step runs
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -86,6 +86,9 @@ class Trainer(abc.ABC):
 
     #: Steps taken so far (restored by `load`); the policy version the engine serves after `named_weights` sync.
     step_count: int
+    #: (done, total) units of work of the step running now (GRPO: micro-batch passes), None when unknown: read by
+    #: monitors from another thread while a long step runs.
+    progress: tuple[int, int] | None = None
 
     @abc.abstractmethod
     def step(self, batch: TrainBatch) -> dict[str, float]:

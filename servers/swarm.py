@@ -38,6 +38,7 @@ from marl.protocol import (
     PoolInfo,
     ServerStatus,
     TrainConfig,
+    TrainingProgress,
 )
 from servers.chat import ChatFormatter
 from servers.checkpoints import CheckpointDir
@@ -116,6 +117,7 @@ class SwarmServer:
         self.step = 0  # = policy version: training steps taken by the served model
         self.engine: InferenceEngine | None = None
         self.trainer: Trainer | None = None
+        self._training: tuple[int, int, float] | None = None  # (step, samples, monotonic start) while one runs
         self.formatter: ChatFormatter | None = None
         self.leases = LeaseTable()
         self.counters: collections.Counter[str] = collections.Counter()
@@ -288,7 +290,17 @@ class SwarmServer:
             tokens_per_s=self.tokens_per_s(),
             rate_window_s=RATE_WINDOW_S,
             errors=list(self.errors),
+            training=self._training_progress(),
         )
+
+    def _training_progress(self) -> TrainingProgress | None:
+        started = self._training
+        if started is None or self.state != EngineState.WEIGHT_SYNCING:
+            return None
+        step, samples, since = started
+        progress = getattr(self.trainer, "progress", None)
+        done, total = progress if progress is not None else (None, None)
+        return TrainingProgress(step=step, seconds=time.monotonic() - since, samples=samples, done=done, total=total)
 
     def tokens_per_s(self) -> float:
         """Generated tokens per second over the last RATE_WINDOW_S (calls that finished in the window)."""
@@ -544,7 +556,11 @@ class SwarmServer:
             dropped_stale=dropped,
         )
         log.info("step %d: training on %d groups", step, len(batch.groups))
-        metrics = await asyncio.to_thread(trainer.step, batch)
+        self._training = (step, sum(len(g.samples) for g in batch.groups), time.monotonic())
+        try:
+            metrics = await asyncio.to_thread(trainer.step, batch)
+        finally:
+            self._training = None
         await asyncio.to_thread(engine.load_weights, trainer.named_weights())
         release_freed_memory()
         if config.save_freq and step % config.save_freq == 0:

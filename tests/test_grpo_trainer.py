@@ -259,6 +259,24 @@ def test_micro_batching_gives_the_same_gradient(model_dir, tokenizer):
             torch.testing.assert_close(grads[budget][0][name], g, rtol=1e-4, atol=1e-6)
 
 
+def test_progress_counts_micro_batch_passes_during_a_step(model_dir, tokenizer, monkeypatch):
+    trainer = GRPOTrainer(model_dir, config(micro_batch_tokens=16, ppo_epochs=2))
+    batch = make_batch(trainer, tokenizer)
+    seen = []
+    backward = torch.Tensor.backward
+
+    def watch(tensor, *args, **kwargs):  # progress as a monitor on another thread would read it, pass by pass
+        seen.append(trainer.progress)
+        return backward(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", watch)
+    assert trainer.progress is None
+    m = trainer.step(batch)
+    passes = 2 * int(m["micro_batches"])
+    assert m["micro_batches"] > 1 and seen == [(i, passes) for i in range(passes)]
+    assert trainer.progress is None  # between steps
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Weights and checkpoints
 # --------------------------------------------------------------------------------------------------------------

@@ -100,10 +100,10 @@ async def _drive_overwatch(srv, http) -> None:
     real_factory = srv.swarm._trainer_factory
     release = threading.Event()
 
-    def slow_trainer(model_path, config):  # hold WEIGHT_SYNCING until the screen has shown it
+    def slow_trainer(model_path, config):  # hold the training step, before its first pass, until the screen shows it
         trainer = real_factory(model_path, config)
-        step = trainer.step
-        trainer.step = lambda batch: (release.wait(30), step(batch))[1]
+        accumulate = trainer.accumulate_gradients
+        trainer.accumulate_gradients = lambda *args, **kwargs: (release.wait(30), accumulate(*args, **kwargs))[1]
         return trainer
 
     srv.swarm._trainer_factory = slow_trainer
@@ -121,7 +121,8 @@ async def _drive_overwatch(srv, http) -> None:
         assert "3/4 episodes" in text
 
         play_episode(http, "b", 0.0)  # the batch is complete: train (held) and sync
-        await wait_for(pilot, app, lambda t: "WEIGHT_SYNCING" in t, "WEIGHT_SYNCING")
+        text = await wait_for(pilot, app, lambda t: "WEIGHT_SYNCING" in t and "micro-batches" in t, "WEIGHT_SYNCING")
+        assert re.search(r"training ░+ 0/1 micro-batches · step 1 on 4 samples · \d+s", text), text
         release.set()
         text = await wait_for(pilot, app, lambda t: "policy v1" in t and "ROLLING " in t, "v1, ROLLING")
         assert "0/2 groups" in text and "0.500 ± 0.500" in text, text  # pool emptied; the step's reward

@@ -339,6 +339,7 @@ class GRPOTrainer(Trainer):
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         t0 = time.perf_counter()
+        self.progress = None  # until the passes are known (a failed step may have left its count behind)
         cfg = self.config
         if batch.step != self.step_count + 1:
             log.warning("batch.step=%d but the trainer is at step %d", batch.step, self.step_count)
@@ -377,6 +378,7 @@ class GRPOTrainer(Trainer):
         micro_batches = pack_micro_batches([len(s.token_ids) for s, _ in items], cfg.micro_batch_tokens)
         totals: dict[str, float] = defaultdict(float)
         grad_norms, optimizer_steps = [], 0
+        self.progress = (0, cfg.ppo_epochs * len(micro_batches))
         for epoch in range(cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             stats = self.accumulate_gradients(items, micro_batches)
@@ -392,6 +394,7 @@ class GRPOTrainer(Trainer):
                 if epoch == 0 or not key.startswith("logprob_diff"):
                     totals[key] = max(totals[key], value) if key.endswith("_max") else totals[key] + value
         self.step_count += 1
+        self.progress = None
 
         tokens = totals["tokens"]  # trained tokens summed over epochs
         metrics.update(
@@ -457,6 +460,8 @@ class GRPOTrainer(Trainer):
             per_sample = (loss_t * mask).sum(-1) / tokens_per_sample
             loss = per_sample.sum() / num_samples
             loss.backward()
+            if self.progress is not None:
+                self.progress = (self.progress[0] + 1, self.progress[1])
 
             with torch.no_grad():
                 trained = mask.bool()
