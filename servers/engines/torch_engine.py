@@ -663,7 +663,10 @@ class TorchEngine(InferenceEngine):
             else:
                 self.stats.finished_requests += 1
             if finish is not None and self.prefix_cache is not None:
-                self._remember(batch, row, request)  # before the last chunk: the next call may follow at once
+                try:
+                    self._remember(batch, row, request)  # before the last chunk: the next call may follow at once
+                except Exception:  # noqa: BLE001 - e.g. out of memory: the cache is an optimisation, never a failure
+                    log.warning("prefix cache: could not keep a finished request's keys/values", exc_info=True)
             request.post(GenerationChunk([token], [logprob], finish))
         return batch.keep(keep)
 
