@@ -106,6 +106,8 @@ class TrainConfig(_Strict):
     skip_zero_variance_groups: bool = Field(True, description="Skip groups whose rewards are all equal (counted).")
     micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of one forward/backward micro-batch.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each batch.")
+    gradient_checkpointing: bool = Field(False, description="Recompute each layer's activations in the backward pass:"
+                                         " far less memory on long conversations, about a third more compute.")
     # Checkpoints
     save_freq: int = Field(1, ge=0, description="Checkpoint every N steps; 0 disables checkpoints.")
     keep_checkpoints: int = Field(2, ge=1)

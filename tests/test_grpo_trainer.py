@@ -381,3 +381,28 @@ def test_crash_mid_save_leaves_no_checkpoint(model_dir, tmp_path, monkeypatch):
     fresh = GRPOTrainer(model_dir, config())
     fresh.load(checkpoints.latest())
     assert fresh.step_count == 1
+
+
+def test_gradient_checkpointing_gives_the_same_step_with_dropout_still_off(model_dir, tokenizer):
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    batch_of = {}
+    weights = {}
+    for checkpointing in (False, True):
+        trainer = GRPOTrainer(model_dir, config(gradient_checkpointing=checkpointing, kl_coef=0.05))
+        batch_of[checkpointing] = trainer.step(make_batch(trainer, tokenizer))
+        weights[checkpointing] = dict(trainer.named_weights())
+        layers = [m for m in trainer.policy.modules() if isinstance(m, GradientCheckpointingLayer)]
+        assert layers and all(layer.gradient_checkpointing == checkpointing for layer in layers)
+        # Only the layer modules are flagged as training (transformers checkpoints only then); nothing else is.
+        assert {m.training for m in trainer.policy.modules() if m not in layers} == {False}
+    plain, recomputed = batch_of[False], batch_of[True]
+    assert recomputed["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=1e-7)
+    assert recomputed["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
+    assert recomputed["logprob_diff_max"] < 1e-5  # the training forward still reproduces the engine's logprobs
+    for name, tensor in weights[False].items():
+        torch.testing.assert_close(weights[True][name], tensor, rtol=1e-5, atol=1e-7)
+    trainer.config = config(gradient_checkpointing=False)  # a config synced between steps turns it off again
+    trainer.step(make_batch(trainer, tokenizer, step=2))
+    assert not trainer.policy.is_activation_checkpointing
+    assert {m.training for m in trainer.policy.modules()} == {False}

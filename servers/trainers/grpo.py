@@ -305,6 +305,27 @@ def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> to
     return model
 
 
+def _set_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
+    """Turn activation recomputation of the decoder layers on or off (a Werewolves player's merged conversation of
+    5k tokens needs about 12 GB of saved activations for SmolLM2-135M in fp32 without it).
+
+    transformers only checkpoints a layer in training mode, and the policy stays in eval mode (dropout off, so the
+    training forward reproduces the engine's logprobs). So only the layer modules themselves are flagged as
+    training: their submodules, dropout included, stay in eval mode.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if enabled and not layers:
+        raise ValueError(f"gradient_checkpointing: {type(model).__name__} has no checkpointable decoder layers")
+    if enabled and not model.is_activation_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif not enabled and model.is_activation_checkpointing:
+        model.activation_checkpointing_disable()
+    for layer in layers:
+        layer.training = enabled
+
+
 class GRPOTrainer(Trainer):
     """GRPO + PPO-clip on a Hugging Face causal LM, CPU or one GPU."""
 
@@ -375,6 +396,7 @@ class GRPOTrainer(Trainer):
 
         # 2-4. ppo_epochs passes; each pass = forward/backward over all micro-batches, then one optimizer step.
         self._sync_optimizer_hparams()
+        _set_gradient_checkpointing(self.policy, cfg.gradient_checkpointing)
         micro_batches = pack_micro_batches([len(s.token_ids) for s, _ in items], cfg.micro_batch_tokens)
         totals: dict[str, float] = defaultdict(float)
         grad_norms, optimizer_steps = [], 0
