@@ -64,9 +64,13 @@ class PrefixCache:
         self._entries.move_to_end(best_id)
         return self._entries[best_id], best
 
+    def accepts(self, length: int) -> bool:
+        """Whether a sequence of `length` tokens would be kept (ask before copying its keys/values)."""
+        return self.min_reuse <= length <= self.budget_tokens
+
     def insert(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Keep a finished sequence's keys/values (already copied out of the running batch)."""
-        if len(tokens) < self.min_reuse or len(tokens) > self.budget_tokens:
+        if not self.accepts(len(tokens)):
             return
         entry = CachedPrefix(torch.tensor(tokens, dtype=torch.long), keys, values)
         for entry_id, old in list(self._entries.items()):  # entries this one extends are no use any more

@@ -673,13 +673,14 @@ class TorchEngine(InferenceEngine):
     def _remember(self, batch: _Batch, row: int, request: _Request) -> None:
         """Copy a finished row's keys/values into the prefix cache: its prompt and all but its last token (the
         last one was sampled, never fed back)."""
+        cache = self.prefix_cache
         tokens = request.prompt_ids + request.token_ids[:-1]
-        if len(tokens) < self.prefix_cache.min_reuse:  # type: ignore[union-attr]
+        if cache is None or not cache.accepts(len(tokens)):
             return
         start = batch.mask.shape[1] - len(tokens)  # rows are right-aligned: the row's tokens end the cache
         keys = [layer.keys[row, :, start:].clone() for layer in batch.layers]
         values = [layer.values[row, :, start:].clone() for layer in batch.layers]
-        self.prefix_cache.insert(tokens, keys, values)  # type: ignore[union-attr]
+        cache.insert(tokens, keys, values)
 
     def _finish_reason(self, request: _Request, token: int) -> str | None:
         if token in self.eos_token_ids:
