@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", help="model id clients send (default: the --model value)")
     serve.add_argument("--public-url", help="base URL handed to agents (default: the URL the client used)")
     serve.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    serve.add_argument("--prefix-cache-gb", type=_gigabytes, default=2.0,
+    serve.add_argument("--prefix-cache-gb", type=_gigabytes,
                        help="memory for the keys/values of finished calls, reused by the next turn of the same"
                             " conversation instead of prefilling it again (default: 2; 0 turns it off)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

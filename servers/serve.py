@@ -26,15 +26,16 @@ class ServeOptions:
     served_model_name: str | None = None
     public_url: str | None = None
     device: str | None = None
-    prefix_cache_gb: float = 2.0
+    prefix_cache_gb: float | None = None  # None: the engine's default
     log_level: str = "info"
 
 
-def torch_engine_factory(device: str | None, prefix_cache_gb: float = 2.0):
+def torch_engine_factory(device: str | None, prefix_cache_gb: float | None = None):
     def build(model_dir: Path):
         from servers.engines.torch_engine import TorchEngine
 
-        return TorchEngine(model_dir, device=device, prefix_cache_bytes=int(prefix_cache_gb * 2**30))
+        sizing = {} if prefix_cache_gb is None else {"prefix_cache_bytes": int(prefix_cache_gb * 2**30)}
+        return TorchEngine(model_dir, device=device, **sizing)
 
     return build
 
