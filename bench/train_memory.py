@@ -27,11 +27,11 @@ def peak_rss_gb() -> float:
 
 
 def one_setting(model_dir: Path, tokens: int, samples: int, checkpointing: bool) -> dict[str, float]:
-    from marl.protocol import TrainConfig
+    from marl.protocol import GRPOConfig
     from servers.interfaces import Group, Sample, TrainBatch
     from servers.trainers.grpo import GRPOTrainer
 
-    trainer = GRPOTrainer(model_dir, TrainConfig(gradient_checkpointing=checkpointing, micro_batch_tokens=tokens))
+    trainer = GRPOTrainer(model_dir, GRPOConfig(gradient_checkpointing=checkpointing, micro_batch_tokens=tokens))
     loaded = peak_rss_gb()
     vocab = trainer.policy.get_input_embeddings().num_embeddings
     batch = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # --------------------------------------------------------------------------------------------------------------
 # Routes and headers (one place, so server and client cannot drift apart)
@@ -36,6 +36,10 @@ ROUTE_METRICS = "/metrics"  # Prometheus text format, no auth (counts only, as v
 AGENT_HEADER = "X-Marl-Agent"
 #: Agent tag used when a call carries neither the header nor `user`.
 DEFAULT_AGENT = "default"
+#: Environment variable holding a server's admin token (read by `marl serve`, clients, `marl run`, overwatch).
+ADMIN_TOKEN_ENV = "MARL_ADMIN_TOKEN"
+#: Every episode key starts with this, so the control plane can tell a misplaced episode key from a wrong token.
+EPISODE_KEY_PREFIX = "marl-ep-"
 
 
 class _Strict(BaseModel):
@@ -45,7 +49,7 @@ class _Strict(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Errors
+# Engine states and errors
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -58,11 +62,56 @@ class EngineState(str, enum.Enum):
     STATIC = "STATIC"  # `marl serve --static`: serves the model, no leases, no training
 
 
+#: States of a trainable engine that has been started (serving, draining or training).
+RUNNING_STATES = frozenset({EngineState.ROLLING, EngineState.ROLLING_POST, EngineState.WEIGHT_SYNCING})
+
+
+class ErrorType(str, enum.Enum):
+    """OpenAI's error `type`: the broad class of an error."""
+
+    INVALID_REQUEST = "invalid_request_error"
+    AUTHENTICATION = "authentication_error"
+    PERMISSION = "permission_error"
+    SERVER = "server_error"
+
+
+class ErrorCode(str, enum.Enum):
+    """Every `error.code` a swarm server sends. Clients branch on these, never on the message text."""
+
+    # 400: the request itself is wrong
+    INVALID_REQUEST = "invalid_request"  # body or parameters fail validation
+    INVALID_MESSAGES = "invalid_messages"  # messages cannot be rendered into a prompt
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens over the model's context
+    # 401 / 403: who is asking
+    UNAUTHORIZED = "unauthorized"  # control plane: missing or wrong admin token
+    INVALID_API_KEY = "invalid_api_key"  # data plane: missing, unknown or dead episode key
+    NOT_LEASE_HOLDER = "not_lease_holder"  # another client holds the episode
+    # 404 / 405: what is asked for does not exist
+    EPISODE_NOT_FOUND = "episode_not_found"
+    MODEL_NOT_FOUND = "model_not_found"
+    ROUTE_NOT_FOUND = "route_not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    # 409: not in this state (do something else first)
+    ENGINE_NOT_OFFLINE = "engine_not_offline"
+    STATIC_SERVER = "static_server"
+    # 409 or 503: no lease now (503 with retry_after_s while BOOTING / ROLLING_POST / WEIGHT_SYNCING)
+    ENGINE_NOT_ROLLING = "engine_not_rolling"
+    # 503: wait and retry (retry_after_s is set)
+    NO_FREE_SLOT = "no_free_slot"
+    ENGINE_BOOTING = "engine_booting"
+    ENGINE_UNAVAILABLE = "engine_unavailable"
+    # 5xx: the server failed
+    ENGINE_ERROR = "engine_error"  # generation failed
+    INTERNAL_ERROR = "internal_error"  # anything unexpected
+    HTTP_ERROR = "http_error"  # another HTTP-level refusal
+
+
 class ErrorInfo(BaseModel):
     """OpenAI-shaped error (`{"error": {...}}`), plus what a client needs to decide whether to retry."""
 
     message: str
-    type: str = "invalid_request_error"
+    type: str = ErrorType.INVALID_REQUEST.value
+    #: An `ErrorCode` value from a swarm server; a str here so that errors from other servers still parse.
     code: str | None = None
     param: str | None = None
     state: EngineState | None = None
@@ -79,22 +128,9 @@ class ErrorResponse(BaseModel):
 # --------------------------------------------------------------------------------------------------------------
 
 
-class TrainConfig(_Strict):
-    """Every hyperparameter of a server's rollout pool and trainer, with its default.
+class GRPOConfig(_Strict):
+    """The GRPO trainer's section of a `TrainConfig` (`train.grpo`): the objective and the optimiser."""
 
-    Clients send overrides through `POST /control/config` (`SwarmClient.sync_train_config`).
-    """
-
-    # Rollout pool and batch assembly
-    job: str = Field("default", min_length=1, description="Job name: task ids are namespaced by it.")
-    batch_size: int = Field(4, ge=1, description="GRPO groups per training step.")
-    num_repeat: int = Field(4, ge=1, description="Episodes per group (GRPO group size).")
-    max_leases: int = Field(256, ge=1, description="Leases that may run at once; more begin calls wait.")
-    lease_patience_s: float = Field(300.0, gt=0, description="A lease idle this long expires; its slot is re-queued.")
-    max_staleness: int = Field(
-        1, ge=0, description="Samples produced this many policy versions before the trained one are dropped (counted)."
-    )
-    # Optimisation (GRPO + PPO-clip)
     learning_rate: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     adam_betas: tuple[float, float] = (0.9, 0.999)
@@ -108,10 +144,65 @@ class TrainConfig(_Strict):
     ppo_epochs: int = Field(1, ge=1, description="Passes over each batch.")
     gradient_checkpointing: bool = Field(False, description="Recompute each layer's activations in the backward pass:"
                                          " far less memory on long conversations, about a third more compute.")
+
+
+#: Trainer name -> the config class of its section in `TrainConfig` (the section's key is the trainer's name).
+TRAINER_SECTIONS: dict[str, type[BaseModel]] = {"grpo": GRPOConfig}
+
+
+class TrainConfig(_Strict):
+    """A trainable server's configuration: rollout pool settings, then the section of the trainer it runs.
+
+    Clients send it through `POST /control/config` (`SwarmClient.sync_train_config`). The pool settings are the
+    same whatever the trainer; `trainer` names the trainer, whose own knobs live in the section of that name
+    (`grpo` today), so a new trainer adds a section without touching the pool's. For the seed-style flat call
+    (`{"batch_size": 4, "num_repeat": 4, "learning_rate": 1e-5}`), keys of the chosen trainer's section given at
+    the top level are moved into it; any other unknown key is refused.
+    """
+
+    # Rollout pool and batch assembly
+    job: str = Field("default", min_length=1, description="Job name: task ids are namespaced by it.")
+    batch_size: int = Field(4, ge=1, description="GRPO groups per training step.")
+    num_repeat: int = Field(4, ge=1, description="Episodes per group (GRPO group size).")
+    max_leases: int = Field(256, ge=1, description="Leases that may run at once; more begin calls wait.")
+    lease_patience_s: float = Field(300.0, gt=0, description="A lease idle this long expires; its slot is re-queued.")
+    max_staleness: int = Field(
+        1, ge=0, description="Samples produced this many policy versions before the trained one are dropped (counted)."
+    )
     # Checkpoints
     save_freq: int = Field(1, ge=0, description="Checkpoint every N steps; 0 disables checkpoints.")
     keep_checkpoints: int = Field(2, ge=1)
     seed: int = 0
+    # The trainer
+    trainer: Literal["grpo"] = Field("grpo", description="Which trainer steps the policy; its knobs are the section"
+                                                         " of the same name.")
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="The GRPO trainer's settings.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_trainer_keys(cls, data: Any) -> Any:
+        """Move the chosen trainer's keys given at the top level (the seed's flat dict) into its section."""
+        if not isinstance(data, dict):
+            return data
+        name = data.get("trainer", "grpo")
+        section_class = TRAINER_SECTIONS.get(name) if isinstance(name, str) else None
+        flat = [k for k in data if section_class and k in section_class.model_fields and k not in cls.model_fields]
+        if not flat:
+            return data
+        data = dict(data)
+        section = data.get(name) or {}
+        section = dict(section) if isinstance(section, dict) else section.model_dump(exclude_unset=True)
+        for key in flat:
+            if key in section:
+                raise ValueError(f"{key} is given twice: at the top level and in {name}.{key}; keep one")
+            section[key] = data.pop(key)
+        data[name] = section
+        return data
+
+    @property
+    def trainer_section(self) -> BaseModel:
+        """The settings of the chosen trainer (`self.grpo` when `trainer` is "grpo")."""
+        return getattr(self, self.trainer)
 
 
 class ConfigResponse(BaseModel):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import uvicorn
 
+from marl.protocol import TrainConfig
 from servers.app import create_app
 from servers.swarm import SwarmServer
 
@@ -41,10 +42,10 @@ def torch_engine_factory(device: str | None, prefix_cache_gb: float | None = Non
 
 
 def grpo_trainer_factory(device: str | None):
-    def build(model_dir: Path, config):
+    def build(model_dir: Path, config: TrainConfig):
         from servers.trainers.grpo import GRPOTrainer
 
-        return GRPOTrainer(model_dir, config, device=device)
+        return GRPOTrainer(model_dir, config.grpo, device=device)
 
     return build
 

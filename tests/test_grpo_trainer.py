@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from marl.protocol import Sample, TrainConfig
+from marl.protocol import GRPOConfig, Sample
 from servers.checkpoints import CheckpointDir
 from servers.interfaces import Group, TrainBatch
 from servers.tiny_model import build_tiny_model
@@ -47,10 +47,10 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def config(**overrides) -> TrainConfig:
-    base = dict(learning_rate=1e-3, micro_batch_tokens=4096, num_repeat=2)
+def config(**overrides) -> GRPOConfig:
+    base = dict(learning_rate=1e-3, micro_batch_tokens=4096)
     base.update(overrides)
-    return TrainConfig(**base)
+    return GRPOConfig(**base)
 
 
 def encode(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
@@ -185,18 +185,19 @@ def test_update_moves_probability_toward_reward(model_dir, tokenizer):
 
 
 def test_ratio_is_one_on_first_pass(model_dir, tokenizer):
-    # Budget 16 < every sequence: each goes alone in its micro-batch, exactly as token_logprobs saw it -> ratio == 1.
+    # Budget 16 < every sequence: each goes alone in its micro-batch, as token_logprobs saw it -> ratio 1 up to float
+    # noise (kernels may differ between the two calls on another CPU: 5e-7 was seen); a wrong pairing is off by > 0.1.
     trainer = GRPOTrainer(model_dir, config(micro_batch_tokens=16, ppo_epochs=2))
     batch = make_batch(trainer, tokenizer)
     m = trainer.step(batch)
     assert m["micro_batches"] == 4.0
-    assert m["logprob_diff_max"] == 0.0 and m["logprob_diff_mean"] == 0.0
+    assert m["logprob_diff_max"] < 1e-5 and m["logprob_diff_mean"] < 1e-5
     assert m["optimizer_steps"] == 2.0
-    # A pass directly on the untouched model: ratio exactly 1, nothing clipped, KL(old||new) 0.
+    # A pass directly on the untouched model: ratio 1, nothing clipped, KL(old||new) 0 (up to float noise).
     fresh = GRPOTrainer(model_dir, config(micro_batch_tokens=16))
     items = [(s, a) for s, a in compute_advantages(batch.groups).items]
     stats = fresh.accumulate_gradients(items)
-    assert stats["clipped"] == 0.0 and stats["kl_old"] == 0.0 and stats["logprob_diff_max"] == 0.0
+    assert stats["clipped"] == 0.0 and abs(stats["kl_old"]) < 1e-6 and stats["logprob_diff_max"] < 1e-5
     # Padded together in one micro-batch: equal up to kernel noise, still nothing clipped.
     big = GRPOTrainer(model_dir, config(micro_batch_tokens=4096))
     m = big.step(batch)

@@ -49,7 +49,7 @@ def test_sigkill_between_steps_resumes_at_the_right_step_with_the_same_optimizer
     served = load_file(checkpoints[2] / "model.safetensors")
 
     def replay(resume: bool) -> float:
-        trainer = GRPOTrainer(tiny_model, TrainConfig(**CONFIG), device="cpu")
+        trainer = GRPOTrainer(tiny_model, TrainConfig(**CONFIG).grpo, device="cpu")
         if resume:
             trainer.load(checkpoints[1])
         else:

@@ -110,11 +110,11 @@ def test_shipped_topologies_import_their_env():
 
 
 def test_overrides_are_merged_and_interpolated():
-    topo = Topology.load(CPU, ["run.max_steps=5", "servers.speaker_model.train.learning_rate=1e-5", "name=quick",
+    topo = Topology.load(CPU, ["run.max_steps=5", "servers.speaker_model.train.grpo.learning_rate=1e-5", "name=quick",
                                "run.games=40", "env.args.num_items=4"], check_env=False)
     assert topo.spec.run.max_steps == 5 and topo.spec.run.games == 40
-    assert topo.spec.servers["speaker_model"].train.learning_rate == 1e-5
-    assert topo.spec.servers["listener_model"].train.learning_rate == 2e-5
+    assert topo.spec.servers["speaker_model"].train.grpo.learning_rate == 1e-5
+    assert topo.spec.servers["listener_model"].train.grpo.learning_rate == 2e-5
     assert topo.spec.env.args == {"num_items": 4, "naming_bonus": 0.5}
     assert topo.spec.run.run_dir == Path("runs/quick")  # run_dir: runs/${name} follows the overridden name
     assert topo.overrides[0] == "run.max_steps=5"
@@ -200,7 +200,7 @@ def test_team_defaults_to_role_name(base):
 def _set(data: dict, dotted: str, value) -> None:
     *parents, last = dotted.split(".")
     for p in parents:
-        data = data[p]
+        data = data.setdefault(p, {})
     if value is _DEL:
         del data[last]
     else:
@@ -242,12 +242,12 @@ CASES = {
     "unknown server key": ({"servers.small.trainble": True}, "servers.small.trainble",
                            ["did you mean 'trainable'", "the keys of a server are"]),
     "unknown role key": ({"roles.seer.sever": "small"}, "roles.seer.sever", ["did you mean 'server'"]),
-    "unknown train key": ({"servers.small.train.learning_rat": 1e-5}, "servers.small.train.learning_rat",
+    "unknown train key": ({"servers.small.train.grpo.learning_rat": 1e-5}, "servers.small.train.grpo.learning_rat",
                           ["did you mean 'learning_rate'"]),
     "unknown run key": ({"run.max_stepz": 3}, "run.max_stepz", ["did you mean 'max_steps'"]),
     "unknown env key": ({"env.argz": {}}, "env.argz", ["did you mean 'args'"]),
     "bad type": ({"run.concurrency": "lots"}, "run.concurrency", ["valid integer", "'lots'"]),
-    "bad train value": ({"servers.small.train.learning_rate": -1}, "servers.small.train.learning_rate",
+    "bad train value": ({"servers.small.train.grpo.learning_rate": -1}, "servers.small.train.grpo.learning_rate",
                         ["greater than 0"]),
     "missing env": ({"env": _DEL}, "env", ["required key is missing"]),
     "repeats != num_repeat": ({"run.repeats": 6}, "run.repeats",
@@ -399,7 +399,7 @@ def test_cli_show(capsys):
     out = capsys.readouterr().out
     for text in ["signalling-3-servers", "speaker_model", "local trainable", "frozen", "local static",
                  "observer ×1", "envs.signalling:SignallingGame", "num_items=3", "max_steps=7", "repeats=4",
-                 "learning_rate=2e-05", "teams"]:
+                 "grpo={'learning_rate': 2e-05}", "teams"]:
         assert text in out, text
     assert "\x1b[" not in out  # plain text when piped
 

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from marl.protocol import Sample, TrainConfig
+from marl.protocol import GRPOConfig, Sample
 from servers.interfaces import Group, TrainBatch, Trainer
 
 __all__ = [
@@ -332,7 +332,7 @@ class GRPOTrainer(Trainer):
     def __init__(
         self,
         model_dir: str | Path,
-        config: TrainConfig,
+        config: GRPOConfig,
         *,
         device: str | torch.device | None = None,
         dtype: torch.dtype | str | None = None,
@@ -500,7 +500,7 @@ class GRPOTrainer(Trainer):
         return dict(stats)
 
     def _sync_optimizer_hparams(self) -> None:
-        """Apply the current config (the server may replace `self.config` between steps)."""
+        """Apply `self.config` to the optimizer (after `load`, whose saved param groups hold the old run's values)."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.learning_rate
             group["betas"] = tuple(self.config.adam_betas)
