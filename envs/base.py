@@ -30,14 +30,16 @@ import random
 import re
 import string
 import unicodedata
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 from gymnasium.spaces import Text
 from pettingzoo import AECEnv
 
-__all__ = ["InvalidAction", "TextAECEnv", "TextObservation", "match_choice", "play", "printable"]
+__all__ = ["GameEnv", "InvalidAction", "RoleInfo", "TextAECEnv", "TextObservation", "match_choice", "play",
+           "printable"]
 
 #: Characters allowed in observations and actions (the charset of both `Text` spaces).
 CHARSET = string.printable
@@ -50,6 +52,43 @@ class TextObservation(str):
     """A `str` that PettingZoo's `api_test` accepts as an observation (it checks `obs.dtype` against the space)."""
 
     dtype = np.dtype("<U")
+
+
+@dataclass(frozen=True)
+class RoleInfo:
+    """A role an env deals in every game: the team its agents play for, and how many agents are dealt it."""
+
+    team: str
+    count: int = 1
+
+
+@runtime_checkable
+class GameEnv(Protocol):
+    """What the coordinator and the topology need of an env. `TextAECEnv` provides all of it.
+
+    `dealt_roles()` works before `reset` (a topology is checked against it at load); `role_of` and `team_of` may
+    need `reset` first when roles are dealt at random (Werewolves).
+    """
+
+    possible_agents: list[str]
+    winner: str | None
+
+    def dealt_roles(self) -> Mapping[str, RoleInfo]: ...
+    def role_of(self, agent: str) -> str: ...
+    def team_of(self, agent: str) -> str: ...
+    def system_prompt(self, agent: str) -> str: ...
+    def scripted_action(self, agent: str) -> str: ...
+    def reset(self, seed: int | None = None, options: dict | None = None) -> None: ...
+    def agent_iter(self, max_iter: int = ...) -> Iterator[str]: ...
+    def last(self, observe: bool = True) -> tuple[Any, float, bool, bool, dict]: ...
+    def step(self, action: Any) -> None: ...
+    def outcome(self) -> dict[str, float]: ...
+    def outcome_by_role(self) -> dict[str, float]: ...
+    @property
+    def invalid_actions_by_role(self) -> dict[str, int]: ...
+    @property
+    def replies_by_role(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
 
 
 class InvalidAction(ValueError):
@@ -201,6 +240,20 @@ class TextAECEnv(AECEnv):
     def role_of(self, agent: str) -> str:
         """The role `agent` plays this game (default: the agent's name). May change at every reset."""
         return agent
+
+    def dealt_roles(self) -> dict[str, RoleInfo]:
+        """Every role this env deals in each game, with its team and how many agents get it; valid before `reset`.
+
+        Default: counted from `role_of`/`team_of` over `possible_agents`, which suits envs whose roles do not depend
+        on the game. An env that deals roles at random (Werewolves) overrides it.
+        """
+        counts: dict[str, int] = {}
+        teams: dict[str, str] = {}
+        for agent in self.possible_agents:
+            role = self.role_of(agent)
+            counts[role] = counts.get(role, 0) + 1
+            teams.setdefault(role, self.team_of(agent))
+        return {role: RoleInfo(team=teams[role], count=n) for role, n in counts.items()}
 
     def team_of(self, agent: str) -> str:
         """The team `agent` belongs to this game (default: its role)."""

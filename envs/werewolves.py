@@ -68,7 +68,7 @@ import re
 from collections import Counter
 from typing import Any, ClassVar
 
-from envs.base import InvalidAction, TextAECEnv, printable
+from envs.base import InvalidAction, RoleInfo, TextAECEnv, printable
 
 WEREWOLF, VILLAGER, SEER, WITCH, HUNTER = "werewolf", "villager", "seer", "witch", "hunter"
 ROLES = (WEREWOLF,) * 3 + (VILLAGER,) * 3 + (SEER, WITCH, HUNTER)
@@ -107,6 +107,10 @@ _LEADING = " \t\n\"'*([-:>`"
 
 _SEATS = {f"player_{n}": n for n in range(1, NUM_PLAYERS + 1)}
 _LABELS = {agent: f"Player {n}" for agent, n in _SEATS.items()}
+
+
+def _team(role: str) -> str:
+    return "werewolves" if role == WEREWOLF else "village"
 
 
 def label(agent: str) -> str:
@@ -181,7 +185,11 @@ class Werewolves(TextAECEnv):
         return self.roles[agent]
 
     def team_of(self, agent: str) -> str:
-        return "werewolves" if self.role_of(agent) == WEREWOLF else "village"
+        return _team(self.role_of(agent))
+
+    def dealt_roles(self) -> dict[str, RoleInfo]:
+        """Every game deals the same roles (to seats chosen by the seed)."""
+        return {role: RoleInfo(team=_team(role), count=ROLES.count(role)) for role in dict.fromkeys(ROLES)}
 
     def wolves(self) -> list[str]:
         """The living werewolves, in seat order."""

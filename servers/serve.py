@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
 
-from marl.protocol import TrainConfig
+from marl.protocol import ADMIN_TOKEN_ENV, TrainConfig
 from servers.app import create_app
 from servers.swarm import SwarmServer
 
@@ -56,11 +57,13 @@ def resolve(name: str) -> Path:
     return resolve_model(name)
 
 
-def build_server(options: ServeOptions) -> tuple[SwarmServer, str]:
-    token = options.admin_token or os.environ.get("MARL_ADMIN_TOKEN")
+def build_server(options: ServeOptions, *, engine_factory=None, trainer_factory=None) -> tuple[SwarmServer, str]:
+    """The server `options` describe, and its admin token. The factories default to the torch engine and GRPO
+    trainer; tests and benches pass their own (a stub engine, a slow trainer)."""
+    token = options.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     if not token:
         token = secrets.token_urlsafe(24)
-        print(f"marl serve: no admin token given; generated one for this run:\n  MARL_ADMIN_TOKEN={token}",
+        print(f"marl serve: no admin token given; generated one for this run:\n  {ADMIN_TOKEN_ENV}={token}",
               file=sys.stderr, flush=True)
     safe_name = options.model.strip("/").replace("/", "_") or "model"
     data_dir = options.data_dir or Path("runs") / "servers" / f"{safe_name}-{options.port}"
@@ -68,13 +71,19 @@ def build_server(options: ServeOptions) -> tuple[SwarmServer, str]:
         model=options.model,
         served_name=options.served_model_name or options.model,
         data_dir=Path(data_dir),
-        engine_factory=torch_engine_factory(options.device, options.prefix_cache_gb),
-        trainer_factory=None if options.static else grpo_trainer_factory(options.device),
+        engine_factory=engine_factory or torch_engine_factory(options.device, options.prefix_cache_gb),
+        trainer_factory=None if options.static else (trainer_factory or grpo_trainer_factory(options.device)),
         resolve_model=resolve,
         static=options.static,
         public_url=options.public_url,
     )
     return server, token
+
+
+def build_app(options: ServeOptions, *, engine_factory=None, trainer_factory=None) -> FastAPI:
+    """The ASGI app of the server `options` describe: what `marl serve` runs, and what tests run in-process."""
+    server, token = build_server(options, engine_factory=engine_factory, trainer_factory=trainer_factory)
+    return create_app(server, token)
 
 
 def serve(options: ServeOptions) -> None:
