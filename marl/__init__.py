@@ -5,7 +5,7 @@ the server hands out per episode (a lease). This package is the orchestration si
 
 - `SwarmClient`: typed, thread-safe HTTP client of one swarm server (config, start/stop, status, episode leases).
 - `EpisodeOutput`: what an episode reports (reward, per-agent rewards, metadata).
-- `SwarmError`, `SwarmRefused`, `SwarmTimeout`: what a failed server call raises.
+- `SwarmError`, `SwarmRefused`, `SwarmTimeout`: what a failed server call raises; `ErrorCode`: their `.code`.
 - `marl.protocol`: the wire protocol (request/response models) shared with the servers.
 
 Names are imported lazily, so `import marl` stays cheap.
@@ -26,8 +26,11 @@ _EXPORTS: dict[str, str] = {
     "SwarmError": "marl.client",
     "SwarmRefused": "marl.client",
     "SwarmTimeout": "marl.client",
+    "ADMIN_TOKEN_ENV": "marl.protocol",
+    "RUNNING_STATES": "marl.protocol",
     "EngineState": "marl.protocol",
     "EpisodeLease": "marl.protocol",
+    "ErrorCode": "marl.protocol",
     "TrainConfig": "marl.protocol",
 }
 
@@ -35,7 +38,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from marl.client import Episode, EpisodeOutput, SwarmClient, SwarmError, SwarmRefused, SwarmTimeout
-    from marl.protocol import EngineState, EpisodeLease, TrainConfig
+    from marl.protocol import ADMIN_TOKEN_ENV, RUNNING_STATES, EngineState, EpisodeLease, ErrorCode, TrainConfig
 
 
 def __getattr__(name: str) -> Any:

@@ -16,9 +16,10 @@ server then starts a new training sample for this agent (merging needs an unchan
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from marl.protocol import AGENT_HEADER
+from marl.protocol import AGENT_HEADER, ErrorCode
 
 
 class LLMAgent:
@@ -67,8 +68,14 @@ class LLMAgent:
 
 
 def _context_exceeded(exc: Exception) -> bool:
-    return getattr(exc, "code", None) == "context_length_exceeded" or (
-        getattr(exc, "status_code", None) == 400 and "context" in str(exc) and "limit" in str(exc))
+    """Whether a failed call was refused for its length, by the error's code (the openai SDK's `exc.code`, else the
+    code in its `exc.body`), never by its message."""
+    code = getattr(exc, "code", None)
+    body = getattr(exc, "body", None)
+    if code is None and isinstance(body, Mapping):
+        error = body.get("error", body)
+        code = error.get("code") if isinstance(error, Mapping) else None
+    return code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
 
 
 class ScriptedAgent:

@@ -26,10 +26,11 @@ The seed's call style works unchanged::
 Waiting and retrying. A refusal whose `error.retry_after_s` is set (the engine is BOOTING, ROLLING_POST or
 WEIGHT_SYNCING, or every lease slot is busy) is temporary: the call retries with exponential backoff (starting at
 `retry_after_s`, capped at 5 s, with jitter) until its `timeout`, then raises `SwarmTimeout`. Any other error raises at
-once (`SwarmRefused` for a 4xx, `SwarmError` otherwise). Transport errors (connection refused or reset, timeouts) are
-retried the same way on idempotent calls (GETs, begin, config, stop, renew); on end, abort and start they are retried
-only when the request provably never left this machine (connection refused, connect or pool timeout), because the
-server may already have acted on a request whose answer was lost.
+once (`SwarmRefused` for a 4xx, `SwarmError` otherwise); its `.code` is the server's `ErrorCode`: branch on that,
+never on the message text. Transport errors (connection refused or reset, timeouts) are retried the same way on
+idempotent calls (GETs, begin, config, stop, renew); on end, abort and start they are retried only when the request
+provably never left this machine (connection refused, connect or pool timeout), because the server may already have
+acted on a request whose answer was lost.
 
 Thread safety: one `httpx.Client` (thread-safe) is shared by every thread; a `SwarmClient` holds no per-episode state,
 so any number of threads may begin, end and abort episodes concurrently.
@@ -55,6 +56,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
 from marl.protocol import (
+    ADMIN_TOKEN_ENV,
     AGENT_HEADER,
     ROUTE_ABORT,
     ROUTE_BEGIN,
@@ -68,6 +70,7 @@ from marl.protocol import (
     ROUTE_START,
     ROUTE_STATUS,
     ROUTE_STOP,
+    RUNNING_STATES,
     AbortEpisodeResponse,
     BeginEpisodeRequest,
     ClientRequest,
@@ -77,6 +80,7 @@ from marl.protocol import (
     EngineState,
     EpisodeLease,
     EpisodeState,
+    ErrorCode,
     ErrorInfo,
     ErrorResponse,
     MonitorSnapshot,
@@ -101,11 +105,6 @@ __all__ = [
 
 log = logging.getLogger("marl.client")
 
-#: Environment variable read when `SwarmClient(admin_token=None)`.
-ADMIN_TOKEN_ENV = "MARL_ADMIN_TOKEN"
-#: States in which the engine is up and training (leases may have to wait for ROLLING, but nothing must be started).
-RUNNING_STATES = frozenset({EngineState.ROLLING, EngineState.ROLLING_POST, EngineState.WEIGHT_SYNCING})
-
 _BACKOFF_CAP_S = 5.0  # longest pause between two retries (unless the server asks for longer)
 _TRANSPORT_RETRY_S = 0.25  # first pause after a transport error (there is no retry_after_s to start from)
 _JITTER = 0.25  # each pause is stretched by up to this fraction, so that waiting clients do not retry in lockstep
@@ -128,7 +127,8 @@ class SwarmError(Exception):
     """A swarm server call failed. Base class of every error this module raises for a server call.
 
     `status_code` is the HTTP status (None when no answer came back); `error` is the server's `ErrorInfo` (None when
-    the server did not send one); `what` names the call (e.g. "begin_episode").
+    the server did not send one); `what` names the call (e.g. "begin_episode"). Branch on `code` (an `ErrorCode`),
+    never on the message text.
     """
 
     def __init__(
@@ -141,8 +141,10 @@ class SwarmError(Exception):
         self.what = what
 
     @property
-    def code(self) -> str | None:
-        return self.error.code if self.error else None
+    def code(self) -> ErrorCode | str | None:
+        """The server's `error.code`: an `ErrorCode` member when it is one (a str enum, so `== "unauthorized"` holds
+        too), the raw string for a code this version does not know (another server, a proxy), None without one."""
+        return _error_code(self.error.code) if self.error else None
 
     @property
     def state(self) -> EngineState | None:
@@ -150,6 +152,13 @@ class SwarmError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+def _error_code(code: str | None) -> ErrorCode | str | None:
+    try:
+        return ErrorCode(code) if code is not None else None
+    except ValueError:
+        return code
 
 
 class SwarmRefused(SwarmError):
@@ -436,46 +445,53 @@ class SwarmClient:
         def remaining() -> float:
             return max(deadline - time.monotonic(), 0.0)
 
-        started = False
+        booted = False  # a boot was started by this call, or waited out: OFFLINE now means it failed
         while True:
             st = self.status(timeout=remaining())
             if st.static or st.state is EngineState.STATIC:
-                raise SwarmRefused(
-                    f"auto_sync_train_config_and_start_engine: {self.url} is a STATIC server (it serves "
-                    f"{st.model!r} without training). Do not sync a train config to it; call its model directly.",
-                    what="auto_sync_train_config_and_start_engine",
-                )
+                raise self._static_refusal(st)
             if st.state in RUNNING_STATES:
                 self._check_same_config(cfg, st, remaining())
                 return st
             if st.state is EngineState.BOOTING:
                 self._check_same_config(cfg, st, remaining())
-                self.wait_until_state(*RUNNING_STATES, timeout=remaining())
-                continue  # re-check: another client may have stopped and reconfigured it meanwhile
+                self.wait_until_state(*RUNNING_STATES, EngineState.OFFLINE, timeout=remaining())
+                booted = True
+                continue  # re-check: running (another client may have reconfigured it meanwhile) or failed
             if st.state is EngineState.OFFLINE:
-                if started:  # never restart a failing boot in a loop
+                if booted:  # never restart a failing boot in a loop
                     raise SwarmError(
                         f"auto_sync_train_config_and_start_engine: the engine at {self.url} fell back to OFFLINE "
-                        f"after start (last error: {st.last_error or 'none reported'}). Check the server log, fix "
+                        f"after booting (last error: {st.last_error or 'none reported'}). Check the server log, fix "
                         "the cause (model path, memory, ...), then run this again.",
                         what="auto_sync_train_config_and_start_engine",
                     )
                 self.sync_train_config(cfg, timeout=remaining())
                 try:
                     self.start_engine(timeout=remaining())
-                    started = True
+                    booted = True
                 except SwarmRefused as exc:
-                    if exc.status_code != 409:
+                    if exc.code is not ErrorCode.ENGINE_NOT_OFFLINE:
                         raise
-                    log.info("start_engine on %s raced with another client (%s); re-checking", self.url, exc.code)
+                    log.info("start_engine on %s raced with another client (already started); re-checking", self.url)
                 continue
             raise SwarmError(f"auto_sync_train_config_and_start_engine: unexpected engine state {st.state}")
 
+    def _static_refusal(self, st: ServerStatus) -> SwarmRefused:
+        message = (
+            f"auto_sync_train_config_and_start_engine: {self.url} is a STATIC server (it serves {st.model!r} without "
+            "training). Do not sync a train config to it; call its model directly."
+        )
+        error = ErrorInfo(message=message, code=ErrorCode.STATIC_SERVER.value, state=st.state)
+        return SwarmRefused(message, error=error, what="auto_sync_train_config_and_start_engine")
+
     def _check_same_config(self, cfg: TrainConfig, st: ServerStatus, timeout: float) -> None:
+        """Sync `cfg` to a started engine: accepted only if it equals the running config (the server compares the
+        validated configs, so a seed-style flat `learning_rate` equals the same value given in `grpo`)."""
         try:
             self.sync_train_config(cfg, timeout=timeout)
         except SwarmRefused as exc:
-            if exc.status_code != 409:
+            if exc.code is not ErrorCode.ENGINE_NOT_OFFLINE:
                 raise
             raise SwarmRefused(
                 f"auto_sync_train_config_and_start_engine: the engine at {self.url} is {st.state.value} with a "
@@ -532,7 +548,7 @@ class SwarmClient:
                 timeout=timeout, episode_id=episode_id,
             )
         except SwarmRefused as exc:
-            if missing_ok and exc.status_code == 404:
+            if missing_ok and exc.code is ErrorCode.EPISODE_NOT_FOUND:
                 return None
             raise
 
@@ -556,7 +572,7 @@ class SwarmClient:
         try:
             return self.episode_state(episode_id, timeout=timeout).can_continue
         except SwarmRefused as exc:
-            if exc.status_code == 404:
+            if exc.code is ErrorCode.EPISODE_NOT_FOUND:
                 return False
             raise
 
@@ -635,144 +651,184 @@ class SwarmClient:
         while True:
             # One request never runs past the client's timeout, and gets at least a second (or `timeout` if smaller).
             request_timeout = min(self.timeout, max(deadline - time.monotonic(), 1.0))
-            try:
-                resp = self._http.request(method, path, json=json, params=params, timeout=request_timeout)
-            except _TRANSIENT as exc:
-                if retry == "unsent" and not isinstance(exc, _NEVER_SENT):
-                    raise SwarmError(
-                        f"{what}: the connection to {self.url} failed after the request was sent "
-                        f"({type(exc).__name__}: {exc or 'no detail'}); the server may or may not have acted on it. "
-                        + (
-                            f"Check with can_continue_episode({episode_id!r}): False means it is gone."
-                            if episode_id
-                            else "Check with status()."
-                        ),
-                        what=what,
-                    ) from exc
-                pause, last_status, last_error, last_exc = _TRANSPORT_RETRY_S, None, None, exc
-            except httpx.HTTPError as exc:  # not transient: a bad url, a local protocol error, ...
-                raise SwarmError(
-                    f"{what}: request to {self.url}{path} failed: {type(exc).__name__}: {exc}", what=what
-                ) from exc
-            else:
-                if resp.is_success:
-                    try:
-                        return model.model_validate(resp.json())
-                    except (ValueError, ValidationError) as exc:
-                        raise SwarmError(
-                            f"{what}: {self.url}{path} answered HTTP {resp.status_code} with a body that is not a "
-                            f"{model.__name__} ({str(exc)[:300]}). Is this a marl swarm server of the same version?",
-                            status_code=resp.status_code, what=what,
-                        ) from exc
-                err = self._error(resp, what, path, episode_id)
-                if err.error is None or err.error.retry_after_s is None:
-                    raise err
-                pause, last_status, last_error, last_exc = err.error.retry_after_s, resp.status_code, err.error, None
-            waited = time.monotonic() - start
+            outcome = self._attempt(
+                _Request(method, path, what, json, params, retry, episode_id), model, request_timeout
+            )
+            if not isinstance(outcome, _Wait):
+                return outcome
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise self._timeout_error(what, budget, waited, last_status, last_error, last_exc)
+                raise self._timeout_error(what, budget, time.monotonic() - start, outcome)
             # Exponential backoff from the server's hint, capped (but never below what the server asked), + jitter.
+            pause = outcome.pause_s
             delay = min(pause * 2**attempt, max(_BACKOFF_CAP_S, pause)) * (1.0 + _JITTER * random.random())
-            log.debug("%s: %s; retrying in %.2fs", what, last_error.message if last_error else last_exc, delay)
+            log.debug("%s: %s; retrying in %.2fs", what, outcome.error.message if outcome.error else outcome.exc, delay)
             attempt += 1
             time.sleep(min(delay, remaining))
 
-    def _timeout_error(
-        self,
-        what: str,
-        budget: float,
-        waited: float,
-        status_code: int | None,
-        error: ErrorInfo | None,
-        exc: Exception | None,
-    ) -> SwarmTimeout:
-        if exc is not None:
-            last = f"could not reach the server ({type(exc).__name__}: {exc or 'no detail'})"
+    def _attempt(self, req: _Request, model: type[_M], timeout: float) -> _M | _Wait:
+        """One request: the parsed answer, or how long to wait before the next try; raises when retrying cannot help."""
+        try:
+            resp = self._http.request(req.method, req.path, json=req.json, params=req.params, timeout=timeout)
+        except _TRANSIENT as exc:
+            if req.retry == "unsent" and not isinstance(exc, _NEVER_SENT):
+                raise self._maybe_acted_error(req, exc) from exc
+            return _Wait(_TRANSPORT_RETRY_S, exc=exc)
+        except httpx.HTTPError as exc:  # not transient: a bad url, a local protocol error, ...
+            raise SwarmError(
+                f"{req.what}: request to {self.url}{req.path} failed: {type(exc).__name__}: {exc}", what=req.what
+            ) from exc
+        if resp.is_success:
+            try:
+                return model.model_validate(resp.json())
+            except (ValueError, ValidationError) as exc:
+                raise SwarmError(
+                    f"{req.what}: {self.url}{req.path} answered HTTP {resp.status_code} with a body that is not a "
+                    f"{model.__name__} ({str(exc)[:300]}). Is this a marl swarm server of the same version?",
+                    status_code=resp.status_code, what=req.what,
+                ) from exc
+        err = self._error(resp, req.what, req.episode_id)
+        if err.error is None or err.error.retry_after_s is None:
+            raise err
+        return _Wait(err.error.retry_after_s, status_code=resp.status_code, error=err.error)
+
+    def _maybe_acted_error(self, req: _Request, exc: Exception) -> SwarmError:
+        """A non-idempotent call whose answer was lost: retrying could apply it twice, so say how to find out."""
+        check = (
+            f"Check with can_continue_episode({req.episode_id!r}): False means it is gone."
+            if req.episode_id
+            else "Check with status()."
+        )
+        return SwarmError(
+            f"{req.what}: the connection to {self.url} failed after the request was sent "
+            f"({type(exc).__name__}: {exc or 'no detail'}); the server may or may not have acted on it. {check}",
+            what=req.what,
+        )
+
+    def _timeout_error(self, what: str, budget: float, waited: float, last: _Wait) -> SwarmTimeout:
+        if last.exc is not None:
+            reason = f"could not reach the server ({type(last.exc).__name__}: {last.exc or 'no detail'})"
             hint = "Is the server running and the url right? `marl status URL` checks it."
         else:
-            assert error is not None
-            state = f"engine {error.state.value}" if error.state else "engine state not reported"
-            last = f"the server kept saying to wait ({state}: {error.message})"
+            assert last.error is not None
+            state = f"engine {last.error.state.value}" if last.error.state else "engine state not reported"
+            reason = f"the server kept saying to wait ({state}: {last.error.message})"
             hint = "Pass a larger timeout= (or SwarmClient(max_wait_s=...)), or check the server with `marl status`."
         err = SwarmTimeout(
-            f"{what}: gave up after {waited:.1f}s (timeout={budget}s) at {self.url}: {last}. {hint}",
-            waited_s=waited, last_state=error.state if error else None, status_code=status_code, error=error,
-            what=what,
+            f"{what}: gave up after {waited:.1f}s (timeout={budget}s) at {self.url}: {reason}. {hint}",
+            waited_s=waited, last_state=last.error.state if last.error else None, status_code=last.status_code,
+            error=last.error, what=what,
         )
-        if exc is not None:
-            err.__cause__ = exc
+        if last.exc is not None:
+            err.__cause__ = last.exc
         return err
 
-    def _error(self, resp: httpx.Response, what: str, path: str, episode_id: str | None) -> SwarmError:
+    def _error(self, resp: httpx.Response, what: str, episode_id: str | None) -> SwarmError:
         """The server's error body as an exception whose message says what to do."""
         status = resp.status_code
-        info: ErrorInfo | None = None
-        try:
-            body = resp.json()
-        except ValueError:
-            body = None
-        if isinstance(body, dict) and "error" in body:
-            try:
-                info = ErrorResponse.model_validate(body).error
-            except ValidationError:
-                info = None
-        if info is None:  # not our protocol's error body (a proxy, FastAPI's own 404/422, ...)
-            detail = body.get("detail") if isinstance(body, dict) else None
-            text = str(detail) if detail is not None else (resp.text[:300] or resp.reason_phrase)
-            route_missing = status in (404, 405) and detail is not None and episode_id is None
-            info = ErrorInfo(message=text, code="route_not_found" if route_missing else None)
+        info = _error_info(resp, episode_id)
         if info.retry_after_s is not None:
             return SwarmError(info.message, status_code=status, error=info, what=what)
         message = f"{what}: {self.url} refused (HTTP {status}"
         message += f", code {info.code}" if info.code else ""
         message += f", engine {info.state.value}" if info.state else ""
         message += f"): {info.message}"
-        hint = self._hint(what, status, info, episode_id)
+        hint = self._hint(what, status, _error_code(info.code), episode_id)
         if hint:
             message += f" -- {hint}"
         cls = SwarmRefused if 400 <= status < 500 else SwarmError
         return cls(message, status_code=status, error=info, what=what)
 
-    def _hint(self, what: str, status: int, info: ErrorInfo, episode_id: str | None) -> str:
-        if status == 401:
-            if not self._has_token:
-                return (
-                    f"no admin token was given: pass SwarmClient(url, admin_token=...) or set ${ADMIN_TOKEN_ENV} to "
-                    "the server's admin token."
-                )
-            return f"the admin token was rejected: use the token the server was started with (${ADMIN_TOKEN_ENV})."
-        if info.code == "route_not_found":
+    def _hint(self, what: str, status: int, code: ErrorCode | str | None, episode_id: str | None) -> str:
+        """What to do about a refusal, by its error code (by the HTTP status only for bodies that carry none)."""
+        if code is ErrorCode.UNAUTHORIZED or (code is None and status == 401):
+            return self._token_hint()
+        if code in (ErrorCode.ROUTE_NOT_FOUND, ErrorCode.METHOD_NOT_ALLOWED):
             return f"{self.url} has no such route: is it a marl swarm server of the same version?"
-        if status == 403 and episode_id:
+        if code is ErrorCode.INVALID_REQUEST or (code is None and status == 422):
+            return "the server rejected the request body: are client and server the same marl version?"
+        if code is ErrorCode.NOT_LEASE_HOLDER:
             return (
                 f"episode {episode_id} is held by another client; only the client that began it (same client_id, "
                 f"this one is {self.client_id!r}) may end, abort or renew it."
             )
-        if status == 404 and episode_id:
+        if code is ErrorCode.EPISODE_NOT_FOUND:
             return (
                 "the episode is unknown, already ended or aborted, or its lease expired (idle longer than "
                 "patience_s): its result was not recorded. For agents that pause between model calls, call "
                 "renew_episode() or use episode(..., heartbeat_s=...)."
             )
-        if status == 422:
-            return "the server rejected the request body: are client and server the same marl version?"
-        if status == 409:
-            if what == "begin_episode" and info.state is EngineState.STATIC:
-                return "a STATIC server grants no leases: call its OpenAI endpoint directly."
-            if what == "begin_episode":
-                return "start the engine first: client.auto_sync_train_config_and_start_engine(config)."
-            if what == "start_engine":
-                return (
-                    "the engine is already started; auto_sync_train_config_and_start_engine() is the idempotent "
-                    "way, or stop_engine() first to restart it."
-                )
-            if what == "sync_train_config":
-                return (
-                    "the engine runs a different config: stop_engine() first (stops training for every client), "
-                    "or sync the same config."
-                )
+        if code is ErrorCode.STATIC_SERVER:
+            return "a STATIC server grants no leases and trains nothing: call its OpenAI endpoint directly."
+        if code is ErrorCode.ENGINE_NOT_ROLLING:
+            return "start the engine first: client.auto_sync_train_config_and_start_engine(config)."
+        if code is ErrorCode.ENGINE_NOT_OFFLINE:
+            return self._not_offline_hint(what)
         return ""
+
+    def _token_hint(self) -> str:
+        if not self._has_token:
+            return (
+                f"no admin token was given: pass SwarmClient(url, admin_token=...) or set ${ADMIN_TOKEN_ENV} to "
+                "the server's admin token."
+            )
+        return f"the admin token was rejected: use the token the server was started with (${ADMIN_TOKEN_ENV})."
+
+    @staticmethod
+    def _not_offline_hint(what: str) -> str:
+        if what == "start_engine":
+            return (
+                "the engine is already started; auto_sync_train_config_and_start_engine() is the idempotent "
+                "way, or stop_engine() first to restart it."
+            )
+        if what == "sync_train_config":
+            return (
+                "the engine runs a different config: stop_engine() first (stops training for every client), "
+                "or sync the same config."
+            )
+        return ""
+
+
+def _error_info(resp: httpx.Response, episode_id: str | None) -> ErrorInfo:
+    """The server's `ErrorInfo`; for a body outside the protocol (a proxy, a bare FastAPI 404), one made from it."""
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and "error" in body:
+        try:
+            return ErrorResponse.model_validate(body).error
+        except ValidationError:
+            pass
+    detail = body.get("detail") if isinstance(body, dict) else None
+    text = str(detail) if detail is not None else (resp.text[:300] or resp.reason_phrase)
+    code = None
+    if detail is not None and episode_id is None:  # a framework's own "no such route": not our protocol's server
+        code = {404: ErrorCode.ROUTE_NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}.get(resp.status_code)
+    return ErrorInfo(message=text, code=code.value if code else None)
+
+
+@dataclass(frozen=True)
+class _Request:
+    """What `SwarmClient._call` sends, and how it may be retried."""
+
+    method: str
+    path: str
+    what: str
+    json: Any
+    params: dict[str, str] | None
+    retry: _Retry
+    episode_id: str | None
+
+
+@dataclass(frozen=True)
+class _Wait:
+    """A try that may be repeated: the pause the server asked for (or a transport error's), and why."""
+
+    pause_s: float
+    status_code: int | None = None
+    error: ErrorInfo | None = None
+    exc: Exception | None = None
 
 
 # --------------------------------------------------------------------------------------------------------------

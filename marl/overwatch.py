@@ -32,7 +32,7 @@ from textual.widgets import Footer, Static
 
 from marl.client import SwarmClient, SwarmError
 from marl.launch import SERVERS_FILE
-from marl.protocol import EngineState, MonitorSnapshot, TrainingProgress
+from marl.protocol import ADMIN_TOKEN_ENV, EngineState, MonitorSnapshot, TrainingProgress
 
 _STATE_STYLE = {
     EngineState.OFFLINE: "bold white on grey35",
@@ -200,7 +200,7 @@ def _duration(seconds: float) -> str:
 
 def resolve_sources(targets: list[str], admin_token: str | None = None) -> list[Source]:
     """URLs as given, or one topology YAML: its local servers (from the run dir of `marl run`) and remote ones."""
-    token = admin_token or os.environ.get("MARL_ADMIN_TOKEN")
+    token = admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     if not targets:
         raise OverwatchError("give server URLs (http://host:port) or one topology file (topologies/NAME.yaml)")
     if len(targets) == 1 and targets[0].endswith((".yaml", ".yml")):

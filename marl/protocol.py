@@ -66,7 +66,7 @@ class EngineState(str, enum.Enum):
 RUNNING_STATES = frozenset({EngineState.ROLLING, EngineState.ROLLING_POST, EngineState.WEIGHT_SYNCING})
 
 
-class ErrorType(str, enum.Enum):
+class ErrorType(enum.StrEnum):
     """OpenAI's error `type`: the broad class of an error."""
 
     INVALID_REQUEST = "invalid_request_error"
@@ -75,7 +75,7 @@ class ErrorType(str, enum.Enum):
     SERVER = "server_error"
 
 
-class ErrorCode(str, enum.Enum):
+class ErrorCode(enum.StrEnum):
     """Every `error.code` a swarm server sends. Clients branch on these, never on the message text."""
 
     # 400: the request itself is wrong

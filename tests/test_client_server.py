@@ -7,15 +7,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import ADMIN
-from marl import EpisodeOutput, SwarmClient, SwarmRefused
+from marl import EpisodeOutput, ErrorCode, SwarmClient, SwarmRefused
 
 
 def test_seed_style_episode_lifecycle(local_server):
     with local_server() as srv, SwarmClient(srv.url, admin_token=ADMIN) as client:
-        config = {"batch_size": 100, "num_repeat": 2}
+        config = {"batch_size": 100, "num_repeat": 2, "learning_rate": 1e-5}  # the seed's flat dict
         assert client.auto_sync_train_config_and_start_engine(config).state.value == "ROLLING"
         generation = client.status().generation
         client.auto_sync_train_config_and_start_engine(config)  # already ROLLING with this config: no restart
+        nested = {"batch_size": 100, "num_repeat": 2, "grpo": {"learning_rate": 1e-5}}
+        client.auto_sync_train_config_and_start_engine(nested)  # the same config, spelled the new way
         assert client.status().generation == generation
 
         episode_id, lease = client.begin_episode()
@@ -32,11 +34,13 @@ def test_seed_style_episode_lifecycle(local_server):
 
         other = SwarmClient(srv.url, admin_token=ADMIN)
         episode_id, _ = client.begin_episode()
-        with pytest.raises(SwarmRefused, match="another client"):
+        with pytest.raises(SwarmRefused) as refused:
             other.end_episode("task-1", episode_id, 1.0)
+        assert refused.value.code is ErrorCode.NOT_LEASE_HOLDER
         other.close()
-        with pytest.raises(SwarmRefused):
+        with pytest.raises(SwarmRefused) as refused:
             client.auto_sync_train_config_and_start_engine({"batch_size": 3})  # running with another config
+        assert refused.value.code is ErrorCode.ENGINE_NOT_OFFLINE
 
 
 def test_begin_waits_through_rolling_post_and_weight_sync(local_server):
