@@ -8,7 +8,12 @@ action). Pairs whose action the env's action mask (in `obs["action_mask"]` or `i
 dropped. Without `actions`, a masked or Discrete action space is listed as "action 0", "action 1", ...
 
 The result is a `TextAECEnv`: numbered options, retries, fallbacks (the first legal option), counting, `outcome()`.
+Only the legal moves are listed, numbered afresh each turn: a number is a position in this turn's list (on a
+half-full tic-tac-toe board "5" is not the center any more), while a label names the same move every turn.
+`roles`/`teams` (a mapping or a function of the agent) rename roles and group them; they decide `dealt_roles()`.
 The wrapped env stays the source of truth for turns, rewards, terminations and truncations.
+
+In a topology, `env.class` names a factory that returns the adapted env (`envs.adapter:text_tictactoe`).
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ class TextAdapter(TextAECEnv):
         pairs = self.choices(agent)
         if pairs is None:
             return printable(text).strip() or None
-        index = match_choice(text, [label for label, _ in pairs])
+        index = match_choice(text, [label for label, _ in pairs], numbers=self.number_options)
         return None if index is None else pairs[index][1]
 
     def _fallback(self, agent: str) -> Any:
@@ -173,10 +178,19 @@ def tictactoe_actions(agent: str, obs: dict, info: dict) -> list[tuple[str, int]
     return [(name, i) for i, name in enumerate(TICTACTOE_CELLS)]  # the adapter drops the masked (taken) cells
 
 
-def text_tictactoe(env: AECEnv | None = None, **kwargs: Any) -> TextAdapter:
-    """Tic-tac-toe for LLM agents. Without `env`, PettingZoo's `tictactoe_v3.env()` (needs pygame installed)."""
+def text_tictactoe(env: AECEnv | None = None, *, system_prompt: str | Callable[[str], str] | None = None,
+                   roles: Mapping[str, str] | Callable[[str], str] | None = None,
+                   teams: Mapping[str, str] | Callable[[str], str] | None = None,
+                   render_mode: str | None = None) -> TextAdapter:
+    """Tic-tac-toe for LLM agents; a topology's `env.class: envs.adapter:text_tictactoe` (roles player_1 and
+    player_2, each its own team, unless `roles`/`teams` say otherwise). Without `env`, PettingZoo's
+    `tictactoe_v3.env()`, which needs pygame (`pip install 'pettingzoo[classic]'`)."""
     if env is None:
-        from pettingzoo.classic import tictactoe_v3  # imports pygame
-
+        try:
+            from pettingzoo.classic import tictactoe_v3  # imports pygame
+        except ImportError as exc:
+            raise ImportError(f"PettingZoo's tic-tac-toe needs pygame: pip install 'pettingzoo[classic]' ({exc})") \
+                from exc
         env = tictactoe_v3.env()
-    return TextAdapter(env, render=tictactoe_render, actions=tictactoe_actions, **kwargs)
+    return TextAdapter(env, render=tictactoe_render, actions=tictactoe_actions, system_prompt=system_prompt,
+                       roles=roles, teams=teams, render_mode=render_mode)

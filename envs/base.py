@@ -193,6 +193,7 @@ class TextAECEnv(AECEnv):
         self.agents: list[str] = []
         self.num_moves = 0
         self.invalid_actions: dict[str, int] = {}
+        self.replies: dict[str, int] = {}
         self.fallbacks: dict[str, int] = {}
         self._returns: dict[str, float] = {}
         self._invalid_streak: dict[str, int] = {}
@@ -245,14 +246,17 @@ class TextAECEnv(AECEnv):
         """Every role this env deals in each game, with its team and how many agents get it; valid before `reset`.
 
         Default: counted from `role_of`/`team_of` over `possible_agents`, which suits envs whose roles do not depend
-        on the game. An env that deals roles at random (Werewolves) overrides it.
+        on the game. An env that deals roles at random (Werewolves) overrides it. A role is one team: agents of one
+        role in two teams raise ValueError (give them different roles).
         """
         counts: dict[str, int] = {}
         teams: dict[str, str] = {}
         for agent in self.possible_agents:
-            role = self.role_of(agent)
+            role, team = self.role_of(agent), self.team_of(agent)
+            if teams.setdefault(role, team) != team:
+                raise ValueError(f"role {role!r} is dealt to agents of two teams ({teams[role]!r} and {team!r}, "
+                                 f"{agent}): a role's agents share one team, so give them different roles")
             counts[role] = counts.get(role, 0) + 1
-            teams.setdefault(role, self.team_of(agent))
         return {role: RoleInfo(team=teams[role], count=n) for role, n in counts.items()}
 
     def team_of(self, agent: str) -> str:

@@ -12,7 +12,7 @@ from pettingzoo.test import api_test
 from pettingzoo.utils import AgentSelector
 
 from envs.adapter import TICTACTOE_CELLS, TextAdapter, text_tictactoe, tictactoe_actions, tictactoe_render
-from envs.base import InvalidAction, TextAECEnv, TextObservation, match_choice, play, printable
+from envs.base import GameEnv, InvalidAction, RoleInfo, TextAECEnv, TextObservation, match_choice, play, printable
 from envs.signalling import ITEMS, SignallingGame
 
 
@@ -238,6 +238,14 @@ def test_signalling_observers_are_extra_listeners():
     assert env.fallbacks_by_role == {"speaker": 0, "listener": 0, "observer": 1}
 
 
+def test_signalling_dealt_roles():
+    assert SignallingGame().dealt_roles() == {"speaker": RoleInfo("speaker"), "listener": RoleInfo("listener")}
+    env = SignallingGame(observers=3)
+    assert isinstance(env, GameEnv)  # the whole contract, before reset
+    assert env.dealt_roles() == {"speaker": RoleInfo("speaker"), "listener": RoleInfo("listener"),
+                                 "observer": RoleInfo("observer", 3)}
+
+
 def test_signalling_naming_bonus_shapes_only_the_speaker():
     env = SignallingGame(naming_bonus=0.5)
     env.reset(seed=3)
@@ -383,6 +391,31 @@ def test_adapted_tictactoe_scripted_and_fallback_games_finish():
     outcome = play(env, {a: (lambda obs: "no idea") for a in env.possible_agents}, seed=0)
     assert env.fallbacks["player_1"] >= 3 and sum(env.invalid_actions.values()) == 3 * sum(env.fallbacks.values())
     assert outcome == {"player_1": 1.0, "player_2": -1.0}  # fallbacks take the first free cell: X wins on a diagonal
+
+
+def test_adapted_options_are_renumbered_as_the_board_fills():
+    """What docs/envs.md says a model sees: options are numbered among the legal moves only."""
+    env = text_tictactoe(TinyTicTacToe())
+    env.reset()
+    assert "\n5. center\n" in env.observe("player_1")
+    env.step("5")  # center
+    obs = env.observe("player_2")
+    assert "\n4. top center\n5. bottom center\n6. top right\n" in obs  # center is gone: the rest move up
+    env.step("5")
+    assert env.env.squares[TICTACTOE_CELLS.index("bottom center")] == 2
+
+
+def test_adapter_dealt_roles_follow_the_role_and_team_tables():
+    assert text_tictactoe(TinyTicTacToe()).dealt_roles() == {"player_1": RoleInfo("player_1"),
+                                                             "player_2": RoleInfo("player_2")}
+    render = tictactoe_render
+    env = TextAdapter(TinyTicTacToe(), render, roles={"player_1": "x"}, teams=lambda agent: "board")
+    assert env.dealt_roles() == {"x": RoleInfo("board"), "player_2": RoleInfo("board")}
+    env = TextAdapter(TinyTicTacToe(), render, roles=lambda agent: "player", teams={"player_1": "board"})
+    with pytest.raises(ValueError, match="role 'player' is dealt to agents of two teams"):
+        env.dealt_roles()
+    env = TextAdapter(TinyTicTacToe(), render, roles=lambda agent: "player", teams=lambda agent: "board")
+    assert env.dealt_roles() == {"player": RoleInfo("board", 2)}
 
 
 def test_adapter_default_actions_use_the_mask():

@@ -1,4 +1,5 @@
-"""Topologies: loading, overrides, the graph, validation errors that name their key, `marl topology show`."""
+"""Topologies: loading, overrides, the graph, validation errors that name their key, the env's roles against
+`roles:`, `marl topology show`."""
 
 from __future__ import annotations
 
@@ -10,25 +11,54 @@ import pytest
 
 from marl.cli import main
 from marl.protocol import TrainConfig
-from marl.topology import ServerKind, Topology, TopologyError, import_class
+from marl.topology import RoleInfo, ServerKind, Topology, TopologyError, import_class, import_env_factory
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = REPO / "topologies" / "signalling-cpu.yaml"
 THREE = REPO / "topologies" / "signalling-3-servers.yaml"
 
-ENV_MODULE = """
-class Game:
+ENV_MODULE = '''
+from envs.base import RoleInfo, TextAECEnv
+
+class Game(TextAECEnv):
+    """Deals the roles of the `base` topology."""
+
     def __init__(self, num_items: int = 3, render_mode=None):
+        if num_items < 1:
+            raise ValueError(f"num_items must be 1 or more; got {num_items}")
+        super().__init__(render_mode=render_mode)
         self.num_items = num_items
 
-def not_a_class():
-    pass
-"""
+    def dealt_roles(self):
+        village = {role: RoleInfo("village") for role in ("seer", "witch", "hunter", "guard")}
+        return {"werewolf": RoleInfo("wolves", 3), **village, "villager": RoleInfo("village", 3)}
+
+class Undealt(Game):
+    def dealt_roles(self):
+        raise RuntimeError("roles are dealt at reset(): call reset() first")
+
+def make_game(num_items: int = 3):
+    """A factory function: env.class may name one instead of a class."""
+    return Game(num_items=num_items)
+
+def not_an_env():
+    return None
+
+def text_signalling(num_items: int = 3, *, roles=None, teams=None):
+    """An adapted AEC env (the signalling game behind a TextAdapter, free text everywhere), renamed by tables."""
+    from envs.adapter import TextAdapter
+    from envs.signalling import SignallingGame
+
+    return TextAdapter(SignallingGame(num_items=num_items), render=lambda agent, obs, info: str(obs),
+                       actions=lambda agent, obs, info: None, roles=roles, teams=teams)
+
+NOT_CALLABLE = 3
+'''
 
 
 @pytest.fixture
 def env_path(tmp_path, monkeypatch) -> str:
-    """A stand-in env class in a module of its own (the import check really imports it)."""
+    """A stand-in env class in a module of its own (the import check really imports and constructs it)."""
     (tmp_path / "topo_standin_env.py").write_text(ENV_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     return "topo_standin_env:Game"
@@ -120,15 +150,16 @@ def test_overrides_are_merged_and_interpolated():
     assert topo.overrides[0] == "run.max_steps=5"
 
 
-def test_name_defaults_to_file_stem_and_env_interpolation(tmp_path, env_path, monkeypatch):
+def test_name_defaults_to_file_stem_and_env_interpolation(tmp_path, monkeypatch):
     monkeypatch.setenv("TOPO_TEST_URL", "http://big-box:9000/v1")
     path = tmp_path / "my-exp.yaml"
     path.write_text(textwrap.dedent(f"""\
         servers:
           big: {{url: "${{oc.env:TOPO_TEST_URL,http://localhost:8000/v1}}", model: Qwen/Qwen3-235B-A22B}}
         roles:
-          hunter: {{server: big}}
-        env: {{class: "{env_path}"}}
+          speaker: {{server: big}}
+          listener: {{server: big}}
+        env: {{class: envs.signalling:SignallingGame}}
         run: {{games: 8}}
         """))
     topo = Topology.load(path)
@@ -181,15 +212,35 @@ def test_graph_and_helpers(base):
     assert [s.kind for s in topo.spec.servers.values()] == [
         ServerKind.LOCAL_TRAINABLE, ServerKind.REMOTE_SWARM, ServerKind.LOCAL_STATIC, ServerKind.EXTERNAL_OPENAI]
     assert topo.env_class().__name__ == "Game"
+    assert topo.make_env().num_items == 3
     with pytest.raises(KeyError, match="unknown role 'wolf'"):
         topo.server_of("wolf")
 
+    assert topo.players() == {"werewolf": "remote_7b", "seer": "remote_7b", "witch": "small", "hunter": "big",
+                              "guard": "frozen", "villager": None}
+    assert topo.linked_servers() == ["small", "remote_7b"]
+    assert topo.dealt_roles() == {"werewolf": RoleInfo("wolves", 3), "seer": RoleInfo("village"),
+                                  "witch": RoleInfo("village"), "hunter": RoleInfo("village"),
+                                  "guard": RoleInfo("village"), "villager": RoleInfo("village", 3)}
+    assert topo.team_of("werewolf") == "wolves" and topo.team_of("villager") == "village"
 
-def test_team_defaults_to_role_name(base):
-    del base["roles"]["seer"]["team"]
+
+def test_count_and_team_default_to_the_envs(base):
+    for role in base["roles"].values():
+        role.pop("team", None), role.pop("count", None)
     topo = Topology.from_dict(base)
+    assert topo.team_of("seer") == "village" and topo.graph.has_edge("role:werewolf", "team:wolves")
+    assert topo.dealt_roles()["werewolf"] == RoleInfo("wolves", 3)
+    assert topo.graph.nodes["role:villager"]["count"] == 3
+    assert topo.teams() == {"wolves": ["werewolf"], "village": ["seer", "witch", "hunter", "guard", "villager"]}
+
+
+def test_without_the_env_count_and_team_default_to_one_and_the_role_name(base):
+    del base["roles"]["seer"]["team"]
+    topo = Topology.from_dict(base, check_env=False)
     assert topo.team_of("seer") == "seer" and topo.teams()["seer"] == ["seer"]
     assert topo.graph.has_edge("role:seer", "team:seer")
+    assert topo.dealt_roles()["seer"] == RoleInfo("seer", 1) and topo.dealt_roles()["werewolf"] == RoleInfo("wolves", 3)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -220,9 +271,28 @@ CASES = {
                            ["cannot import module 'no_such_module_xyz'", "No module named"]),
     "env class missing": ({"env.class": "topo_standin_env:Gam"}, "env.class", ["no attribute 'Gam'",
                                                                                  "did you mean 'Game'"]),
-    "env not a class": ({"env.class": "topo_standin_env:not_a_class"}, "env.class", ["not a class"]),
+    "env not callable": ({"env.class": "topo_standin_env:NOT_CALLABLE"}, "env.class",
+                         ["not a class or a function", "it is 3"]),
+    "env factory returns no env": ({"env.class": "topo_standin_env:not_an_env", "env.args": {}}, "env.class",
+                                   ["not_an_env() returned None", "not an env marl can play"]),
     "env path format": ({"env.class": "topo_standin_env.Game"}, "env.class",
-                        ["not an import path 'module:Class'", "did you mean 'topo_standin_env:Game'"]),
+                        ["not an import path 'module:Class' or 'module:factory'",
+                         "did you mean 'topo_standin_env:Game'"]),
+    "factory arg typo": ({"env.class": "topo_standin_env:make_game", "env.args": {"num_itemz": 3}},
+                         "env.args.num_itemz", ["make_game() takes no argument 'num_itemz'", "did you mean 'num_items'"]),
+    "env constructor fails": ({"env.args": {"num_items": 0}}, "env.args",
+                              ["constructing the env failed", "Game(num_items=0) raised ValueError",
+                               "num_items must be 1 or more"]),
+    "env cannot deal": ({"env.class": "topo_standin_env:Undealt"}, "env.class",
+                        ["Undealt.dealt_roles() failed", "call reset() first", "must work before reset()"]),
+    "role never dealt": ({"roles.wizard": {"scripted": True}}, "roles.wizard",
+                         ["Game never deals role 'wizard'", "it deals werewolf, seer, witch, hunter, guard, villager"]),
+    "dealt role without player": ({"roles.guard": _DEL}, "roles",
+                                  ["Game deals role 'guard' (1 × team village) but no one plays it", "roles.guard"]),
+    "wrong count": ({"roles.werewolf.count": 2}, "roles.werewolf.count",
+                    ["is 2 but Game deals 3 werewolf", "set count: 3"]),
+    "wrong team": ({"roles.seer.team": "wolves"}, "roles.seer.team",
+                   ["is 'wolves' but Game puts seer in team 'village'", "set team: village"]),
     "env arg typo": ({"env.args": {"num_itemz": 3}}, "env.args.num_itemz",
                      ["takes no argument 'num_itemz'", "did you mean 'num_items'"]),
     "local and remote": ({"servers.big.swarm_url": "http://x:1"}, "servers.big", ["both url", "swarm_url"]),
@@ -255,6 +325,9 @@ CASES = {
     "num_repeat disagree": ({"run.repeats": _DEL, "servers.remote_7b.train.num_repeat": 6},
                             "servers.remote_7b.train.num_repeat", ["same GRPO group size"]),
     "unused trainable": ({"roles.witch.server": "big"}, "servers.small", ["no role uses"]),
+    "trainable plays only an undealt role": ({"roles.witch": _DEL, "roles.wizard": {"server": "small"}},
+                                             "roles.wizard", ["never deals role 'wizard'", "servers.small plays no"
+                                                              " role the env deals, so it would never get an episode"]),
     "never stops": ({"run.max_steps": None}, "run", ["never stops"]),
     "max_steps without training": ({"roles.werewolf.server": "big", "roles.seer.server": "big",
                                     "roles.witch.server": "big", "servers.small": _DEL, "servers.remote_7b": _DEL},
@@ -295,9 +368,78 @@ def test_all_problems_reported_at_once(base):
 
 def test_check_env_can_be_skipped(base):
     base["env"]["class"] = "not_written_yet_xyz:Game"
+    base["roles"]["wizard"] = {"scripted": True}  # no env to deal roles: nothing to compare with
     assert Topology.from_dict(base, check_env=False).spec.env.module == "not_written_yet_xyz"
     with pytest.raises(ImportError, match="cannot import module"):
         import_class("not_written_yet_xyz:Game")
+    with pytest.raises(ImportError, match="cannot import module"):
+        import_env_factory("not_written_yet_xyz:Game")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# env.class: a class or a factory function
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_factory_function_as_env_class(base):
+    base["env"] = {"class": "topo_standin_env:make_game", "args": {"num_items": 5}}
+    topo = Topology.from_dict(base)
+    assert topo.env_class().__name__ == "make_game"
+    env = topo.make_env()
+    assert type(env).__name__ == "Game" and env.num_items == 5
+    assert topo.dealt_roles()["werewolf"] == RoleInfo("wolves", 3)
+    assert import_env_factory("topo_standin_env:make_game") is topo.env_class()
+    with pytest.raises(ImportError, match="is a function, not a class"):
+        import_class("topo_standin_env:make_game")  # for code that needs a class
+
+
+def test_adapted_pettingzoo_env_from_a_factory(env_path):
+    data = {"name": "adapted", "servers": {"m": {"model": "smollm2-135m", "trainable": False}},
+            "roles": {"speaker": {"server": "m"}, "guesser": {"server": "m", "team": "pair"}},
+            "env": {"class": "topo_standin_env:text_signalling",
+                    "args": {"roles": {"listener": "guesser"}, "teams": {"speaker": "pair", "listener": "pair"}}},
+            "run": {"games": 2}}
+    topo = Topology.from_dict(data)
+    assert topo.dealt_roles() == {"speaker": RoleInfo("pair"), "guesser": RoleInfo("pair")}
+    assert topo.teams() == {"pair": ["speaker", "guesser"]}
+    assert type(topo.make_env()).__name__ == "TextAdapter"
+    data["roles"]["listener"] = data["roles"].pop("guesser")
+    err = load_error(data)
+    assert [p.key for p in err.problems] == ["roles", "roles.listener"]
+    assert "deals role 'guesser'" in str(err) and "never deals role 'listener'" in str(err)
+
+
+def test_real_tictactoe_factory_in_a_topology():
+    pytest.importorskip("pygame", reason="pettingzoo.classic.tictactoe_v3 imports pygame")
+    data = {"name": "ttt", "servers": {"m": {"model": "smollm2-135m", "trainable": False}},
+            "roles": {"player_1": {"server": "m"}, "player_2": {"scripted": True}},
+            "env": {"class": "envs.adapter:text_tictactoe"}, "run": {"games": 2}}
+    assert Topology.from_dict(data).dealt_roles() == {"player_1": RoleInfo("player_1"), "player_2": RoleInfo("player_2")}
+
+
+def test_trainable_server_of_an_undealt_role_is_refused_at_its_line(tmp_path, env_path):
+    path = tmp_path / "undealt.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        servers:
+          small: {{model: smollm2-135m, trainable: true, train: {{job: t, num_repeat: 2}}}}
+          frozen: {{model: smollm2-135m}}
+        roles:
+          werewolf: {{server: frozen}}
+          seer: {{server: frozen}}
+          witch: {{server: frozen}}
+          hunter: {{server: frozen}}
+          guard: {{server: frozen}}
+          villager: {{scripted: true, count: 3, team: village}}
+          wizard: {{server: small}}
+        env: {{class: "{env_path}"}}
+        run: {{max_steps: 1}}
+        """))
+    with pytest.raises(TopologyError) as info:
+        Topology.load(path)
+    (problem,) = info.value.problems
+    assert (problem.key, problem.where) == ("roles.wizard", f"{path}:11")
+    assert "servers.small plays no role the env deals, so it would never get an episode" in problem.message
+    assert Topology.load(path, check_env=False).linked_servers() == ["small"]  # only the env knows it never plays
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -413,7 +555,8 @@ def test_cli_show_all_kinds(base, tmp_path, capsys):
     main(["topology", "show", str(path)])
     out = capsys.readouterr().out
     for text in ["remote swarm", "external OpenAI", "swarm_url=http://gpu-box:10086", "werewolf ×3",
-                 "scripted roles", "villager ×3", "wolves", "village", "warnings", "no role uses this server"]:
+                 "scripted roles", "villager ×3", "wolves", "village", "warnings", "no role uses this server",
+                 "teams  (as the env deals them)"]:
         assert text in out, text
 
 

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from pettingzoo.test import api_test
 
-from envs.base import TextAECEnv, match_choice, play
+from envs.base import GameEnv, RoleInfo, TextAECEnv, match_choice, play
 from envs.werewolves import (
     HUNTER,
     NOBODY,
@@ -87,6 +87,18 @@ def test_roles_prompts_render_and_arguments():
     for bad in [{"max_rounds": 0}, {"max_rounds": 2.5}, {"draw_reward": 1.5}, {"valid_action_bonus": -0.1}]:
         with pytest.raises(ValueError, match=next(iter(bad))):
             Werewolves(**bad)
+
+
+def test_dealt_roles_before_reset_match_every_deal():
+    env = Werewolves()
+    assert isinstance(env, GameEnv)  # the whole contract, before reset
+    dealt = env.dealt_roles()  # before reset, when role_of still raises
+    assert dealt == {WEREWOLF: RoleInfo("werewolves", 3), "villager": RoleInfo("village", 3),
+                     "seer": RoleInfo("village"), "witch": RoleInfo("village"), "hunter": RoleInfo("village")}
+    for seed in range(5):  # every deal hands out exactly these roles, in these teams
+        env.reset(seed=seed)
+        assert Counter(env.role_of(a) for a in env.possible_agents) == {r: i.count for r, i in dealt.items()}
+        assert all(env.team_of(a) == dealt[env.role_of(a)].team for a in env.possible_agents)
 
 
 # --- the rules, audited over 200 scripted games --------------------------------------------------------------------

@@ -1,0 +1,133 @@
+"""Consistency checks across the objects of a valid spec: names, who plays each role, run.repeats against the
+servers' GRPO group sizes, the stop condition. Each check is a function `(spec, findings)`; `check_spec` runs them all.
+
+Decisions (also in the messages):
+- A trainable server that no role uses is an error: it would never get an episode, so `run.max_steps` (every
+  trainable server has taken that many steps) could never be reached. A static server no role uses is a warning.
+- `run.repeats` (games played per task id) must equal every trainable server's `train.num_repeat` (its GRPO group
+  size); left out, it is taken from them (they must then agree), or 1 when nothing is trainable.
+- `run.run_dir` defaults to `runs/<name>`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .locate import Locator
+from .problems import Problem, did_you_mean
+from .spec import NAME_RE, NAME_RULE, TopologySpec
+
+
+class Findings:
+    """The problems (errors) and warnings found so far, each located by the `Locator`."""
+
+    def __init__(self, locator: Locator):
+        self.locator = locator
+        self.problems: list[Problem] = []
+        self.warnings: list[Problem] = []
+
+    def bad(self, parts: Sequence[Any], message: str) -> None:
+        self.problems.append(self.locator.problem(parts, message))
+
+    def warn(self, parts: Sequence[Any], message: str) -> None:
+        self.warnings.append(self.locator.problem(parts, message))
+
+
+def check_spec(spec: TopologySpec, findings: Findings) -> None:
+    """Run every check; fills in the defaults of `run.repeats` and `run.run_dir`."""
+    for check in (check_names, check_role_players, check_unused_servers, check_repeats, check_stop,
+                  check_urls):
+        check(spec, findings)
+    if spec.run.run_dir is None:
+        spec.run.run_dir = Path("runs") / spec.name
+
+
+def check_names(spec: TopologySpec, findings: Findings) -> None:
+    """Server and role names become agent tags, directory names and dotlist keys."""
+    for kind, names in (("server", spec.servers), ("role", spec.roles)):
+        for name in names:
+            if not NAME_RE.match(name):
+                findings.bad([f"{kind}s", name], f"bad {kind} name {name!r}: {NAME_RULE}")
+
+
+def _known_servers(spec: TopologySpec) -> str:
+    return ", ".join(spec.servers) if spec.servers else "(none: add one under servers:)"
+
+
+def check_role_players(spec: TopologySpec, findings: Findings) -> None:
+    """Every role is played by a known server or by the env's script."""
+    for name, role in spec.roles.items():
+        if role.server is None and not role.scripted:
+            findings.bad(["roles", name], f"no one plays this role: set server: (one of: {_known_servers(spec)})"
+                                          " or scripted: true")
+        elif role.server is not None and role.server not in spec.servers:
+            findings.bad(["roles", name, "server"], f"unknown server {role.server!r}; known servers:"
+                                                    f" {_known_servers(spec)}{did_you_mean(role.server, spec.servers)}")
+
+
+def check_unused_servers(spec: TopologySpec, findings: Findings) -> None:
+    """A trainable server no role uses would never get an episode (error); an unused static one is a warning."""
+    played = {role.server for role in spec.roles.values()}
+    if any(server is not None and server not in spec.servers for server in played):
+        return  # a role names an unknown server: probably a typo of the server that looks unused
+    for name, server in spec.servers.items():
+        if name in played:
+            continue
+        if server.trainable:
+            findings.bad(["servers", name], "trainable server that no role uses: it would never get an episode, so"
+                                            " run.max_steps could never be reached. Point a role at it"
+                                            f" (roles.<role>.server: {name}) or remove it")
+        else:
+            findings.warn(["servers", name], "no role uses this server" + (
+                "; `marl run` would start it for nothing" if server.is_local else ""))
+
+
+def check_repeats(spec: TopologySpec, findings: Findings) -> None:
+    """run.repeats = every trainable server's num_repeat; left out, taken from them (or 1)."""
+    run = spec.run
+    trainable = {n: s.train for n, s in spec.servers.items() if s.trainable and s.train is not None}
+    if run.repeats is not None:
+        wrong = [f"servers.{n}.train.num_repeat is {t.num_repeat}" for n, t in trainable.items()
+                 if t.num_repeat != run.repeats]
+        if wrong:
+            findings.bad(["run", "repeats"],
+                         f"is {run.repeats} but {', '.join(wrong)}: the coordinator plays run.repeats games of each"
+                         " task id, and a server trains on groups of num_repeat episodes of one task, so its groups"
+                         " would never fill (or would mix tasks). Make them equal (or drop run.repeats: it defaults"
+                         " to the servers' num_repeat)")
+        return
+    sizes = {t.num_repeat for t in trainable.values()}
+    if len(sizes) <= 1:
+        run.repeats = sizes.pop() if sizes else 1
+        return
+    (first, first_train), *rest = trainable.items()
+    for name, train in rest:
+        if train.num_repeat != first_train.num_repeat:
+            findings.bad(["servers", name, "train", "num_repeat"],
+                         f"is {train.num_repeat} but servers.{first}.train.num_repeat is {first_train.num_repeat}: a"
+                         " game plays one task on every trainable server at once, so all trainable servers need the"
+                         " same GRPO group size (num_repeat); make them equal")
+
+
+def check_stop(spec: TopologySpec, findings: Findings) -> None:
+    """run.max_steps needs something to train; run.games should fill whole GRPO groups."""
+    run = spec.run
+    if run.max_steps is not None and not any(s.trainable for s in spec.servers.values()):
+        findings.bad(["run", "max_steps"], "no server is trainable, so no training step is ever taken: set run.games"
+                                           " instead")
+    if run.games is not None and run.repeats and run.games % run.repeats:
+        findings.warn(["run", "games"], f"{run.games} is not a multiple of run.repeats ({run.repeats}): the last"
+                                        " task's GRPO group will be incomplete")
+
+
+def check_urls(spec: TopologySpec, findings: Findings) -> None:
+    """URLs that work but are probably not what was meant (warnings)."""
+    for name, server in spec.servers.items():
+        if server.url is not None and server.swarm_url is None and not server.url.rstrip("/").endswith("/v1"):
+            findings.warn(["servers", name, "url"], f"{server.url!r} does not end in /v1; OpenAI base URLs usually"
+                                                    " do (e.g. http://host:8000/v1)")
+        if server.swarm_url is not None and server.swarm_url.rstrip("/").endswith("/v1"):
+            findings.warn(["servers", name, "swarm_url"], "swarm_url is the server's root URL, not its OpenAI base"
+                                                          " URL: drop /v1")

@@ -1,0 +1,254 @@
+"""The spec: what a topology YAML says, as typed pydantic models, with the rules that concern one object at a time.
+
+Servers come in four kinds (`ServerSpec.kind`), told apart by which keys are set:
+
+    model:               + trainable: true   local trainable   `marl run` starts `marl serve --model MODEL`
+    model:               + trainable: false  local static      `marl run` starts `marl serve --model MODEL --static`
+    swarm_url:           + trainable: true   remote swarm      a swarm server someone else started
+    url: + model:                            external OpenAI   a fixed OpenAI-compatible endpoint (e.g. vLLM)
+
+A rule about one server, role, env or run section is a validator here; it reports at the key it is about (e.g.
+`servers.big.device`) through `_raise_rules`, so one object's problems are all reported at once. Rules that relate
+objects (a role naming a server, run.repeats against num_repeat) live in `checks.py`.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from marl.protocol import TrainConfig
+
+#: Names of servers, roles and teams: they become agent tags, directory names and dotlist keys (so no dots).
+NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
+NAME_RULE = "names may contain letters, digits, '_' and '-' (no dots or spaces)"
+#: The pydantic error type of the rules below; `load.py` shows their message as is.
+RULE_ERROR = "topology_rule"
+
+#: (key path relative to the object, message); an empty path is the object itself.
+Rule = tuple[tuple[str, ...], str]
+
+
+def rule_error(message: str) -> PydanticCustomError:
+    # The message travels in the context: a template would read the "{...}" of YAML examples as placeholders.
+    return PydanticCustomError(RULE_ERROR, "{message}", {"message": message})
+
+
+def _raise_rules(model: BaseModel, rules: Sequence[Rule]) -> None:
+    """Raise every broken rule at once, each at its own key (pydantic prefixes the object's location)."""
+    if rules:
+        details = [InitErrorDetails(type=rule_error(message), loc=loc, input=getattr(model, loc[0], None) if loc
+                                    else None) for loc, message in rules]
+        raise ValidationError.from_exception_data(type(model).__name__, details)
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerKind(str, enum.Enum):
+    LOCAL_TRAINABLE = "local trainable"
+    LOCAL_STATIC = "local static"
+    REMOTE_SWARM = "remote swarm"
+    EXTERNAL_OPENAI = "external OpenAI"
+
+
+class ServerSpec(_Spec):
+    """One model server. Which keys are set decides its kind (see the module docstring)."""
+
+    model: str | None = Field(None, description="Local: model directory or alias. External: the model id to request."
+                                                " Remote swarm: optional, the model it is expected to serve.")
+    trainable: bool = False
+    # local servers only
+    device: str | None = Field(None, description="Local: cpu or cuda (default: cuda when available).")
+    port: int | None = Field(None, ge=1, le=65535, description="Local: fixed port (default: a free one).")
+    prefix_cache_gb: float | None = Field(None, ge=0, description="Local: memory for the keys/values of finished "
+                                          "calls that the next turn of a conversation reuses (default 2; 0: off).")
+    # external OpenAI endpoint
+    url: str | None = Field(None, description="External: OpenAI base URL, e.g. http://host:8000/v1.")
+    api_key_env: str | None = Field(None, description="External: environment variable holding the API key.")
+    # remote swarm server
+    swarm_url: str | None = Field(None, description="Remote swarm server root URL, e.g. http://gpu-box:10086.")
+    admin_token_env: str | None = Field(None, description="Remote swarm: environment variable holding the admin token.")
+    # trainable servers
+    train: TrainConfig | None = Field(None, description="Trainable: the config synced to the server.")
+
+    @property
+    def kind(self) -> ServerKind:
+        if self.swarm_url is not None:
+            return ServerKind.REMOTE_SWARM
+        if self.url is not None:
+            return ServerKind.EXTERNAL_OPENAI
+        return ServerKind.LOCAL_TRAINABLE if self.trainable else ServerKind.LOCAL_STATIC
+
+    @property
+    def is_local(self) -> bool:
+        return self.kind in (ServerKind.LOCAL_TRAINABLE, ServerKind.LOCAL_STATIC)
+
+    @model_validator(mode="after")
+    def _rules(self) -> ServerSpec:
+        kind_rules = _kind_rules(self)
+        if kind_rules:  # its kind cannot be told: the other rules would only guess
+            _raise_rules(self, kind_rules)
+        _raise_rules(self, [*_placement_rules(self), *_external_rules(self), *_swarm_rules(self),
+                            *_train_rules(self)])
+        return self
+
+
+def _kind_rules(s: ServerSpec) -> list[Rule]:
+    if s.url is not None and s.swarm_url is not None:
+        return [((), "both url (an external OpenAI endpoint) and swarm_url (a remote swarm server) are set: keep"
+                     " swarm_url for a swarm server you train, url for a fixed OpenAI-compatible endpoint")]
+    if s.model is None and s.url is None and s.swarm_url is None:
+        return [((), "says neither what nor where the model is: give model: (a local server that `marl run` starts,"
+                     " e.g. model: smollm2-135m), url: + model: (an external OpenAI endpoint), or swarm_url: (a"
+                     " remote swarm server)")]
+    return []
+
+
+def _placement_rules(s: ServerSpec) -> list[Rule]:
+    """Keys that only apply to local servers, or only to remote ones; URLs that are not URLs."""
+    rules: list[Rule] = []
+    if not s.is_local:
+        which = "url" if s.kind is ServerKind.EXTERNAL_OPENAI else "swarm_url"
+        rules += [((key,), f"{key} only applies to a local server that `marl run` starts, but this server is remote"
+                           f" ({which}: is set): remove {key}, or remove {which} to run it locally")
+                  for key in ("device", "port", "prefix_cache_gb") if getattr(s, key) is not None]
+    else:
+        rules += [((key,), f"{key} only applies to remote servers (url: or swarm_url:); `marl run` makes its own"
+                           " tokens for the servers it starts: remove it")
+                  for key in ("api_key_env", "admin_token_env") if getattr(s, key) is not None]
+    for key, url in (("url", s.url), ("swarm_url", s.swarm_url)):
+        if url is not None and not re.match(r"^https?://[^/\s]+", url):
+            rules.append(((key,), f"{url!r} is not an http(s) URL, e.g. http://host:8000{'/v1' if key == 'url' else ''}"))
+    return rules
+
+
+def _external_rules(s: ServerSpec) -> list[Rule]:
+    if s.kind is not ServerKind.EXTERNAL_OPENAI:
+        return []
+    rules: list[Rule] = []
+    if s.model is None:
+        rules.append((("model",), "an external OpenAI endpoint needs the model id to request, e.g."
+                                  " model: Qwen/Qwen3-235B-A22B-Instruct-2507"))
+    if s.trainable:
+        rules.append((("trainable",), "an external OpenAI endpoint cannot be trained: set trainable: false, or run"
+                                      " `marl serve` on that machine and give its swarm_url: instead of url:"))
+    if s.admin_token_env is not None:
+        rules.append((("admin_token_env",), "an external OpenAI endpoint has no admin token; for its API key use"
+                                            " api_key_env:"))
+    return rules
+
+
+def _swarm_rules(s: ServerSpec) -> list[Rule]:
+    if s.kind is not ServerKind.REMOTE_SWARM:
+        return []
+    rules: list[Rule] = []
+    if not s.trainable:
+        rules.append((("trainable",), "a remote swarm server is one you train: set trainable: true; for a frozen"
+                                      " remote model give its OpenAI endpoint instead (url: http://host:port/v1"
+                                      " and model:)"))
+    if s.api_key_env is not None:
+        rules.append((("api_key_env",), "a swarm server hands out a key per episode; api_key_env is for external"
+                                        " OpenAI endpoints (url:). For its admin token use admin_token_env:"))
+    return rules
+
+
+def _train_rules(s: ServerSpec) -> list[Rule]:
+    if s.trainable and s.train is None and s.kind is not ServerKind.EXTERNAL_OPENAI:
+        return [(("train",), "a trainable server needs its training config: add train: (a TrainConfig), e.g."
+                             " train: {job: my-job, batch_size: 4, num_repeat: 4, learning_rate: 2.0e-5};"
+                             " or set trainable: false")]
+    if not s.trainable and s.train is not None:
+        return [(("train",), "a static server does not train: remove train:, or set trainable: true")]
+    return []
+
+
+class RoleSpec(_Spec):
+    """One role: played by a model server (`server`) or by the env's scripted policy (`scripted: true`).
+
+    `count` and `team` restate what the env deals (`dealt_roles()`): left out, they are taken from the env; given,
+    they must agree with it (checked at load).
+    """
+
+    server: str | None = None
+    scripted: bool = False
+    count: int | None = Field(None, ge=1, description="How many agents play this role in one game (default: the"
+                                                      " env's count).")
+    team: str | None = Field(None, description="Team name (default: the env's team of this role).")
+
+    @field_validator("team")
+    @classmethod
+    def _team_name(cls, team: str | None) -> str | None:
+        if team is not None and not NAME_RE.match(team):
+            raise rule_error(f"bad team name {team!r}: {NAME_RULE}")
+        return team
+
+    @model_validator(mode="after")
+    def _one_player(self) -> RoleSpec:
+        if self.server is not None and self.scripted:
+            _raise_rules(self, [((), f"both server: {self.server} and scripted: true; a role is played by a model"
+                                     " server or by the env's scripted policy, not both: remove one")])
+        return self
+
+
+class EnvSpec(_Spec):
+    class_path: str = Field(alias="class", description="Import path of the env: 'module:Class' or 'module:factory'"
+                                                       " (a function that returns the env).")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the env class or factory.")
+
+    @field_validator("class_path")
+    @classmethod
+    def _import_path(cls, path: str) -> str:
+        module, sep, qualname = path.partition(":")
+        if not sep or not module or not qualname:
+            guess = ""
+            if not sep and "." in path:
+                head, _, tail = path.rpartition(".")
+                guess = f"; did you mean '{head}:{tail}'?"
+            raise rule_error(f"{path!r} is not an import path 'module:Class' or 'module:factory'{guess}")
+        return path
+
+    @property
+    def module(self) -> str:
+        return self.class_path.partition(":")[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.class_path.partition(":")[2]
+
+
+class RunSpec(_Spec):
+    games: int | None = Field(None, ge=1, description="Total games (None: until max_steps).")
+    max_steps: int | None = Field(None, ge=1, description="Stop once every trainable server took this many steps.")
+    repeats: int | None = Field(None, ge=1, description="Games per task id (= every trainable server's num_repeat).")
+    concurrency: int = Field(8, ge=1, description="Games in flight.")
+    per_server_concurrency: int | None = Field(None, ge=1, description="Cap of concurrent leases per server.")
+    lease_timeout_s: float = Field(60.0, gt=0)
+    max_tokens: int = Field(64, ge=1, description="Longest reply of an LLM agent per turn.")
+    temperature: float = Field(1.0, ge=0, le=2, description="Sampling temperature of the LLM agents.")
+    seed: int = 0
+    run_dir: Path | None = Field(None, description="Output directory (default: runs/<name>).")
+
+    @model_validator(mode="after")
+    def _stops(self) -> RunSpec:
+        if self.games is None and self.max_steps is None:
+            _raise_rules(self, [((), "the run never stops: set run.max_steps (training steps every trainable server"
+                                     " must take) or run.games (total games)")])
+        return self
+
+
+class TopologySpec(_Spec):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    servers: dict[str, ServerSpec] = Field(default_factory=dict)
+    roles: dict[str, RoleSpec] = Field(min_length=1)
+    env: EnvSpec
+    # Validated when left out too: a run without `run:` never stops, and RunSpec says so.
+    run: RunSpec = Field(default_factory=dict, validate_default=True)  # type: ignore[arg-type]
