@@ -55,9 +55,8 @@ def serve_marl(port: int, model_dir: str, data_dir: str) -> None:
     import uvicorn
     from transformers import AutoTokenizer
 
-    from servers.app import create_app
     from servers.interfaces import GenerationChunk, InferenceEngine
-    from servers.swarm import SwarmServer
+    from servers.serve import ServeOptions, build_app
 
     class ZeroWorkEngine(InferenceEngine):
         """Answers every prompt with one token, instantly: the benchmark measures the proxy, not a model."""
@@ -71,16 +70,15 @@ def serve_marl(port: int, model_dir: str, data_dir: str) -> None:
         async def generate(self, prompt_ids, params):
             yield GenerationChunk([self.token], [-0.5], "length")
 
-        def load_weights(self, named_tensors) -> None:
-            pass
-
-    server = SwarmServer(model=model_dir, served_name="tiny", data_dir=Path(data_dir),
-                         engine_factory=ZeroWorkEngine, trainer_factory=lambda d, c: _NoTrainer(),
-                         resolve_model=Path)
-    uvicorn.run(create_app(server, ADMIN), host="127.0.0.1", port=port, log_level="warning")
+    options = ServeOptions(model=model_dir, port=port, admin_token=ADMIN, data_dir=Path(data_dir),
+                           served_model_name="tiny")
+    app = build_app(options, engine_factory=ZeroWorkEngine, trainer_factory=lambda model, config: _NoTrainer())
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
 class _NoTrainer:
+    """Never trains (the benchmark's batch never fills); boots like a fresh trainer."""
+
     step_count = 0
 
     def load(self, directory) -> None:

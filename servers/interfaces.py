@@ -1,16 +1,22 @@
-"""The two small interfaces every backend implements.
+"""The two seams every backend implements: `InferenceEngine` (generation) and `Trainer` (policy updates).
 
-`InferenceEngine` turns prompt token ids into generated token ids with their logprobs, and takes new weights.
-`Trainer` takes a batch of GRPO groups, steps the policy, hands its weights to the engine, and checkpoints.
+A backend never sees HTTP, leases or games: the server drives both through these methods only, and only passes
+plain data across them (token ids, `SamplingParams`, a `TrainBatch` of `Sample`s, metrics dicts, directory paths).
+So either side may live in another process, e.g. vLLM in a subprocess or a trainer spread over torch.distributed
+ranks, behind a thin client that implements these classes:
 
-A backend never sees HTTP, leases or games: the server drives both through these methods only.
+- Every call but `generate` may block: the server makes each from a worker thread, never on its event loop.
+- Weights travel as a directory (`Trainer.export_weights` -> `InferenceEngine.load_weights_from`): Hugging Face
+  safetensors that `from_pretrained` loads, on a filesystem both processes see. When both live in this process,
+  the server takes the fast path instead: `Trainer.named_weights` tensors straight into `InferenceEngine.load_weights`.
+- Checkpoints are directories too (`Trainer.save` / `Trainer.load`).
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +42,30 @@ class GenerationChunk:
 
 
 class InferenceEngine(abc.ABC):
-    """Generates from token ids; requests from many agents may share forward passes."""
+    """Generates from token ids; requests from many agents may share forward passes.
 
-    #: A Hugging Face tokenizer with a chat template (used by the server to render prompts and decode replies).
+    What a remote implementation must honour, as the in-process torch engine does:
+    - Exact ids: `generate` takes the prompt as token ids and returns the generated ids; it never re-tokenizes text
+      (the server records these ids as the training sample).
+    - Exact logprobs: see `generate`. They are the behaviour policy of PPO: anything else biases the ratio.
+    - Drained weight swaps: a weight load waits until the running generations finished on the old weights, and
+      generations that arrive meanwhile run on the new ones; no generation ever mixes two policies.
+    """
+
+    #: A Hugging Face tokenizer with a chat template, in this process (the server renders prompts and decodes
+    #: replies with it; a remote engine loads it locally from the model directory).
     tokenizer: Any
     #: Longest prompt + completion the model accepts.
     context_length: int
     #: Token ids that end a generation (finish_reason "stop"); they are part of the generated ids.
     eos_token_ids: frozenset[int]
+    #: Whether `load_weights` takes tensors directly (an engine in this process). A remote engine sets False: the
+    #: server then always publishes through `load_weights_from`.
+    takes_tensors: bool = True
 
     @abc.abstractmethod
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
-        """Stream the generation of one request.
+        """Stream the generation of one request (awaited on the server's event loop: it must not block).
 
         `logprobs[i]` is log softmax of the raw logits (temperature 1, no top-p) at the sampled token: the same
         number a training forward pass computes, whatever temperature the token was sampled at.
@@ -55,12 +73,28 @@ class InferenceEngine(abc.ABC):
         Waits (does not fail) while weights are being swapped.
         """
 
-    @abc.abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        """Serve these weights from now on (called between steps, when no generation is running)."""
+        """The in-process fast path: serve these tensors (names as in the model's `state_dict`) from now on.
+
+        Called between steps, when no lease is running; still drains running generations first (see the class).
+        """
+        raise NotImplementedError(f"{type(self).__name__} takes weights only from a directory (load_weights_from)")
+
+    def load_weights_from(self, directory: Path) -> None:
+        """Serve the weights saved in `directory` (HF safetensors, as `Trainer.export_weights` writes) from now on.
+
+        Returns once the new weights serve. The default reads the files in this process and calls `load_weights`;
+        a remote engine overrides it to have its own process load them.
+        """
+        from safetensors.torch import load_file
+
+        files = sorted(Path(directory).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {directory}")
+        self.load_weights(item for path in files for item in load_file(path).items())
 
     def close(self) -> None:  # noqa: B027 - optional hook
-        """Release the model (engine stopped)."""
+        """Release the model (engine stopped). May block; the server calls it from a worker thread."""
 
 
 @dataclass
@@ -78,13 +112,17 @@ class TrainBatch:
     step: int  # the step this batch trains (policy version after it: step)
     groups: list[Group]
     dropped_stale: int = 0  # samples dropped because they were too old to train on
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Trainer(abc.ABC):
-    """Steps the policy on GRPO batches; owns the optimizer and checkpoints."""
+    """Steps the policy on batches of groups; owns the optimizer and checkpoints.
 
-    #: Steps taken so far (restored by `load`); the policy version the engine serves after `named_weights` sync.
+    A remote implementation (e.g. the driver of N torch.distributed ranks) takes the same plain data: `step` gets a
+    `TrainBatch` and returns a metrics dict; weights and checkpoints go through directories. Every method may
+    block (the server calls them from a worker thread) and is called one at a time.
+    """
+
+    #: Steps taken so far (restored by `load`); the policy version the engine serves once it has these weights.
     step_count: int
     #: (done, total) units of work of the step running now (GRPO: micro-batch passes), None when unknown: read by
     #: monitors from another thread while a long step runs.
@@ -95,8 +133,16 @@ class Trainer(abc.ABC):
         """One policy update; returns metrics (loss, clip fraction, KL, entropy, rewards, tokens, seconds)."""
 
     @abc.abstractmethod
-    def named_weights(self) -> Iterable[tuple[str, Any]]:
-        """Current policy weights, for `InferenceEngine.load_weights`."""
+    def export_weights(self, directory: Path) -> Path:
+        """Write the current policy weights into `directory` as HF safetensors (loadable by `from_pretrained`),
+        for `InferenceEngine.load_weights_from`; returns the directory holding them."""
+
+    def named_weights(self) -> Iterable[tuple[str, Any]] | None:
+        """The in-process fast path: current policy weights as (name, tensor), for `InferenceEngine.load_weights`.
+
+        None (the default) when the weights live in another process: the server then uses `export_weights`.
+        """
+        return None
 
     @abc.abstractmethod
     def save(self, directory: Path) -> None:

@@ -3,16 +3,22 @@
 A key is a random server-issued token mapped to its lease in memory: it carries no meaning of its own, and it stops
 working the instant its lease ends, is aborted, expires, or the engine restarts (a new generation). Dead keys are
 remembered for a while so a late caller learns *why* it was refused.
+
+A lease is also what a data-plane call runs under (`servers.serving`): it gives the call its history (for prompt
+splicing), counts it as busy while the model works, and keeps the finished call for the episode's samples.
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from marl.protocol import EPISODE_KEY_PREFIX
 from servers.samples import CallRecord
 
 _DEAD_KEYS_REMEMBERED = 10_000
@@ -28,7 +34,8 @@ class Lease:
     created_at: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)
     inflight: int = 0  # data-plane calls running now: a lease is never idle while the model works for it
-    calls: list[CallRecord] = field(default_factory=list)
+    calls: list[CallRecord] = field(default_factory=list)  # oldest first
+    closed: bool = False  # ended, aborted, expired or the engine stopped: its key is dead
 
     def idle_s(self, now: float | None = None) -> float:
         return 0.0 if self.inflight else (now or time.monotonic()) - self.last_active
@@ -36,12 +43,32 @@ class Lease:
     def touch(self) -> None:
         self.last_active = time.monotonic()
 
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """While a call generates for this lease: it is never idle meanwhile, and active when the call ends."""
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
+            self.touch()
+
+    def record(self, call: CallRecord) -> bool:
+        """Keep a finished call; False (nothing kept) if the lease closed meanwhile: no stale writes."""
+        if self.closed:
+            return False
+        self.calls.append(call)
+        self.touch()
+        return True
+
 
 class NoFreeSlot(Exception):
-    pass
+    """`max_leases` leases are open already."""
 
 
 class LeaseTable:
+    """The open leases by episode id and by key, and why recently closed keys died."""
+
     def __init__(self) -> None:
         self.by_episode: dict[str, Lease] = {}
         self._by_key: dict[str, Lease] = {}
@@ -55,7 +82,7 @@ class LeaseTable:
             raise NoFreeSlot
         lease = Lease(
             episode_id=uuid.uuid4().hex,
-            key="marl-ep-" + secrets.token_urlsafe(24),
+            key=EPISODE_KEY_PREFIX + secrets.token_urlsafe(24),
             client_id=client_id,
             generation=generation,
             patience_s=patience_s,
@@ -70,11 +97,9 @@ class LeaseTable:
     def by_key(self, key: str) -> Lease | None:
         return self._by_key.get(key)
 
-    def is_live(self, lease: Lease) -> bool:
-        return self.by_episode.get(lease.episode_id) is lease
-
     def close(self, lease: Lease, reason: str) -> None:
         """Remove the lease; its key is refused from now on with `reason`."""
+        lease.closed = True
         self.by_episode.pop(lease.episode_id, None)
         self._by_key.pop(lease.key, None)
         self._dead_keys[lease.key] = reason

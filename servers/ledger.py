@@ -1,27 +1,31 @@
-"""The durable sample ledger: SQLite in WAL mode, one file per server data directory.
+"""The durable sample ledger: SQLite in WAL mode, one file per server data directory, used from one thread.
 
 Guarantees (invariant 1: no acknowledged sample is lost or counted twice):
 - `record_episode` commits the episode and all its samples in one transaction, fsynced (synchronous=FULL), before
   the server answers end_episode.
 - `claim_batch(step, ...)` marks the batch's samples with the step that consumes them, in one transaction; a sample is
   claimed at most once.
-- A claim becomes final with `commit_step(step)` once the step's result is durable (its checkpoint written). After a
-  crash, `recover(resume_step)` returns the claims of steps the restored model never took to the pool, so the
-  resumed lineage trains on every sample exactly once.
+- A claim is kept only as long as a checkpoint holds its step: a restarted server calls `recover(resume_step)` with
+  the step of the checkpoint it resumed from, which returns the claims of later steps (the restored model never kept
+  those updates) to the pool, so the resumed lineage trains on every sample exactly once.
 
-Rows are small: token ids, masks and logprobs are stored as packed arrays.
+Rows are small: token ids, masks and logprobs are stored as packed arrays. `LedgerThread` runs a `Ledger`'s calls
+on one worker thread, off the server's event loop, which also serialises the writes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import sqlite3
 import time
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from marl.protocol import Sample
 
@@ -55,10 +59,10 @@ CREATE TABLE IF NOT EXISTS samples (
     consumed_step INTEGER
 );
 CREATE INDEX IF NOT EXISTS samples_pool ON samples (consumed_step, job, task_id, agent);
-CREATE TABLE IF NOT EXISTS steps (step INTEGER PRIMARY KEY, committed_at REAL NOT NULL, metrics TEXT NOT NULL);
 """
 
 DROPPED_STALE = -1
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -192,19 +196,10 @@ class Ledger:
                 claimed[key] = [_sample(r[1:]) for r in rows]
         return claimed
 
-    def commit_step(self, step: int, metrics: dict[str, float]) -> None:
-        self.db.execute(
-            "INSERT OR REPLACE INTO steps (step, committed_at, metrics) VALUES (?, ?, ?)",
-            (step, time.time(), json.dumps(metrics)),
-        )
-
     def recover(self, resume_step: int) -> int:
         """Return to the pool the samples claimed by steps after `resume_step` (the model never kept them)."""
         with self._transaction():
-            cur = self.db.execute(
-                "UPDATE samples SET consumed_step = NULL WHERE consumed_step > ?", (resume_step,)
-            )
-            self.db.execute("DELETE FROM steps WHERE step > ?", (resume_step,))
+            cur = self.db.execute("UPDATE samples SET consumed_step = NULL WHERE consumed_step > ?", (resume_step,))
         return cur.rowcount
 
     # --- reading -----------------------------------------------------------------------------------------------
@@ -230,17 +225,6 @@ class Ledger:
         return [EpisodeRow(r[0], r[1], r[2], r[3], json.loads(r[4]) if r[4] else {}, r[5], r[6], r[7], r[8])
                 for r in rows]
 
-    def has_episode(self, episode_id: str) -> bool:
-        return self.db.execute("SELECT 1 FROM episodes WHERE episode_id = ?", (episode_id,)).fetchone() is not None
-
-    def consumed_by(self, episode_id: str) -> list[int | None]:
-        rows = self.db.execute("SELECT consumed_step FROM samples WHERE episode_id = ? ORDER BY id", (episode_id,))
-        return [r[0] for r in rows]
-
-    def last_step(self) -> int:
-        row = self.db.execute("SELECT MAX(step) FROM steps").fetchone()
-        return row[0] or 0
-
     @contextlib.contextmanager
     def _transaction(self):
         self.db.execute("BEGIN IMMEDIATE")
@@ -264,3 +248,39 @@ def _sample(row) -> Sample:
         policy_version=version,
         num_calls=num_calls,
     )
+
+
+class LedgerThread:
+    """A `Ledger` for the server's event loop: each call runs on the ledger's own worker thread, one at a time."""
+
+    def __init__(self, ledger: Ledger):
+        self.ledger = ledger
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ledger")
+
+    async def _run(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, lambda: call(*args, **kwargs))
+
+    async def set_meta(self, key: str, value: str) -> None:
+        await self._run(self.ledger.set_meta, key, value)
+
+    async def record_episode(self, **episode: Any) -> None:
+        await self._run(self.ledger.record_episode, **episode)
+
+    async def pool_groups(self) -> dict[GroupKey, int]:
+        return await self._run(self.ledger.pool_groups)
+
+    async def pending_episodes(self) -> int:
+        return await self._run(self.ledger.pending_episodes)
+
+    async def drop_stale(self, min_version: int) -> int:
+        return await self._run(self.ledger.drop_stale, min_version)
+
+    async def claim_batch(self, step: int, groups: Iterable[GroupKey]) -> dict[GroupKey, list[Sample]]:
+        return await self._run(self.ledger.claim_batch, step, list(groups))
+
+    async def recover(self, resume_step: int) -> int:
+        return await self._run(self.ledger.recover, resume_step)
+
+    async def close(self) -> None:
+        await self._run(self.ledger.close)
+        self._thread.shutdown(wait=True)

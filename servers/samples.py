@@ -25,7 +25,6 @@ class CallRecord:
     prompt_ids: list[int]
     completion_ids: list[int]
     logprobs: list[float]  # aligned with completion_ids
-    finish_reason: str
     policy_version: int
     #: Decoded prompt + completion with special tokens, cached for prompt splicing (see servers.chat).
     text: str = ""

@@ -1,4 +1,4 @@
-"""`marl serve`: one swarm server process for one model."""
+"""`marl serve`: one swarm server process for one model, trainable (the default) or static (`--static`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ from fastapi import FastAPI
 
 from marl.protocol import ADMIN_TOKEN_ENV, TrainConfig
 from servers.app import create_app
-from servers.swarm import SwarmServer
+from servers.interfaces import Trainer
+from servers.lifecycle import EngineFactory, TrainerFactory
+from servers.static import StaticServer
+from servers.trainable import TrainableServer
 
 
 @dataclass
@@ -31,8 +34,13 @@ class ServeOptions:
     prefix_cache_gb: float | None = None  # None: the engine's default
     log_level: str = "info"
 
+    def resolved_data_dir(self) -> Path:
+        """`data_dir`, else runs/servers/<model>-<port>."""
+        safe_name = self.model.strip("/").replace("/", "_") or "model"
+        return Path(self.data_dir or Path("runs") / "servers" / f"{safe_name}-{self.port}")
 
-def torch_engine_factory(device: str | None, prefix_cache_gb: float | None = None):
+
+def torch_engine_factory(device: str | None, prefix_cache_gb: float | None = None) -> EngineFactory:
     def build(model_dir: Path):
         from servers.engines.torch_engine import TorchEngine
 
@@ -42,11 +50,21 @@ def torch_engine_factory(device: str | None, prefix_cache_gb: float | None = Non
     return build
 
 
-def grpo_trainer_factory(device: str | None):
-    def build(model_dir: Path, config: TrainConfig):
-        from servers.trainers.grpo import GRPOTrainer
+def _grpo_trainer(model_dir: Path, section, device: str | None) -> Trainer:
+    from servers.trainers.grpo import GRPOTrainer
 
-        return GRPOTrainer(model_dir, config.grpo, device=device)
+    return GRPOTrainer(model_dir, section, device=device)
+
+
+#: `TrainConfig.trainer` -> how to build that trainer from the model dir, its config section and the device.
+TRAINERS = {"grpo": _grpo_trainer}
+
+
+def default_trainer_factory(device: str | None) -> TrainerFactory:
+    """Builds the trainer the synced config names (`config.trainer`), with its section (e.g. `config.grpo`)."""
+
+    def build(model_dir: Path, config: TrainConfig) -> Trainer:
+        return TRAINERS[config.trainer](model_dir, config.trainer_section, device)
 
     return build
 
@@ -57,27 +75,31 @@ def resolve(name: str) -> Path:
     return resolve_model(name)
 
 
-def build_server(options: ServeOptions, *, engine_factory=None, trainer_factory=None) -> tuple[SwarmServer, str]:
-    """The server `options` describe, and its admin token. The factories default to the torch engine and GRPO
-    trainer; tests and benches pass their own (a stub engine, a slow trainer)."""
+def admin_token(options: ServeOptions) -> str:
+    """`--admin-token`, else $MARL_ADMIN_TOKEN, else a random one, printed for the operator."""
     token = options.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     if not token:
         token = secrets.token_urlsafe(24)
         print(f"marl serve: no admin token given; generated one for this run:\n  {ADMIN_TOKEN_ENV}={token}",
               file=sys.stderr, flush=True)
-    safe_name = options.model.strip("/").replace("/", "_") or "model"
-    data_dir = options.data_dir or Path("runs") / "servers" / f"{safe_name}-{options.port}"
-    server = SwarmServer(
-        model=options.model,
-        served_name=options.served_model_name or options.model,
-        data_dir=Path(data_dir),
-        engine_factory=engine_factory or torch_engine_factory(options.device, options.prefix_cache_gb),
-        trainer_factory=None if options.static else (trainer_factory or grpo_trainer_factory(options.device)),
-        resolve_model=resolve,
-        static=options.static,
-        public_url=options.public_url,
-    )
-    return server, token
+    return token
+
+
+def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None = None,
+                 trainer_factory: TrainerFactory | None = None) -> tuple[TrainableServer | StaticServer, str]:
+    """The server `options` describe, and its admin token. The factories default to the torch engine and the
+    trainer the config names; tests and benches pass their own (a stub engine, a slow trainer)."""
+    served_name = options.served_model_name or options.model
+    engine_factory = engine_factory or torch_engine_factory(options.device, options.prefix_cache_gb)
+    if options.static:
+        server = StaticServer(model=options.model, served_name=served_name, resolve_model=resolve,
+                              engine_factory=engine_factory)
+    else:
+        server = TrainableServer(model=options.model, served_name=served_name, data_dir=options.resolved_data_dir(),
+                                 resolve_model=resolve, engine_factory=engine_factory,
+                                 trainer_factory=trainer_factory or default_trainer_factory(options.device),
+                                 public_url=options.public_url)
+    return server, admin_token(options)
 
 
 def build_app(options: ServeOptions, *, engine_factory=None, trainer_factory=None) -> FastAPI:
@@ -89,8 +111,8 @@ def build_app(options: ServeOptions, *, engine_factory=None, trainer_factory=Non
 def serve(options: ServeOptions) -> None:
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server, token = build_server(options)
-    mode = "static" if options.static else "trainable"
-    print(f"marl serve: {mode} server for '{server.served_name}' on http://{options.host}:{options.port}"
-          f" (data: {server.data_dir})", file=sys.stderr, flush=True)
+    where = "static" if options.static else f"trainable (data: {options.resolved_data_dir()})"
+    print(f"marl serve: {where} server for '{server.served_name}' on http://{options.host}:{options.port}",
+          file=sys.stderr, flush=True)
     uvicorn.run(create_app(server, token), host=options.host, port=options.port, log_level=options.log_level,
                 timeout_graceful_shutdown=5, access_log=options.log_level == "debug")

@@ -15,8 +15,8 @@ import uvicorn
 from marl.launch import ServerProcess, free_port
 from marl.protocol import TrainConfig
 from servers.app import create_app
-from servers.serve import grpo_trainer_factory, resolve, torch_engine_factory
-from servers.swarm import SwarmServer
+from servers.lifecycle import TrainerFactory
+from servers.serve import ServeOptions, build_server
 from servers.tiny_model import build_tiny_model
 
 ADMIN = "-test-admin-token"  # a leading dash: a token must never be read as a command-line option
@@ -28,18 +28,23 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 class LocalServer:
-    """A swarm server running in this process (uvicorn in a thread), for tests that look inside it."""
+    """A swarm server running in this process (uvicorn in a thread), for tests that look inside it.
 
-    def __init__(self, model: Path, data_dir: Path, *, static: bool = False, port: int | None = None):
+    Built like `marl serve` builds it (`servers.serve.build_server`), serving "tiny" on the CPU. `.server` is the
+    server object (`TrainableServer`, or `StaticServer` with `static=True`), `.data_dir` its data dir.
+    `trainer_factory` replaces the default trainer factory (`(model_dir, TrainConfig) -> Trainer`), e.g. to wrap
+    the real trainer with `servers.serve.default_trainer_factory("cpu")`.
+    """
+
+    def __init__(self, model: Path, data_dir: Path, *, static: bool = False, port: int | None = None,
+                 trainer_factory: TrainerFactory | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.swarm = SwarmServer(
-            model=str(model), served_name="tiny", data_dir=data_dir,
-            engine_factory=torch_engine_factory("cpu"),
-            trainer_factory=None if static else grpo_trainer_factory("cpu"),
-            resolve_model=resolve, static=static,
-        )
-        config = uvicorn.Config(create_app(self.swarm, ADMIN), host="127.0.0.1", port=self.port, log_level="warning")
+        self.data_dir = data_dir
+        options = ServeOptions(model=str(model), port=self.port, admin_token=ADMIN, data_dir=data_dir, static=static,
+                               served_model_name="tiny", device="cpu")
+        self.server, token = build_server(options, trainer_factory=trainer_factory)
+        config = uvicorn.Config(create_app(self.server, token), host="127.0.0.1", port=self.port, log_level="warning")
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
 
@@ -61,8 +66,10 @@ class LocalServer:
 def local_server(tiny_model, tmp_path):
     """Factory: `with local_server() as srv:` starts a fresh server on its own data dir."""
 
-    def make(static: bool = False, data_dir: Path | None = None, port: int | None = None) -> LocalServer:
-        return LocalServer(tiny_model, data_dir or tmp_path / "server", static=static, port=port)
+    def make(static: bool = False, data_dir: Path | None = None, port: int | None = None,
+             trainer_factory: TrainerFactory | None = None) -> LocalServer:
+        return LocalServer(tiny_model, data_dir or tmp_path / "server", static=static, port=port,
+                           trainer_factory=trainer_factory)
 
     return make
 

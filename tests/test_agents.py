@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import openai
 import pytest
 
@@ -9,7 +11,7 @@ from conftest import LocalServer, admin_http, start_rolling, wait_state
 from envs.base import play
 from envs.signalling import SignallingGame
 from marl.agents import LLMAgent, ScriptedAgent
-from marl.protocol import AGENT_HEADER
+from marl.protocol import AGENT_HEADER, ErrorCode
 from servers.ledger import Ledger
 
 
@@ -79,9 +81,54 @@ def test_a_conversation_over_the_context_is_cut_from_the_front(static_client):
     assert [m["role"] for m in agent.messages] == ["system", "user", "assistant", "user", "assistant"]
     assert [len(c["messages"]) for c in calls] == [2, 4, 6, 4]  # the refused call, retried without turn 0
     alone = LLMAgent(static_client, "tiny", system_prompt="Rules.", max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="context"):  # a single observation too long: nothing to cut
+    with pytest.raises(openai.BadRequestError) as refused:  # a single observation too long: nothing to cut
         alone.act("news " * 1000)
+    assert refused.value.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
     assert alone.messages == [{"role": "system", "content": "Rules."}]
+
+
+class Refused(Exception):
+    """What an OpenAI-compatible SDK raises for a refused call: the server's error code, and a message."""
+
+    def __init__(self, message: str, code: str | None = None, body: dict | None = None):
+        super().__init__(message)
+        self.code, self.body, self.status_code = code, body, 400
+
+
+class RefusingClient:
+    """An OpenAI-shaped client whose first calls raise the given errors (to pin down what LLMAgent branches on)."""
+
+    def __init__(self, *errors: Exception):
+        self.errors, self.sent = list(errors), []
+        self.chat = self.completions = self
+
+    def create(self, **kwargs):
+        self.sent.append(len(kwargs["messages"]))
+        if self.errors:
+            raise self.errors.pop(0)
+        return types.SimpleNamespace(choices=[types.SimpleNamespace(message=types.SimpleNamespace(content="ok"))])
+
+
+@pytest.mark.parametrize("error", [
+    Refused("too long", code=ErrorCode.CONTEXT_LENGTH_EXCEEDED.value),  # the SDK's exc.code
+    Refused("too long", body={"code": "context_length_exceeded"}),  # only in the body (exc.body is the error)
+    Refused("too long", body={"error": {"code": "context_length_exceeded"}}),  # the whole response body
+])
+def test_the_context_is_cut_on_the_error_code(error):
+    client = RefusingClient(error)
+    agent = LLMAgent(client, "m", system_prompt="s")
+    agent.messages += [{"role": "user", "content": "old"}, {"role": "assistant", "content": "reply"}]
+    assert agent.act("new") == "ok"
+    assert client.sent == [4, 2] and [m["content"] for m in agent.messages] == ["s", "new", "ok"]
+
+
+def test_a_message_that_mentions_the_context_is_not_a_context_error():
+    client = RefusingClient(Refused("the context limit of this model is 2048 tokens", code="invalid_messages"))
+    agent = LLMAgent(client, "m", system_prompt="s")
+    agent.messages += [{"role": "user", "content": "old"}, {"role": "assistant", "content": "reply"}]
+    with pytest.raises(Refused):
+        agent.act("new")
+    assert client.sent == [4] and len(agent.messages) == 3  # nothing cut, the failed turn taken back
 
 
 def test_llm_agents_play_a_full_signalling_game(static_client):
@@ -111,7 +158,7 @@ def test_a_game_is_one_sample_per_agent_on_a_training_server(local_server):
         r = http.post(f"/episodes/{lease['episode_id']}/end",
                       json={"client_id": "c", "task_id": "signal-3", "reward": 0.0, "agent_rewards": outcome})
         assert r.status_code == 200, r.text
-        ledger = Ledger(srv.swarm.data_dir / "ledger.sqlite")
+        ledger = Ledger(srv.data_dir / "ledger.sqlite")
         try:
             samples = {s.agent: s for s in ledger.samples_of(lease["episode_id"])}
         finally:

@@ -293,6 +293,18 @@ def test_named_weights_load_into_a_fresh_model(model_dir, tokenizer):
         torch.testing.assert_close(engine_model(ids).logits, trainer.policy(ids).logits, rtol=0, atol=0)
 
 
+def test_exported_weights_load_into_a_fresh_model(model_dir, tokenizer, tmp_path):
+    """`export_weights` is the route to an engine in another process: a plain HF directory of the current policy."""
+    trainer = GRPOTrainer(model_dir, config())
+    trainer.step(make_batch(trainer, tokenizer))
+    exported = trainer.export_weights(tmp_path / "weights")
+    assert list(exported.glob("*.safetensors"))
+    engine_model = AutoModelForCausalLM.from_pretrained(exported)
+    ids = torch.tensor([encode(tokenizer, "Hi", "Yes.")[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(engine_model(ids).logits, trainer.policy(ids).logits, rtol=0, atol=0)
+
+
 def rng_draws() -> tuple:
     return random.random(), float(np.random.rand()), torch.rand(3).tolist()
 

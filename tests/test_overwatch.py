@@ -97,7 +97,7 @@ def test_overwatch_follows_a_server_through_its_states(local_server):
 
 
 async def _drive_overwatch(srv, http) -> None:
-    real_factory = srv.swarm._trainer_factory
+    real_factory = srv.server.lifecycle.trainer_factory
     release = threading.Event()
 
     def slow_trainer(model_path, config):  # hold the training step, before its first pass, until the screen shows it
@@ -106,7 +106,7 @@ async def _drive_overwatch(srv, http) -> None:
         trainer.accumulate_gradients = lambda *args, **kwargs: (release.wait(30), accumulate(*args, **kwargs))[1]
         return trainer
 
-    srv.swarm._trainer_factory = slow_trainer
+    srv.server.lifecycle.trainer_factory = slow_trainer
     app = OverwatchApp([Source("tiny-server", srv.url, ADMIN), Source("ghost", "http://127.0.0.1:9", ADMIN)],
                        interval_s=0.2)
     async with app.run_test(size=(200, 50)) as pilot:
@@ -234,7 +234,7 @@ def test_episode_viewer_shows_the_mask_boundaries_of_a_merged_sample(local_serve
             replies.append(out.choices[0])
             messages.append({"role": "assistant", "content": out.choices[0].message.content})
         http.post(f"/episodes/{lease['episode_id']}/end", json={"client_id": "c", "task_id": "t", "reward": 0.25})
-        sample = srv.swarm.ledger.samples_of(lease["episode_id"])[0]
+        sample = srv.server.ledger.samples_of(lease["episode_id"])[0]
 
     trained = [(a, b) for a, b, m in spans(sample.loss_mask) if m]
     assert len(trained) == 3  # one span per model turn

@@ -5,8 +5,7 @@ from servers.samples import CallRecord, merge_calls, unmerged_tokens
 
 def call(agent, prompt, completion, version=0):
     return CallRecord(agent=agent, prompt_ids=list(prompt), completion_ids=list(completion),
-                      logprobs=[-0.1 * (i + 1) for i in range(len(completion))], finish_reason="stop",
-                      policy_version=version)
+                      logprobs=[-0.1 * (i + 1) for i in range(len(completion))], policy_version=version)
 
 
 def test_five_turn_conversation_is_one_sample():

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import admin_http, play_episode, start_rolling, wait_state, wait_version
 from servers.ledger import Ledger
+from servers.serve import default_trainer_factory
 from servers.trainers.grpo import token_logprobs
 
 CLIENT = "client-a"
@@ -29,7 +30,7 @@ def end(http: httpx.Client, episode_id: str, reward: float = 1.0, client_id: str
 
 
 def samples(srv, episode_id):
-    ledger = Ledger(srv.swarm.data_dir / "ledger.sqlite")
+    ledger = Ledger(srv.data_dir / "ledger.sqlite")
     try:
         return ledger.samples_of(episode_id)
     finally:
@@ -236,3 +237,28 @@ def test_samples_too_stale_to_train_on_are_dropped_and_counted(local_server):
         status = wait_version(http, 2)
         assert status["metrics"]["samples_dropped_stale"] == 1 and status["metrics"]["dropped_stale"] == 1
         assert http.get("/control/pool").json()["groups"] == []
+
+
+def test_weights_reach_the_engine_through_a_directory_when_the_trainer_lives_elsewhere(local_server, tiny_model):
+    """A trainer in another process has no tensors to hand over (`named_weights` is None): the server publishes
+    through `export_weights` and the engine's `load_weights_from`, and serves exactly the trained weights."""
+    trainers = []
+
+    def remote_like(model_dir, config):
+        trainer = default_trainer_factory("cpu")(model_dir, config)
+        trainer.named_weights = lambda: None
+        trainers.append(trainer)
+        return trainer
+
+    with local_server(trainer_factory=remote_like) as srv, admin_http(srv.url) as http:
+        start_rolling(http, batch_size=1, num_repeat=2, save_freq=0, learning_rate=1e-2)
+        play_episode(http, "a", 1.0)
+        play_episode(http, "a", 0.0)
+        wait_version(http, 1)
+        served = srv.server.lifecycle.engine.model.state_dict()
+        trained = trainers[0].policy.state_dict()
+        base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).state_dict()
+        assert any(not torch.equal(trained[name], base[name]) for name in trained)  # the step moved the policy
+        for name, tensor in trained.items():
+            assert torch.equal(served[name], tensor), name
+        assert not list(srv.data_dir.glob(".weights-*"))  # the exported copy is removed once loaded

@@ -231,6 +231,23 @@ def test_load_weights_drains_running_requests_and_queues_new_ones(own_engine: To
         torch.testing.assert_close(engine.model.state_dict()[name], tensor, atol=0, rtol=0)
 
 
+def test_load_weights_from_a_directory_serves_exactly_those_weights(own_engine: TorchEngine, tmp_path: Path) -> None:
+    """The route for a trainer in another process: HF safetensors in a directory (what Trainer.export_weights
+    writes), loaded by the engine itself; tied weights (the tiny model ties lm_head to the embeddings) follow."""
+    from transformers import AutoModelForCausalLM
+
+    new_dir = build_lively_model(tmp_path / "new", seed=1)
+    new_model = AutoModelForCausalLM.from_pretrained(new_dir)
+    prompt = prompts(own_engine)[2]
+    own_engine.load_weights_from(new_dir)
+    ids = run_all(own_engine, [(prompt, SamplingParams(max_tokens=10, temperature=0.0))])[0][0]
+    assert ids == hf_greedy(new_model, prompt, 10, frozenset())
+    for name, tensor in new_model.state_dict().items():
+        torch.testing.assert_close(own_engine.model.state_dict()[name], tensor, atol=0, rtol=0)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        own_engine.load_weights_from(tmp_path)  # nothing there: nothing changes
+
+
 def test_load_weights_rejects_unknown_names_and_shapes_without_changes(own_engine: TorchEngine) -> None:
     before = {k: v.clone() for k, v in own_engine.model.state_dict().items()}
     name, tensor = next(iter(before.items()))

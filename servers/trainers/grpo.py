@@ -525,15 +525,20 @@ class GRPOTrainer(Trainer):
         """(state_dict name, tensor) of the policy; the tensors are the live weights (detached): copy, don't keep."""
         yield from self.policy.state_dict().items()
 
+    def export_weights(self, directory: Path) -> Path:
+        """The policy as a Hugging Face model directory (config + safetensors), for an engine in another process."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.policy.save_pretrained(directory)
+        return directory
+
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints
     # ------------------------------------------------------------------------------------------------------------
 
     def save(self, directory: Path) -> None:
         """Write a checkpoint into `directory` (servers.checkpoints makes it atomic and prunes old ones)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self.policy.save_pretrained(directory)
+        directory = self.export_weights(directory)
         self._copy_tokenizer(directory)
         torch.save(self._trainer_state(), directory / TRAINER_STATE_FILE)
 

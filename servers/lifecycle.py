@@ -1,0 +1,179 @@
+"""The trainable engine's lifecycle: its states, booting and stopping it, and publishing new weights to it.
+
+    OFFLINE ──start──► BOOTING ──► ROLLING ──batch complete──► ROLLING_POST ──leases drained──► WEIGHT_SYNCING
+       ▲                              ▲                                                             │
+       └──────────stop (any state)    └──────────────── trainer step, version + 1, new weights ─────┘
+
+`EngineLifecycle` owns the state, the engine and trainer it booted, the policy version they serve, the generation
+(bumped on every start and stop, so work still running for an older generation is ignored when it finishes) and
+the synced `TrainConfig`. The train loop (`servers.train_loop`) drives it around the ROLLING → WEIGHT_SYNCING cycle;
+the rollout pool and the data plane read it. Engine and trainer calls run in worker threads, never on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from marl.protocol import ConfigResponse, EngineState, ErrorCode, TrainConfig
+from servers.chat import ChatFormatter
+from servers.checkpoints import CheckpointDir
+from servers.errors import Refusal
+from servers.interfaces import InferenceEngine, Trainer
+from servers.ledger import LedgerThread
+from servers.status import ErrorLog
+
+log = logging.getLogger("marl.server")
+
+EngineFactory = Callable[[Path], InferenceEngine]
+TrainerFactory = Callable[[Path, TrainConfig], Trainer]
+
+#: The moves of the cycle; any state may also go to OFFLINE (a stop, a failed boot or step).
+_NEXT_STATES = {
+    EngineState.OFFLINE: {EngineState.BOOTING},
+    EngineState.BOOTING: {EngineState.ROLLING},
+    EngineState.ROLLING: {EngineState.ROLLING_POST},
+    EngineState.ROLLING_POST: {EngineState.WEIGHT_SYNCING},
+    EngineState.WEIGHT_SYNCING: {EngineState.ROLLING},  # trained, or the batch shrank below batch_size (stale)
+}
+
+
+class EngineLifecycle:
+    def __init__(self, *, model: str, served_name: str, data_dir: Path, config: TrainConfig,
+                 resolve_model: Callable[[str], Path], engine_factory: EngineFactory, trainer_factory: TrainerFactory,
+                 ledger: LedgerThread, errors: ErrorLog, batch_check: asyncio.Event):
+        self.model = model
+        self.served_name = served_name
+        self.config = config
+        # How the model name becomes an engine and a trainer at each boot (tests swap a factory between boots).
+        self.resolve_model = resolve_model
+        self.engine_factory = engine_factory
+        self.trainer_factory = trainer_factory
+        self.checkpoints = CheckpointDir(data_dir / "checkpoints")
+        self._data_dir = data_dir  # exported weights pass through it on their way to an engine in another process
+        self._ledger = ledger
+        self._errors = errors
+        self._batch_check = batch_check  # set once ROLLING: the pool may already hold a full batch
+
+        self.state = EngineState.OFFLINE
+        self.generation = 0
+        self.policy_version = 0  # training steps taken by the served weights
+        self.engine: InferenceEngine | None = None
+        self.trainer: Trainer | None = None
+        self.formatter: ChatFormatter | None = None
+        self._boot_task: asyncio.Task | None = None
+
+    def move_to(self, state: EngineState) -> None:
+        if state is not EngineState.OFFLINE and state not in _NEXT_STATES[self.state]:
+            raise RuntimeError(f"engine state {self.state.value} cannot move to {state.value}")
+        self.state = state
+
+    def serve_version(self, policy_version: int) -> None:
+        """The trained weights serve now: back to ROLLING at the new policy version."""
+        self.policy_version = policy_version
+        self.move_to(EngineState.ROLLING)
+
+    async def sync_config(self, config: TrainConfig) -> ConfigResponse:
+        changed = config != self.config
+        if changed and self.state != EngineState.OFFLINE:
+            raise Refusal(409, ErrorCode.ENGINE_NOT_OFFLINE,
+                          f"the engine is {self.state.value} with a different training config; stop the engine first"
+                          " (SwarmClient.stop_engine), then sync the new config", state=self.state)
+        if changed:
+            self.config = config
+            await self._ledger.set_meta("train_config", config.model_dump_json())
+        return ConfigResponse(config=self.config, changed=changed)
+
+    def start(self) -> None:
+        if self.state != EngineState.OFFLINE:
+            raise Refusal(409, ErrorCode.ENGINE_NOT_OFFLINE,
+                          f"the engine is already {self.state.value}; start_engine is only valid when OFFLINE"
+                          " (stop it first to restart)", state=self.state)
+        self.generation += 1
+        self._errors.clear()
+        self.move_to(EngineState.BOOTING)
+        self._boot_task = asyncio.create_task(self._boot(self.generation))
+
+    async def stop(self) -> None:
+        """OFFLINE from any state; the engine is released. The caller closes the leases first."""
+        if self._boot_task and not self._boot_task.done():
+            self._boot_task.cancel()
+        self.generation += 1  # anything still running for the old generation is ignored when it finishes
+        engine = self.engine
+        self.engine = self.trainer = self.formatter = None
+        self.move_to(EngineState.OFFLINE)
+        if engine is not None:
+            await asyncio.to_thread(engine.close)
+
+    async def _boot(self, generation: int) -> None:
+        try:
+            engine, trainer = await self._build()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("engine failed to boot")
+            if generation == self.generation:
+                self._errors.report(f"boot failed: {exc}")
+                self.move_to(EngineState.OFFLINE)
+            return
+        if generation != self.generation:  # stopped while booting
+            _close_soon(engine)
+            return
+        self.engine, self.trainer, self.policy_version = engine, trainer, trainer.step_count
+        self.formatter = ChatFormatter(engine.tokenizer, engine.eos_token_ids)
+        self.move_to(EngineState.ROLLING)
+        log.info("engine ROLLING: serving %s at policy version %d", self.served_name, self.policy_version)
+        self._batch_check.set()
+
+    async def _build(self) -> tuple[InferenceEngine, Trainer]:
+        """Resolve the model, build the engine and the trainer, resume both from the latest checkpoint, and return
+        to the pool the samples claimed by steps that checkpoint does not hold."""
+        model_dir = await asyncio.to_thread(self.resolve_model, self.model)
+        engine = await asyncio.to_thread(self.engine_factory, model_dir)
+        try:
+            trainer = await asyncio.to_thread(self.trainer_factory, model_dir, self.config)
+            latest = self.checkpoints.latest()
+            if latest is not None:
+                await asyncio.to_thread(trainer.load, latest)
+                await self.publish_weights(engine, trainer)
+                log.info("resumed from checkpoint %s (step %d)", latest, trainer.step_count)
+            released = await self._ledger.recover(trainer.step_count)
+            if released:
+                log.info("returned %d samples claimed by steps after %d to the pool", released, trainer.step_count)
+        except BaseException:
+            _close_soon(engine)
+            raise
+        return engine, trainer
+
+    async def publish_weights(self, engine: InferenceEngine, trainer: Trainer) -> None:
+        """Make `engine` serve `trainer`'s current weights: tensors straight across when both live in this process,
+        else through a directory of safetensors (an engine or trainer in another process)."""
+
+        def load_tensors() -> bool:
+            named = trainer.named_weights()
+            if named is None:
+                return False
+            engine.load_weights(named)
+            return True
+
+        if engine.takes_tensors and await asyncio.to_thread(load_tensors):
+            return
+        with tempfile.TemporaryDirectory(prefix=".weights-", dir=self._data_dir) as scratch:
+            exported = await asyncio.to_thread(trainer.export_weights, Path(scratch))
+            await asyncio.to_thread(engine.load_weights_from, exported)
+
+    async def close(self) -> None:
+        """Server shutdown: stop booting, release the engine."""
+        if self._boot_task:
+            self._boot_task.cancel()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)
+            self.engine = self.trainer = self.formatter = None
+
+
+def _close_soon(engine: InferenceEngine) -> None:
+    """Release an engine nobody will use, in a thread, without waiting (error and cancellation paths)."""
+    asyncio.get_running_loop().run_in_executor(None, engine.close)

@@ -1,0 +1,181 @@
+"""The rollout pool: the leases of running episodes, and the ended episodes waiting in the ledger to be trained on.
+
+`RolloutPool` grants leases while the engine is ROLLING (at most `max_leases` at once), ends them into the ledger
+(the lease's calls merged into samples by `servers.samples.merge_calls`, committed before end_episode answers),
+aborts, renews and expires them, admits data-plane calls by their episode key, and says how far the pool is from the
+next training step (`info`). Every change that may complete a batch sets `batch_check` for the train loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from marl.protocol import (
+    RUNNING_STATES,
+    AbortEpisodeResponse,
+    EndEpisodeRequest,
+    EndEpisodeResponse,
+    EngineState,
+    EpisodeLease,
+    EpisodeState,
+    ErrorCode,
+    GroupProgress,
+    LeaseInfo,
+    PoolInfo,
+)
+from servers.errors import Refusal
+from servers.leases import Lease, LeaseTable, NoFreeSlot
+from servers.ledger import LedgerThread
+from servers.lifecycle import EngineLifecycle
+from servers.samples import merge_calls
+from servers.status import Counters
+
+log = logging.getLogger("marl.server")
+
+_REAP_INTERVAL_S = 0.25
+
+
+class RolloutPool:
+    def __init__(self, engine: EngineLifecycle, ledger: LedgerThread, counters: Counters,
+                 batch_check: asyncio.Event, public_url: str | None = None):
+        self.leases = LeaseTable()
+        self._engine = engine
+        self._ledger = ledger
+        self._counters = counters
+        self._batch_check = batch_check
+        self._public_url = public_url  # base of the URLs handed to agents; default: the URL the client used
+
+    # --- leases --------------------------------------------------------------------------------------------------
+
+    def begin(self, client_id: str, request_url: str) -> EpisodeLease:
+        state, config = self._engine.state, self._engine.config
+        if state != EngineState.ROLLING:
+            waiting = state == EngineState.BOOTING or state in RUNNING_STATES  # draining or training: soon again
+            what = ("wait: leases resume when the engine is ROLLING" if waiting
+                    else "start the engine first (SwarmClient.auto_sync_train_config_and_start_engine)")
+            raise Refusal(503 if waiting else 409, ErrorCode.ENGINE_NOT_ROLLING,
+                          f"no new leases while the engine is {state.value}; {what}",
+                          retry_after_s=1.0 if waiting else None, state=state)
+        try:
+            lease = self.leases.open(client_id=client_id, generation=self._engine.generation,
+                                     patience_s=config.lease_patience_s, max_leases=config.max_leases)
+        except NoFreeSlot:
+            raise Refusal(503, ErrorCode.NO_FREE_SLOT, f"all {config.max_leases} lease slots are taken; wait for one"
+                          " to end (train.max_leases)", retry_after_s=0.5, state=state) from None
+        self._counters.leases_begun += 1
+        return EpisodeLease(episode_id=lease.episode_id, base_url=(self._public_url or request_url).rstrip("/") + "/v1",
+                            api_key=lease.key, model=self._engine.served_name, generation=lease.generation,
+                            patience_s=lease.patience_s, policy_version=self._engine.policy_version)
+
+    async def end(self, episode_id: str, request: EndEpisodeRequest) -> EndEpisodeResponse:
+        lease = self._held_lease(episode_id, request.client_id)
+        self.leases.close(lease, "the episode ended")  # the key is dead from here: no call can add to it
+        samples = merge_calls(episode_id, lease.calls, request.reward, request.agent_rewards)
+        await self._ledger.record_episode(
+            episode_id=episode_id, job=self._engine.config.job, task_id=request.task_id, client_id=request.client_id,
+            reward=request.reward, agent_rewards=request.agent_rewards, metadata=request.metadata,
+            num_calls=len(lease.calls), samples=samples)
+        self._counters.episodes_ended += 1
+        self._counters.samples_recorded += len(samples)
+        self._batch_check.set()
+        return EndEpisodeResponse(episode_id=episode_id, samples=len(samples),
+                                  trainable_tokens=sum(sum(s.loss_mask) for s in samples), pool=await self.info())
+
+    def abort(self, episode_id: str, client_id: str) -> AbortEpisodeResponse:
+        lease = self._held_lease(episode_id, client_id)
+        disposition = self._release(lease, "the episode was aborted")
+        self._counters.leases_aborted += 1
+        return AbortEpisodeResponse(episode_id=episode_id, disposition=disposition)
+
+    def renew(self, episode_id: str, client_id: str) -> EpisodeState:
+        self._held_lease(episode_id, client_id).touch()
+        return self.episode_state(episode_id)
+
+    def episode_state(self, episode_id: str) -> EpisodeState:
+        lease, state = self.leases.get(episode_id), self._engine.state
+        if lease is None:
+            return EpisodeState(episode_id=episode_id, can_continue=False, state=state,
+                                reason="the episode is not running: it ended, was aborted or expired")
+        return EpisodeState(episode_id=episode_id, can_continue=True, reason="running", state=state,
+                            idle_s=lease.idle_s(), patience_s=lease.patience_s)
+
+    def close_all(self, reason: str) -> None:
+        """Drop every lease unrecorded (the engine stops): counted as discarded."""
+        for lease in list(self.leases.by_episode.values()):
+            self.leases.close(lease, reason)
+            self._counters.leases_discarded += 1
+
+    async def expire_idle_leases(self) -> None:
+        """Forever: release leases idle longer than their patience (their slot is re-queued while ROLLING)."""
+        while True:
+            await asyncio.sleep(_REAP_INTERVAL_S)
+            for lease in self.leases.expired():
+                self._release(lease, f"the lease expired after {lease.patience_s:g}s without activity")
+                self._counters.leases_expired += 1
+                log.info("lease %s expired", lease.episode_id)
+
+    def _held_lease(self, episode_id: str, client_id: str) -> Lease:
+        lease, state = self.leases.get(episode_id), self._engine.state
+        if lease is None:
+            raise Refusal(404, ErrorCode.EPISODE_NOT_FOUND,
+                          f"episode {episode_id} is not running here: it ended, was aborted, expired after"
+                          f" {self._engine.config.lease_patience_s:g}s idle, or never existed; begin a new episode",
+                          state=state, param="episode_id")
+        if lease.client_id != client_id:
+            raise Refusal(403, ErrorCode.NOT_LEASE_HOLDER, f"episode {episode_id} is held by another client; only its"
+                          " holder may end or abort it", state=state)
+        return lease
+
+    def _release(self, lease: Lease, reason: str) -> str:
+        """Drop a lease without recording it: its slot is re-queued while ROLLING, discarded after the batch filled."""
+        self.leases.close(lease, reason)
+        disposition = "requeued" if self._engine.state == EngineState.ROLLING else "discarded"
+        if disposition == "requeued":
+            self._counters.leases_requeued += 1
+        else:
+            self._counters.leases_discarded += 1
+        self._batch_check.set()
+        return disposition
+
+    # --- the data plane ------------------------------------------------------------------------------------------
+
+    def admit(self, api_key: str | None) -> Lease:
+        """The live lease a data-plane key belongs to; a dead or unknown key is refused, saying why."""
+        lease = self.leases.by_key(api_key) if api_key else None
+        if lease is not None:
+            return lease
+        reason = self.leases.why_dead(api_key) if api_key else None
+        raise Refusal(401, ErrorCode.INVALID_API_KEY,
+                      f"this episode key is no longer valid: {reason}; begin a new episode" if reason else
+                      "missing or unknown episode key: use the api_key that begin_episode returned",
+                      state=self._engine.state)
+
+    # --- progress towards the next step --------------------------------------------------------------------------
+
+    async def info(self, *, detailed: bool = False) -> PoolInfo:
+        config = self._engine.config
+        groups = await self._ledger.pool_groups()
+        pending = await self._ledger.pending_episodes()
+        rolling = self._engine.state == EngineState.ROLLING
+        return PoolInfo(
+            batch_size=config.batch_size,
+            num_repeat=config.num_repeat,
+            complete_groups=sum(n >= config.num_repeat for n in groups.values()),
+            pending_episodes=pending,
+            groups=[GroupProgress(job=k.job, task_id=k.task_id, agent=k.agent, episodes=n)
+                    for k, n in groups.items()] if detailed else [],
+            running_leases=len(self.leases),
+            free_slots=max(0, config.max_leases - len(self.leases)) if rolling else 0,
+            leases=self._lease_infos() if detailed else [],
+            requeued=self._counters.leases_requeued,
+            discarded=self._counters.leases_discarded,
+            expired=self._counters.leases_expired,
+        )
+
+    def _lease_infos(self) -> list[LeaseInfo]:
+        now = time.monotonic()
+        return [LeaseInfo(episode_id=lease.episode_id, client_id=lease.client_id, idle_s=lease.idle_s(now),
+                          patience_s=lease.patience_s, calls=len(lease.calls), age_s=now - lease.created_at)
+                for lease in self.leases.by_episode.values()]

@@ -1,0 +1,100 @@
+"""What a server reports about itself: counters, recent errors, tokens/s, and the monitor snapshot built from them.
+
+`Telemetry` is written by the rooms as things happen (a lease begins, a call finishes, a step fails) and read by
+`/control/status` (its `metrics`), `/control/monitor` and the Prometheus `/metrics` page. Both the trainable and
+the static server keep one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+import uuid
+from collections.abc import Iterable
+
+from marl.protocol import ErrorEvent, MonitorSnapshot, PoolInfo, ServerStatus, StepRecord, TrainingProgress
+
+#: tokens/s is measured over this window.
+RATE_WINDOW_S = 10.0
+#: errors a monitor shows.
+ERRORS_KEPT = 20
+
+
+@dataclasses.dataclass
+class Counters:
+    """Counts since the process started (status `metrics`, and Prometheus counters)."""
+
+    leases_begun: int = 0
+    episodes_ended: int = 0
+    leases_aborted: int = 0
+    leases_requeued: int = 0  # aborted or expired while ROLLING: the slot went back to the pool
+    leases_discarded: int = 0  # aborted or expired after the batch filled, or closed by an engine stop
+    leases_expired: int = 0
+    calls: int = 0
+    calls_discarded: int = 0  # finished after their lease died: not recorded
+    tokens_prompt: int = 0
+    tokens_generated: int = 0
+    samples_recorded: int = 0
+    samples_dropped_stale: int = 0
+    train_steps: int = 0
+
+    def as_metrics(self) -> dict[str, float]:
+        return {name: float(value) for name, value in dataclasses.asdict(self).items()}
+
+
+class ErrorLog:
+    """The error the server is stuck on (`last_error`), and the latest errors, timestamped, for a monitor."""
+
+    def __init__(self) -> None:
+        self.last_error: str | None = None
+        self.recent: collections.deque[ErrorEvent] = collections.deque(maxlen=ERRORS_KEPT)
+
+    def report(self, message: str) -> None:
+        self.last_error = message
+        self.recent.append(ErrorEvent(time=time.time(), message=message))
+
+    def clear(self) -> None:
+        """The server starts over (engine start): the last error no longer holds; the history stays."""
+        self.last_error = None
+
+
+class TokenRate:
+    """Generated tokens per second over the last RATE_WINDOW_S (calls that finished in the window)."""
+
+    def __init__(self) -> None:
+        self._finished: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic, tokens)
+
+    def add(self, tokens: int) -> None:
+        self._finished.append((time.monotonic(), tokens))
+
+    def per_s(self) -> float:
+        horizon = time.monotonic() - RATE_WINDOW_S
+        while self._finished and self._finished[0][0] < horizon:
+            self._finished.popleft()
+        return sum(n for _, n in self._finished) / RATE_WINDOW_S
+
+
+class Telemetry:
+    """One server process's counters, errors and token rate, and the instance id that tells a restart apart."""
+
+    def __init__(self) -> None:
+        self.counters = Counters()
+        self.errors = ErrorLog()
+        self.generated = TokenRate()
+        self.instance_id = uuid.uuid4().hex  # a monitor sees a restart as a new id
+        self.started_at = time.time()
+
+    def snapshot(self, status: ServerStatus, *, pool: PoolInfo | None = None, recent_steps: Iterable[StepRecord] = (),
+                 training: TrainingProgress | None = None) -> MonitorSnapshot:
+        return MonitorSnapshot(
+            instance_id=self.instance_id,
+            started_at=self.started_at,
+            status=status,
+            pool=pool,
+            recent_steps=list(recent_steps),
+            tokens_per_s=self.generated.per_s(),
+            rate_window_s=RATE_WINDOW_S,
+            errors=list(self.errors.recent),
+            training=training,
+        )

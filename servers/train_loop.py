@@ -1,0 +1,137 @@
+"""The train loop: from a full pool to new weights being served.
+
+Woken whenever the pool may have completed a batch (`batch_check`), it moves the engine ROLLING → ROLLING_POST once
+`batch_size` groups hold `num_repeat` episodes each, waits for the running leases to drain, then in WEIGHT_SYNCING
+drops samples too stale to train on, claims the batch in the ledger, trains (in a thread), publishes the new weights
+to the engine, checkpoints every `save_freq` steps, and rolls on at policy version + 1.
+
+If a step fails, its claims return to the pool, the engine stops, and `last_error` says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from marl.protocol import RUNNING_STATES, EngineState, TrainingProgress
+from servers.interfaces import Group, TrainBatch, Trainer
+from servers.ledger import GroupKey, LedgerThread
+from servers.lifecycle import EngineLifecycle
+from servers.records import TrainingRecord
+from servers.rollout_pool import RolloutPool
+from servers.status import Telemetry
+
+log = logging.getLogger("marl.server")
+
+
+class TrainLoop:
+    def __init__(self, *, engine: EngineLifecycle, pool: RolloutPool, ledger: LedgerThread, record: TrainingRecord,
+                 telemetry: Telemetry, batch_check: asyncio.Event, stop_engine: Callable[[], Awaitable[object]]):
+        self._engine = engine
+        self._pool = pool
+        self._ledger = ledger
+        self._record = record
+        self._telemetry = telemetry
+        self._batch_check = batch_check
+        self._stop_engine = stop_engine  # closes the leases too
+        self._training: tuple[int, int, float] | None = None  # (step, samples, monotonic start) while one runs
+
+    async def run(self) -> None:
+        """Forever: on every wake-up, drain once the batch is complete, and train once the leases are gone."""
+        while True:
+            await self._batch_check.wait()
+            self._batch_check.clear()
+            try:
+                await self._advance()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                await self._step_failed(exc)
+
+    async def _advance(self) -> None:
+        engine = self._engine
+        if engine.state == EngineState.ROLLING and len(await self._ready_groups()) >= engine.config.batch_size:
+            engine.move_to(EngineState.ROLLING_POST)
+            log.info("batch complete: draining %d running leases", len(self._pool.leases))
+        if engine.state == EngineState.ROLLING_POST and not len(self._pool.leases):
+            await self._train_step()
+
+    async def _ready_groups(self) -> list[GroupKey]:
+        groups = await self._ledger.pool_groups()
+        return [key for key, n in groups.items() if n >= self._engine.config.num_repeat]
+
+    async def _train_step(self) -> None:
+        engine, counters = self._engine, self._telemetry.counters
+        engine.move_to(EngineState.WEIGHT_SYNCING)
+        generation, step, config = engine.generation, engine.policy_version + 1, engine.config
+        served, trainer = engine.engine, engine.trainer  # a stop meanwhile clears them from the lifecycle
+        dropped = await self._ledger.drop_stale(engine.policy_version - config.max_staleness)
+        counters.samples_dropped_stale += dropped
+        ready = (await self._ready_groups())[: config.batch_size]
+        if len(ready) < config.batch_size:  # stale samples were dropped: roll on until the batch refills
+            engine.move_to(EngineState.ROLLING)
+            return
+        claimed = await self._ledger.claim_batch(step, ready)
+        batch = TrainBatch(step=step, dropped_stale=dropped, groups=[
+            Group(job=k.job, task_id=k.task_id, agent=k.agent, samples=s) for k, s in claimed.items()])
+        metrics = await self._train(batch, trainer)
+        if generation != engine.generation:
+            return  # stopped meanwhile: the next boot returns the claim to the pool
+        await engine.publish_weights(served, trainer)
+        await asyncio.to_thread(release_freed_memory)
+        if config.save_freq and step % config.save_freq == 0:
+            await asyncio.to_thread(engine.checkpoints.save, trainer, step, config.keep_checkpoints)
+        if generation != engine.generation:
+            return
+        counters.train_steps += 1
+        self._record.append(step, metrics)
+        engine.serve_version(step)
+        log.info("step %d done: %s", step, json.dumps({k: round(v, 4) for k, v in metrics.items()}))
+        self._batch_check.set()
+
+    async def _train(self, batch: TrainBatch, trainer: Trainer) -> dict[str, float]:
+        samples = sum(len(g.samples) for g in batch.groups)
+        log.info("step %d: training on %d groups (%d samples)", batch.step, len(batch.groups), samples)
+        self._training = (batch.step, samples, time.monotonic())
+        try:
+            metrics = await asyncio.to_thread(trainer.step, batch)
+        finally:
+            self._training = None
+        return {k: float(v) for k, v in metrics.items()}
+
+    async def _step_failed(self, exc: Exception) -> None:
+        log.exception("training step failed")
+        step = self._engine.policy_version + 1
+        await self._ledger.recover(self._engine.policy_version)  # the step never happened: its samples go back
+        if self._engine.state in RUNNING_STATES:
+            await self._stop_engine()
+        self._telemetry.errors.report(f"training step {step} failed: {exc}; fix it and start the engine again")
+
+    def progress(self) -> TrainingProgress | None:
+        """The step running now, for a monitor (None between steps)."""
+        started = self._training
+        if started is None or self._engine.state != EngineState.WEIGHT_SYNCING:
+            return None
+        step, samples, since = started
+        progress = getattr(self._engine.trainer, "progress", None)
+        done, total = progress if progress is not None else (None, None)
+        return TrainingProgress(step=step, seconds=time.monotonic() - since, samples=samples, done=done, total=total)
+
+
+def release_freed_memory() -> None:
+    """Hand the memory a training step freed back to the OS (glibc keeps freed heap pages otherwise).
+
+    A step's activations are gigabytes of short-lived tensors; without this, a CPU server's resident memory ratchets
+    up step after step until the kernel's out-of-memory killer stops it. A no-op where glibc is not the allocator.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)

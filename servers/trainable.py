@@ -1,0 +1,105 @@
+"""A trainable swarm server: its rooms, composed, and the few operations that span them.
+
+    EngineLifecycle  servers.lifecycle     engine states, boot and stop, weight publishing, the synced config
+    RolloutPool      servers.rollout_pool  leases, ended episodes into the ledger, pool progress
+    TrainLoop        servers.train_loop    full batch -> drain -> train -> publish -> checkpoint
+    ChatService      servers.serving       the OpenAI data plane
+    Telemetry        servers.status        counters, errors, tokens/s
+
+Everything runs on the server's asyncio event loop, so state changes need no locks; blocking work runs in threads
+(the ledger on one of its own, `servers.ledger.LedgerThread`). HTTP lives in `servers.app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+from marl.protocol import EngineState, MonitorSnapshot, ServerStatus, TrainConfig
+from servers.ledger import Ledger, LedgerThread
+from servers.lifecycle import EngineFactory, EngineLifecycle, TrainerFactory
+from servers.metrics import MetricsReading, render
+from servers.records import TrainingRecord
+from servers.rollout_pool import RolloutPool
+from servers.serving import ChatService
+from servers.status import Telemetry
+from servers.train_loop import TrainLoop
+
+
+class TrainableServer:
+    def __init__(self, *, model: str, served_name: str, data_dir: Path, resolve_model: Callable[[str], Path],
+                 engine_factory: EngineFactory, trainer_factory: TrainerFactory, public_url: str | None = None):
+        self.data_dir = data_dir
+        self.telemetry = Telemetry()
+        self.record = TrainingRecord(data_dir)
+        self.ledger = Ledger(data_dir / "ledger.sqlite")  # used from the ledger thread once the server runs
+        if self.ledger.get_meta("model") != model:
+            self.ledger.set_meta("model", model)  # what `marl episode show` decodes tokens with
+        saved = self.ledger.get_meta("train_config")
+        self._ledger_thread = LedgerThread(self.ledger)
+        batch_check = asyncio.Event()  # set whenever the pool may hold a full batch
+        self.lifecycle = EngineLifecycle(
+            model=model, served_name=served_name, data_dir=data_dir,
+            config=TrainConfig.model_validate_json(saved) if saved else TrainConfig(),
+            resolve_model=resolve_model, engine_factory=engine_factory, trainer_factory=trainer_factory,
+            ledger=self._ledger_thread, errors=self.telemetry.errors, batch_check=batch_check)
+        self.pool = RolloutPool(self.lifecycle, self._ledger_thread, self.telemetry.counters, batch_check, public_url)
+        self.train_loop = TrainLoop(engine=self.lifecycle, pool=self.pool, ledger=self._ledger_thread,
+                                    record=self.record, telemetry=self.telemetry, batch_check=batch_check,
+                                    stop_engine=self.stop_engine)
+        self.chat = ChatService(self.lifecycle, self.pool.admit, self.telemetry)
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def served_name(self) -> str:
+        return self.lifecycle.served_name
+
+    @property
+    def state(self) -> EngineState:
+        return self.lifecycle.state
+
+    async def startup(self) -> None:
+        self._tasks = [asyncio.create_task(self.pool.expire_idle_leases()), asyncio.create_task(self.train_loop.run())]
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.lifecycle.close()
+        self.record.close()
+        await self._ledger_thread.close()
+
+    async def start_engine(self) -> ServerStatus:
+        self.lifecycle.start()
+        return await self.status()
+
+    async def stop_engine(self) -> ServerStatus:
+        self.pool.close_all("the engine was stopped")
+        await self.lifecycle.stop()
+        return await self.status()
+
+    def _last_step_metrics(self) -> dict[str, float]:
+        return self.record.recent[-1].metrics if self.record.recent else {}
+
+    async def status(self) -> ServerStatus:
+        lifecycle = self.lifecycle
+        return ServerStatus(state=lifecycle.state, model=lifecycle.served_name, policy_version=lifecycle.policy_version,
+                            generation=lifecycle.generation, step=lifecycle.policy_version, static=False,
+                            pool=await self.pool.info(), last_error=self.telemetry.errors.last_error,
+                            metrics={**self.telemetry.counters.as_metrics(), **self._last_step_metrics()})
+
+    async def monitor(self) -> MonitorSnapshot:
+        return self.telemetry.snapshot(await self.status(), pool=await self.pool.info(detailed=True),
+                                       recent_steps=self.record.recent, training=self.train_loop.progress())
+
+    async def metrics_text(self) -> bytes:
+        lifecycle, telemetry = self.lifecycle, self.telemetry
+        return render(MetricsReading(
+            model=lifecycle.served_name, state=lifecycle.state, policy_version=lifecycle.policy_version,
+            running_leases=len(self.pool.leases), tokens_per_s=telemetry.generated.per_s(),
+            counters=telemetry.counters, engine_stats=getattr(lifecycle.engine, "stats", None),
+            pool=await self.pool.info(), last_step=self._last_step_metrics()))
