@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from marl import SwarmClient
+from marl import ADMIN_TOKEN_ENV, SwarmClient
 
 QUESTIONS = [
     "What color is the sky on a clear day?", "Which animal says moo?", "What is the opposite of hot?",
@@ -76,7 +76,7 @@ def main() -> None:
 
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    token = os.environ.get("MARL_ADMIN_TOKEN") or "learn-format-demo"
+    token = os.environ.get(ADMIN_TOKEN_ENV) or "learn-format-demo"
     proc = None
     if args.url is None:
         proc, args.url = start_server(run_dir, token)
