@@ -42,23 +42,21 @@ The model runs in eval mode (dropout off): with the same weights, the training f
 engine's logprobs, so on the first pass ratio = 1 up to kernel noise (`logprob_diff_max` measures the gap between
 the engine and the trainer: a large value means they disagree about the model).
 
-Checkpoints: `save(dir)` writes a Hugging Face model directory (weights, config, tokenizer files copied from
-`model_dir`) plus `trainer_state.pt` (optimizer, step_count, RNG states); `servers.checkpoints.CheckpointDir` makes
-the write atomic, names it `step_{n:06d}` and prunes old ones.
+Around the algorithm, in their own modules: packing samples into micro-batches (servers.trainers.micro_batches),
+loading the policy in eval mode (servers.trainers.policy_model), the metrics dict (servers.trainers.step_metrics),
+and checkpoints (servers.trainers.checkpoint): `save(dir)` writes a Hugging Face model directory plus the optimizer,
+step count and RNG states.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import random
-import shutil
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -66,6 +64,16 @@ from transformers import AutoModelForCausalLM
 
 from marl.protocol import GRPOConfig, Sample
 from servers.interfaces import Group, TrainBatch, Trainer
+from servers.trainers.checkpoint import (
+    TRAINER_STATE_FILE,
+    copy_tokenizer,
+    read_trainer_state,
+    restore_rng_states,
+    write_trainer_state,
+)
+from servers.trainers.micro_batches import collate, pack_micro_batches, trained_tokens
+from servers.trainers.policy_model import load_policy_model, resolve_dtype, set_gradient_checkpointing
+from servers.trainers.step_metrics import IDLE_PASS_METRICS, PassTotals, batch_metrics
 
 __all__ = [
     "ADV_EPS",
@@ -85,24 +93,6 @@ ADV_EPS = 1e-6
 ZERO_VARIANCE_STD = 1e-8
 #: log-ratios are clamped to +-this before exp, so a very stale token cannot overflow the loss to inf.
 MAX_LOG_RATIO = 20.0
-#: Optimizer, step count and RNG states, next to the model files of a checkpoint.
-TRAINER_STATE_FILE = "trainer_state.pt"
-#: Tokenizer files copied verbatim from `model_dir` into every checkpoint (copied, not re-saved: a re-save can
-#: change the tokenizer class or its pre-tokenizer).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "tokenizer.model",
-    "spiece.model",
-)
-TOKENIZER_DIRS = ("additional_chat_templates",)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -218,112 +208,8 @@ def compute_advantages(
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Step 4 helpers: packing and padding
+# Steps 2-4: the trainer
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def pack_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
-    """Indices into `lengths`, grouped so that len(mb) * max(length in mb) <= budget.
-
-    Longest first (less padding; ties keep their order); a sequence longer than the budget goes alone.
-    """
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in order:
-        longest_if_added = max(longest, lengths[i])
-        if current and longest_if_added * (len(current) + 1) > budget:
-            batches.append(current)
-            current, longest_if_added = [], lengths[i]
-        current.append(i)
-        longest = longest_if_added
-    if current:
-        batches.append(current)
-    return batches
-
-
-def _trained_tokens(sample: Sample) -> int:
-    return sum(sample.loss_mask[1:])  # token 0 has no prefix: it cannot be trained on
-
-
-@dataclass
-class _MicroBatch:
-    input_ids: torch.Tensor  # [B, T] long, right-padded
-    attention_mask: torch.Tensor  # [B, T] long
-    loss_mask: torch.Tensor  # [B, T] float, 0 at t = 0 and on padding
-    old_logp: torch.Tensor  # [B, T] float32, behaviour logprobs
-    advantages: torch.Tensor  # [B] float32
-
-
-def _collate(items: Sequence[tuple[Sample, float]], device: torch.device, vocab_size: int) -> _MicroBatch:
-    width = max(len(s.token_ids) for s, _ in items)
-    shape = (len(items), width)
-    input_ids = torch.zeros(shape, dtype=torch.long)  # pad id is irrelevant: attention_mask hides it
-    attention_mask = torch.zeros(shape, dtype=torch.long)
-    loss_mask = torch.zeros(shape, dtype=torch.float32)
-    old_logp = torch.zeros(shape, dtype=torch.float32)
-    for row, (sample, _) in enumerate(items):
-        n = len(sample.token_ids)
-        if n and (max(sample.token_ids) >= vocab_size or min(sample.token_ids) < 0):
-            raise ValueError(
-                f"sample of episode {sample.episode_id!r} has token ids outside the model's vocabulary "
-                f"[0, {vocab_size}): was it recorded by another model?"
-            )
-        input_ids[row, :n] = torch.tensor(sample.token_ids, dtype=torch.long)
-        attention_mask[row, :n] = 1
-        loss_mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)
-        old_logp[row, :n] = torch.tensor(sample.logprobs, dtype=torch.float32)
-    loss_mask[:, 0] = 0.0
-    advantages = torch.tensor([a for _, a in items], dtype=torch.float32)
-    return _MicroBatch(
-        input_ids.to(device),
-        attention_mask.to(device),
-        loss_mask.to(device),
-        old_logp.to(device),
-        advantages.to(device),
-    )
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The trainer
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
-    if dtype is None:
-        return torch.float32  # fp32 weights and optimizer state: exact on CPU, simple everywhere
-    if isinstance(dtype, str):
-        return getattr(torch, dtype.removeprefix("torch."))
-    return dtype
-
-
-def _load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    model.to(device)
-    model.eval()  # dropout off: the training forward must reproduce the engine's logprobs
-    return model
-
-
-def _set_gradient_checkpointing(model: torch.nn.Module, enabled: bool) -> None:
-    """Turn activation recomputation of the decoder layers on or off (a Werewolves player's merged conversation of
-    5k tokens needs about 12 GB of saved activations for SmolLM2-135M in fp32 without it).
-
-    transformers only checkpoints a layer in training mode, and the policy stays in eval mode (dropout off, so the
-    training forward reproduces the engine's logprobs). So only the layer modules themselves are flagged as
-    training: their submodules, dropout included, stay in eval mode.
-    """
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    if enabled and not layers:
-        raise ValueError(f"gradient_checkpointing: {type(model).__name__} has no checkpointable decoder layers")
-    if enabled and not model.is_activation_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    elif not enabled and model.is_activation_checkpointing:
-        model.activation_checkpointing_disable()
-    for layer in layers:
-        layer.training = enabled
 
 
 class GRPOTrainer(Trainer):
@@ -338,14 +224,14 @@ class GRPOTrainer(Trainer):
         dtype: torch.dtype | str | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
-        self.config = config
+        self.config = config  # read at every step: a caller may swap it between steps
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = _resolve_dtype(dtype)
-        self.policy = _load_model(self.model_dir, self.dtype, self.device)
+        self.dtype = resolve_dtype(dtype)
+        self.policy = load_policy_model(self.model_dir, self.dtype, self.device)
         # Frozen reference = the initial model, for the KL penalty (also after `load`: it stays the initial model).
         self.ref: torch.nn.Module | None = None
         if config.kl_coef > 0:
-            self.ref = _load_model(self.model_dir, self.dtype, self.device)
+            self.ref = load_policy_model(self.model_dir, self.dtype, self.device)
             self.ref.requires_grad_(False)
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
@@ -354,10 +240,6 @@ class GRPOTrainer(Trainer):
         self.vocab_size = self.policy.get_input_embeddings().num_embeddings
         self.step_count = 0  # == policy version: the number of `step` calls so far
 
-    # ------------------------------------------------------------------------------------------------------------
-    # One training step
-    # ------------------------------------------------------------------------------------------------------------
-
     def step(self, batch: TrainBatch) -> dict[str, float]:
         t0 = time.perf_counter()
         self.progress = None  # until the passes are known (a failed step may have left its count behind)
@@ -365,80 +247,46 @@ class GRPOTrainer(Trainer):
         if batch.step != self.step_count + 1:
             log.warning("batch.step=%d but the trainer is at step %d", batch.step, self.step_count)
 
-        # 1. Advantages per group.
+        # 1. Advantages per group; a sample without a trained token adds nothing to L.
         adv = compute_advantages(
             batch.groups,
             normalize_std=cfg.normalize_advantage_std,
             skip_zero_variance=cfg.skip_zero_variance_groups,
         )
-        items = [(s, a) for s, a in adv.items if _trained_tokens(s) > 0]
-        metrics = self._reward_metrics(adv)
-        metrics.update(
-            groups=float(adv.groups),
-            groups_zero_variance=float(adv.groups_zero_variance),
-            groups_trained=float(adv.groups_trained),
-            samples=float(len(items)),
-            tokens_trained=float(sum(_trained_tokens(s) for s, _ in items)),
-            dropped_stale=float(batch.dropped_stale),
-        )
-
-        # Nothing trainable: no optimizer step, but the version still moves on (the server bumps it).
-        if not items:
-            self.step_count += 1
-            metrics.update(
-                trained=0.0, optimizer_steps=0.0, micro_batches=0.0, loss=0.0, pg_loss=0.0, pg_clipfrac=0.0, kl=0.0,
-                entropy=0.0, logprob_diff_mean=0.0, logprob_diff_max=0.0, grad_norm=0.0, skipped_nonfinite=0.0,
-                policy_version=float(self.step_count), seconds=time.perf_counter() - t0,
-            )  # fmt: skip
+        items = [(s, a) for s, a in adv.items if trained_tokens(s) > 0]
+        metrics = batch_metrics(adv, items, batch.dropped_stale)
+        if items:
+            metrics.update(self._train(items, tokens_trained=metrics["tokens_trained"]))
+        else:  # nothing trainable: no optimizer step, but the version still moves on (the server bumps it)
+            metrics.update(IDLE_PASS_METRICS)
             if self.ref is not None:
                 metrics["kl_ref"] = 0.0
-            return metrics
+        self.step_count += 1
+        metrics.update(policy_version=float(self.step_count), seconds=time.perf_counter() - t0)
+        return metrics
 
-        # 2-4. ppo_epochs passes; each pass = forward/backward over all micro-batches, then one optimizer step.
+    def _train(self, items: Sequence[tuple[Sample, float]], *, tokens_trained: float) -> dict[str, float]:
+        """2-4. `ppo_epochs` passes; each pass = forward/backward over all micro-batches, then one AdamW step."""
+        cfg = self.config
         self._sync_optimizer_hparams()
-        _set_gradient_checkpointing(self.policy, cfg.gradient_checkpointing)
+        set_gradient_checkpointing(self.policy, cfg.gradient_checkpointing)
         micro_batches = pack_micro_batches([len(s.token_ids) for s, _ in items], cfg.micro_batch_tokens)
-        totals: dict[str, float] = defaultdict(float)
-        grad_norms, optimizer_steps = [], 0
+        totals = PassTotals()
         self.progress = (0, cfg.ppo_epochs * len(micro_batches))
         for epoch in range(cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             stats = self.accumulate_gradients(items, micro_batches)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
-            grad_norms.append(grad_norm)
-            if math.isfinite(grad_norm):
+            finite = math.isfinite(grad_norm)
+            if finite:
                 self.optimizer.step()
-                optimizer_steps += 1
             else:
                 log.warning("non-finite gradient norm at step %d epoch %d: update skipped", self.step_count, epoch)
             self.optimizer.zero_grad(set_to_none=True)
-            for key, value in stats.items():
-                if epoch == 0 or not key.startswith("logprob_diff"):
-                    totals[key] = max(totals[key], value) if key.endswith("_max") else totals[key] + value
-        self.step_count += 1
+            totals.add(stats, grad_norm, stepped=finite)
         self.progress = None
-
-        tokens = totals["tokens"]  # trained tokens summed over epochs
-        metrics.update(
-            trained=1.0,
-            optimizer_steps=float(optimizer_steps),
-            micro_batches=float(len(micro_batches)),
-            loss=totals["loss"] / cfg.ppo_epochs,  # L, averaged over epochs
-            pg_loss=totals["pg_loss"] / cfg.ppo_epochs,
-            pg_clipfrac=totals["clipped"] / tokens,  # tokens whose gradient the clip removed
-            kl=totals["kl_old"] / tokens,  # approx KL(old || new), k3, token mean
-            entropy=totals["entropy"] / tokens,
-            # Engine-vs-trainer gap: |logp_new - logp_old| on the first pass, before any update.
-            logprob_diff_mean=totals["logprob_diff_sum"] / metrics["tokens_trained"],
-            logprob_diff_max=totals["logprob_diff_max"],
-            grad_norm=sum(grad_norms) / len(grad_norms),  # before clipping, mean over epochs
-            skipped_nonfinite=float(len(grad_norms) - optimizer_steps),
-            policy_version=float(self.step_count),
-            seconds=time.perf_counter() - t0,
-        )
-        if self.ref is not None:
-            metrics["kl_ref"] = totals["kl_ref"] / tokens  # k3 KL(new || ref), token mean
-        return metrics
+        return totals.metrics(micro_batches=len(micro_batches), tokens_trained=tokens_trained,
+                              with_ref=self.ref is not None)  # fmt: skip
 
     def accumulate_gradients(
         self, items: Sequence[tuple[Sample, float]], micro_batches: list[list[int]] | None = None
@@ -454,7 +302,7 @@ class GRPOTrainer(Trainer):
         num_samples = len(items)  # S in L = 1/S * sum_s token_mean_s
         stats: dict[str, float] = defaultdict(float)
         for indices in micro_batches:
-            mb = _collate([items[i] for i in indices], self.device, self.vocab_size)
+            mb = collate([items[i] for i in indices], self.device, self.vocab_size)
             logp, entropy = _forward(self.policy, mb.input_ids, mb.attention_mask, keep=mb.loss_mask, with_entropy=True)
             mask = mb.loss_mask
             tokens_per_sample = mask.sum(-1).clamp(min=1.0)  # |T_s|
@@ -506,17 +354,6 @@ class GRPOTrainer(Trainer):
             group["betas"] = tuple(self.config.adam_betas)
             group["weight_decay"] = self.config.weight_decay
 
-    @staticmethod
-    def _reward_metrics(adv: Advantages) -> dict[str, float]:
-        out: dict[str, float] = {}
-        every = [r for rs in adv.rewards_by_agent.values() for r in rs]
-        out["reward_mean"] = float(np.mean(every)) if every else 0.0
-        out["reward_std"] = float(np.std(every)) if every else 0.0
-        for agent, rewards in sorted(adv.rewards_by_agent.items()):
-            out[f"reward_mean/{agent}"] = float(np.mean(rewards)) if rewards else 0.0
-            out[f"reward_std/{agent}"] = float(np.std(rewards)) if rewards else 0.0
-        return out
-
     # ------------------------------------------------------------------------------------------------------------
     # Weights for the inference engine
     # ------------------------------------------------------------------------------------------------------------
@@ -533,66 +370,24 @@ class GRPOTrainer(Trainer):
         return directory
 
     # ------------------------------------------------------------------------------------------------------------
-    # Checkpoints
+    # Checkpoints (servers.trainers.checkpoint)
     # ------------------------------------------------------------------------------------------------------------
 
     def save(self, directory: Path) -> None:
         """Write a checkpoint into `directory` (servers.checkpoints makes it atomic and prunes old ones)."""
         directory = self.export_weights(directory)
-        self._copy_tokenizer(directory)
-        torch.save(self._trainer_state(), directory / TRAINER_STATE_FILE)
+        copy_tokenizer(self.model_dir, directory)
+        write_trainer_state(directory, step_count=self.step_count, optimizer=self.optimizer, config=self.config,
+                            model_dir=self.model_dir)  # fmt: skip
 
     def load(self, directory: Path) -> None:
         """Restore weights, optimizer state, step_count and RNG states written by `save`."""
         directory = Path(directory)
-        state_file = directory / TRAINER_STATE_FILE
-        if not state_file.is_file():
-            raise FileNotFoundError(f"{directory} is not a complete checkpoint: {TRAINER_STATE_FILE} is missing")
-        # Our own file: RNG states are python/numpy objects, so weights_only=False.
-        state = torch.load(state_file, map_location="cpu", weights_only=False)
+        state = read_trainer_state(directory)
         loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=self.dtype)
         with torch.no_grad():
             self.policy.load_state_dict(loaded.state_dict())
         del loaded
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step_count"])
-        rng = state["rng"]
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-
-    def _trainer_state(self) -> dict[str, Any]:
-        return {
-            "step_count": self.step_count,
-            "optimizer": self.optimizer.state_dict(),
-            "rng": {
-                "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            },
-            "config": self.config.model_dump(mode="json"),
-            "model_dir": str(self.model_dir),
-        }
-
-    def _copy_tokenizer(self, target: Path) -> None:
-        copied = 0
-        for name in TOKENIZER_FILES:
-            source = self.model_dir / name
-            if source.is_file():
-                shutil.copy2(source, target / name)
-                copied += 1
-        for name in TOKENIZER_DIRS:
-            source = self.model_dir / name
-            if source.is_dir():
-                shutil.copytree(source, target / name)
-        if not copied:
-            # No tokenizer files to copy (e.g. a GGUF source): fall back to re-saving the loaded tokenizer.
-            from transformers import AutoTokenizer
-
-            try:
-                AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(target)
-            except Exception as exc:  # noqa: BLE001 - the weights are still worth saving
-                log.warning("checkpoint %s has no tokenizer: %s", target, exc)
+        restore_rng_states(state["rng"])
