@@ -56,7 +56,8 @@ def record(games: int, directory: Path) -> list[Path]:
 
     from envs.werewolves import Werewolves
     from marl.client import SwarmClient
-    from marl.coordinator import Coordinator, Endpoint, GameSettings, play_games, tasks
+    from marl.coordinator import Coordinator, Endpoint, GameSettings
+    from marl.games import play_games, tasks
     from servers.tiny_model import build_tiny_model
 
     model = build_tiny_model(directory / "model", max_position_embeddings=8192)
@@ -73,11 +74,9 @@ def record(games: int, directory: Path) -> list[Path]:
             role_servers={"werewolf": "wolves_model", "seer": "seer_model", "villager": None, "witch": None,
                           "hunter": None},
             endpoints=endpoints, settings=GameSettings(max_tokens=24))
-        done = []
-        stats = play_games(coordinator, tasks("bench", 1, seed=0), concurrency=2,
-                           should_stop=lambda: len(done) >= games, on_result=lambda r, e: r and done.append(r))
+        stats = play_games(coordinator, tasks("bench", 1, seed=0), concurrency=2, games=games)
         coordinator.close()
-        print(f"recorded {stats.games} games ({stats.failed} failed)")
+        print(f"recorded {stats.games} games ({stats.failed} failed attempts)")
     return dirs
 
 

@@ -21,7 +21,8 @@ import yaml
 
 from marl import SwarmClient, SwarmError
 from marl.agentscope_agents import Fallback, agentscope_players
-from marl.coordinator import Coordinator, Endpoint, GameFailed, GameSettings, tasks
+from marl.coordinator import Coordinator, Endpoint, GameFailed, GameSettings
+from marl.games import tasks
 from marl.topology import import_class
 
 SERVER = "server"  # the swarm server's name in the coordinator

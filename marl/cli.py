@@ -20,7 +20,8 @@ def _gigabytes(text: str) -> float:
 
 
 def _serve(args: argparse.Namespace) -> None:
-    # The only place marl/ imports servers/: starting a server process is what `serve` is for.
+    # marl/ imports servers/ only in the server-side commands: `serve` (starting a server process is what it is
+    # for) and `episode` (reading a server's ledger).
     from servers.serve import ServeOptions, serve
 
     serve(ServeOptions(
@@ -42,6 +43,7 @@ def _topology_show(args: argparse.Namespace) -> None:
     from rich.console import Console
 
     from marl.topology import Topology, TopologyError
+    from marl.topology_view import topology_tree
 
     try:
         topology = Topology.load(args.file, args.overrides, check_env=not args.no_env_check)
@@ -50,7 +52,7 @@ def _topology_show(args: argparse.Namespace) -> None:
         sys.exit(2)
     # Piped output: no colours (rich drops them) and no wrapping at 80 columns.
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
-    console.print(topology.tree())
+    console.print(topology_tree(topology))
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -149,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                " takes them) and print it; exits 2 with every problem found.")
     show.add_argument("file", help="topology YAML, e.g. topologies/signalling-cpu.yaml")
     show.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. run.max_steps=5")
-    show.add_argument("--no-env-check", action="store_true", help="do not import env.class")
+    show.add_argument("--no-env-check", action="store_true",
+                      help="do not import and construct env.class, nor check roles: against the roles it deals")
     show.set_defaults(func=_topology_show)
 
     run = sub.add_parser("run", help="play and train a topology: start local servers, play games, train each model",

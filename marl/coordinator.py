@@ -1,18 +1,18 @@
 """The coordinator: every game is one transaction across the model servers of a topology.
 
 For each game it
-1. waits until every trainable server in the game is ROLLING, then leases on all of them at once; if any lease
-   fails, it aborts the others and waits again (it never holds a lease on one server while waiting for another);
+1. waits until every server the game links (the trainable servers that play a role the env deals) is ROLLING, as
+   the run's `ServerMonitor` sees it, then leases on all of them at once; if any lease fails, it aborts the others
+   and waits again (it never holds a lease on one server while waiting for another);
 2. gives each agent its own player: it describes the agent's `Seat` (a trainable role gets the credentials of its
    server's lease, tagged with the role; a static role its fixed endpoint; a scripted role the env) and asks the
    `player_factory` for an object with `act(observation) -> reply` (default: `default_player`, an OpenAI-SDK
    `LLMAgent` or the env's scripted policy; `marl.agentscope_agents` gives AgentScope agents);
-3. plays the PettingZoo AEC game;
+3. plays the PettingZoo AEC game (the env is a `envs.base.GameEnv`);
 4. commits: checks every lease is still alive, then ends each server's episode with the rewards of the roles that
    server plays. Any exception before the commit aborts every lease of the game.
-
-GRPO repeats of one task share one task id (and env seed) on every server, so groups line up across servers. A
-failed game is replayed with the same task id, so every task still reaches `repeats` episodes on every server.
+The result is a `GameRecord` (marl/game_record.py). Which games to play, and replaying failed ones with the same task
+id so GRPO groups line up across servers, is `marl/games.py`'s job.
 
 Residual risk, documented rather than hidden: the commit is a sequence of end calls; if a server dies between two of
 them, the servers already ended keep their episode (each is individually durable). The window is one round trip.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,19 +31,26 @@ from typing import Any
 import httpx
 import openai
 
+from envs.base import GameEnv
 from marl.agents import LLMAgent, ScriptedAgent
 from marl.client import EpisodeOutput, SwarmClient, SwarmError
+from marl.game_record import GameRecord
+from marl.monitor import ServerMonitor
 from marl.protocol import AGENT_HEADER, EngineState, EpisodeLease
 
 log = logging.getLogger("marl.coordinator")
 
-_STATUS_TTL_S = 0.5
 _LEASE_ATTEMPT_S = 2.0
 _KEEPALIVE_POLL_S = 0.25  # how often the coordinator looks for leases due for renewal
+_NEVER = threading.Event()  # the `cancel` of a game nobody cancels
 
 
 class GameFailed(Exception):
     """A game could not be played or committed; all of its leases were aborted (or had already ended)."""
+
+
+class GameCancelled(GameFailed):
+    """The game was cancelled while it waited for its leases (the run is stopping); it held none."""
 
 
 @dataclass
@@ -101,28 +108,18 @@ def default_player(seat: Seat, client: openai.OpenAI | None = None) -> LLMAgent 
                     temperature=seat.temperature, agent_tag=seat.agent_tag)
 
 
-@dataclass
-class GameResult:
-    task_id: str
-    seed: int
-    agent_rewards: dict[str, float]  # per env agent
-    role_rewards: dict[str, float]  # mean over the agents of each role
-    episodes: dict[str, str]  # server -> episode id
-    policy_versions: dict[str, int]  # server -> version that played this game
-    invalid_actions: dict[str, int]  # per role
-    seconds: float
-    turns: int
-    replies: dict[str, int] = field(default_factory=dict)  # per role, valid or not (env.replies_by_role)
-    winner: str | None = None  # env.winner: the team that won, if the game has that notion
-    teams: dict[str, str] = field(default_factory=dict)  # role -> team this game
+def linked_servers_of(env: GameEnv, role_servers: Mapping[str, str | None],
+                      endpoints: Mapping[str, Endpoint]) -> list[str]:
+    """The trainable servers that play a role `env` deals: every game leases on each of them.
 
-
-@dataclass
-class _Lease:
-    server: str
-    episode_id: str
-    lease: EpisodeLease
-    renewed_at: float = field(default_factory=time.monotonic)
+    Raises ValueError if the env deals a role that `role_servers` does not place.
+    """
+    dealt = env.dealt_roles()
+    unplaced = sorted(set(dealt) - set(role_servers))
+    if unplaced:
+        raise ValueError(f"the env deals roles {unplaced} that role_servers does not place ({sorted(role_servers)})")
+    return sorted({server for role, server in role_servers.items()
+                   if role in dealt and server is not None and endpoints[server].trainable})
 
 
 @dataclass
@@ -136,23 +133,33 @@ class Coordinator:
     def __init__(
         self,
         *,
-        env_factory: Callable[[], Any],
-        role_servers: dict[str, str | None],
-        endpoints: dict[str, Endpoint],
+        env_factory: Callable[[], GameEnv],
+        role_servers: Mapping[str, str | None],
+        endpoints: Mapping[str, Endpoint],
         settings: GameSettings | None = None,
         player_factory: Callable[[Seat], Any] | None = None,
+        linked_servers: Sequence[str] | None = None,
+        monitor: ServerMonitor | None = None,
     ):
-        """`role_servers` maps each role to the server that plays it (None: scripted by the env).
+        """`role_servers` maps each role to the server that plays it (None: scripted by the env): `marl run` passes
+        `Topology.players()`.
 
+        `linked_servers`: the servers every game leases on (`Topology.linked_servers()`); default:
+        `linked_servers_of` a fresh env. `monitor`: the run's `ServerMonitor`, watching every linked server (default:
+        one of its own, which reads on demand).
         `player_factory(seat)` builds the player of each agent at each game: an object with `act(observation: str)
         -> str` (and optionally `close()`, called when the game ends). Default: `default_player`.
         """
         self.env_factory = env_factory
-        self.role_servers = role_servers
+        self.role_servers = dict(role_servers)
         self.endpoints = endpoints
         self.settings = settings or GameSettings()
         self.player_factory = player_factory or self._default_player
-        self.trainable = sorted({s for s in role_servers.values() if s and endpoints[s].trainable})
+        if linked_servers is None:
+            linked_servers = linked_servers_of(env_factory(), role_servers, endpoints)
+        self.linked = list(linked_servers)
+        self._own_monitor = monitor is None
+        self.monitor = monitor or ServerMonitor({name: endpoints[name] for name in self.linked})
         self._limits = {
             name: threading.BoundedSemaphore(ep.max_concurrency) for name, ep in endpoints.items() if ep.max_concurrency
         }
@@ -162,32 +169,26 @@ class Coordinator:
             for name, ep in endpoints.items()
             if not ep.trainable
         }
-        self._open: dict[tuple[str, str], _Lease] = {}  # every lease currently held, for abort_all
-        self._open_lock = threading.Lock()
-        self._status: dict[str, tuple[float, EngineState | None]] = {}
-        self._status_lock = threading.Lock()
-        self._reviving: set[str] = set()
-        self._closed = threading.Event()
-        threading.Thread(target=self._keep_leases_alive, name="coordinator-keepalive", daemon=True).start()
+        self._leases = _HeldLeases(endpoints, self._io)
 
     # --- one game ------------------------------------------------------------------------------------------------
 
-    def play_game(self, task_id: str, seed: int) -> GameResult:
+    def play_game(self, task_id: str, seed: int, *, cancel: threading.Event = _NEVER) -> GameRecord:
+        """Play and commit one game. Raises `GameFailed` (every lease aborted), or `GameCancelled` if `cancel` was
+        set while the game waited for its leases."""
         with self._concurrency_slots():
-            leases = self._lease_all()
+            leases = self._lease_all(cancel)
             try:
                 result = self._play(task_id, seed, leases)
                 self._commit(task_id, leases, result)
                 return result
             except BaseException as exc:
-                self._abort(leases.values())
-                if isinstance(exc, GameFailed):
-                    raise
-                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                self._leases.abort(leases.values())
+                if isinstance(exc, (GameFailed, KeyboardInterrupt, SystemExit)):
                     raise
                 raise GameFailed(f"game {task_id} failed: {exc!r}") from exc
 
-    def _play(self, task_id: str, seed: int, leases: dict[str, _Lease]) -> GameResult:
+    def _play(self, task_id: str, seed: int, leases: dict[str, _Lease]) -> GameRecord:
         start = time.monotonic()
         env = self.env_factory()
         env.reset(seed=seed)
@@ -205,28 +206,25 @@ class Coordinator:
                 turns += 1
         finally:
             _close(players.values())
-        agent_rewards = {agent: float(r) for agent, r in env.outcome().items()}
-        role_rewards = {role: float(r) for role, r in env.outcome_by_role().items()}
-        invalid, replies = dict(env.invalid_actions_by_role), dict(getattr(env, "replies_by_role", {}))
-        teams = {env.role_of(agent): env.team_of(agent) for agent in env.possible_agents}
-        winner = getattr(env, "winner", None)
-        env.close()
-        return GameResult(
+        record = GameRecord(
             task_id=task_id,
             seed=seed,
-            agent_rewards=agent_rewards,
-            role_rewards=role_rewards,
+            agent_rewards={agent: float(r) for agent, r in env.outcome().items()},
+            role_rewards={role: float(r) for role, r in env.outcome_by_role().items()},
             episodes={name: lease.episode_id for name, lease in leases.items()},
             policy_versions={name: lease.lease.policy_version for name, lease in leases.items()},
-            invalid_actions=invalid,
-            replies=replies,
+            invalid_actions=env.invalid_actions_by_role,
+            replies=env.replies_by_role,
             seconds=time.monotonic() - start,
             turns=turns,
-            winner=winner,
-            teams=teams,
+            winner=env.winner,
+            teams={env.role_of(agent): env.team_of(agent) for agent in env.possible_agents},
+            time=time.time(),
         )
+        env.close()
+        return record
 
-    def _seat(self, env: Any, agent: str, leases: dict[str, _Lease]) -> Seat:
+    def _seat(self, env: GameEnv, agent: str, leases: dict[str, _Lease]) -> Seat:
         role = env.role_of(agent)
         if role not in self.role_servers:
             raise GameFailed(f"the env dealt role '{role}' to {agent}, but the topology has no role '{role}'")
@@ -247,8 +245,8 @@ class Coordinator:
 
     # --- leasing: all or nothing, never holding one while waiting for another -------------------------------------
 
-    def _lease_all(self) -> dict[str, _Lease]:
-        """Lease on every trainable server, or on none.
+    def _lease_all(self, cancel: threading.Event) -> dict[str, _Lease]:
+        """Lease on every linked server, or on none.
 
         While every server answers but some are busy (BOOTING, ROLLING_POST, WEIGHT_SYNCING: a big model's weight
         sync can take minutes), the game waits as long as it takes. `lease_timeout_s` bounds only the time a server
@@ -257,86 +255,47 @@ class Coordinator:
         deadline = time.monotonic() + self.settings.lease_timeout_s
         delay = 0.1
         while True:
-            states = {name: self._state(name) for name in self.trainable}
-            if all(state == EngineState.ROLLING for state in states.values()):
-                futures = {name: self._io.submit(self._begin, name) for name in self.trainable}
-                leases, errors = {}, {}
-                for name, future in futures.items():
-                    try:
-                        leases[name] = future.result()
-                    except (SwarmError, httpx.HTTPError) as exc:
-                        errors[name] = exc
-                if not errors:
-                    return leases
-                self._abort(leases.values())
-                self._forget_status(errors)
-                if all(_says_wait(exc) for exc in errors.values()):  # a server turned busy meanwhile: keep waiting
-                    deadline = time.monotonic() + self.settings.lease_timeout_s
-                reason = "; ".join(f"{name}: {exc}" for name, exc in errors.items())
-            elif all(state is not None for state in states.values()):
-                deadline = time.monotonic() + self.settings.lease_timeout_s  # all alive, some busy: keep waiting
-            else:
-                reason = "unreachable: " + ", ".join(name for name, state in states.items() if state is None)
-            if time.monotonic() > deadline:
+            leases, reason, only_busy = self._try_lease_all()
+            if leases is not None:
+                return leases
+            if only_busy:
+                deadline = time.monotonic() + self.settings.lease_timeout_s
+            elif time.monotonic() > deadline:
                 limit = self.settings.lease_timeout_s
                 raise GameFailed(f"could not lease on every server within {limit:g}s ({reason})")
-            time.sleep(delay)
+            if cancel.wait(delay):
+                raise GameCancelled(f"cancelled while waiting for leases ({reason})")
             delay = min(delay * 2, 2.0)
 
-    def _begin(self, server: str) -> _Lease:
-        episode_id, lease = self.endpoints[server].client.begin_episode(timeout=_LEASE_ATTEMPT_S)
-        held = _Lease(server, episode_id, lease)
-        with self._open_lock:
-            self._open[(server, episode_id)] = held
-        return held
-
-    def _all_rolling(self) -> bool:
-        return all(self._state(name) == EngineState.ROLLING for name in self.trainable)
-
-    def _state(self, server: str) -> EngineState | None:
-        """A server's state, cached briefly: many games poll it at once."""
-        with self._status_lock:
-            when, state = self._status.get(server, (0.0, None))
-            if time.monotonic() - when < _STATUS_TTL_S:
-                return state
-        try:
-            state = self.endpoints[server].client.status(timeout=5).state
-        except (SwarmError, httpx.HTTPError):
-            state = None  # unreachable: counts as not ROLLING
-        with self._status_lock:
-            self._status[server] = (time.monotonic(), state)
-        if state == EngineState.OFFLINE:
-            self._revive(server)
-        return state
-
-    def _revive(self, server: str) -> None:
-        """A restarted server comes up OFFLINE: sync its config and start its engine again (once at a time)."""
-        endpoint = self.endpoints[server]
-        with self._status_lock:
-            if endpoint.train_config is None or server in self._reviving:
-                return
-            self._reviving.add(server)
-
-        def start() -> None:
+    def _try_lease_all(self) -> tuple[dict[str, _Lease] | None, str, bool]:
+        """One try: (the leases, "", True), or (None, why not, whether every server answered and is only busy)."""
+        states = {name: self.monitor.state(name) for name in self.linked}
+        unreachable = [name for name, state in states.items() if state is None]
+        if unreachable:
+            return None, "unreachable: " + ", ".join(unreachable), False
+        busy = {name: state for name, state in states.items() if state != EngineState.ROLLING}
+        if busy:
+            return None, ", ".join(f"{name} is {state.value}" for name, state in busy.items()), True
+        futures = {name: self._io.submit(self._leases.begin, name) for name in self.linked}
+        leases, errors = {}, {}
+        for name, future in futures.items():
             try:
-                log.info("%s is OFFLINE: syncing its config and starting its engine", server)
-                endpoint.client.auto_sync_train_config_and_start_engine(endpoint.train_config)
+                leases[name] = future.result()
             except (SwarmError, httpx.HTTPError) as exc:
-                log.warning("could not restart %s: %s", server, exc)
-            finally:
-                with self._status_lock:
-                    self._reviving.discard(server)
+                errors[name] = exc
+        if not errors:
+            return leases, "", True
+        self._leases.abort(leases.values())
+        self.monitor.forget(errors)
+        # A server that turned busy meanwhile says how long to wait: keep waiting, as for a busy state.
+        return None, "; ".join(f"{name}: {exc}" for name, exc in errors.items()), all(map(_says_wait, errors.values()))
 
-        self._io.submit(start)
+    def _concurrency_slots(self) -> _Slots:
+        return _Slots([self._limits[name] for name in sorted(self._limits) if name in self.linked])
 
-    def _forget_status(self, servers: Iterable[str]) -> None:
-        with self._status_lock:
-            for name in servers:
-                self._status.pop(name, None)
+    # --- commit ----------------------------------------------------------------------------------------------------
 
-    # --- commit and abort ------------------------------------------------------------------------------------------
-
-    def _commit(self, task_id: str, leases: dict[str, _Lease], result: GameResult) -> None:
+    def _commit(self, task_id: str, leases: dict[str, _Lease], result: GameRecord) -> None:
         # Phase 1: every lease still alive? (renew also resets its idle clock before the end calls)
         checks = {name: self._io.submit(self.endpoints[name].client.renew_episode, lease.episode_id, timeout=10)
                   for name, lease in leases.items()}
@@ -346,9 +305,8 @@ class Coordinator:
             except (SwarmError, httpx.HTTPError) as exc:
                 raise GameFailed(f"game {task_id}: lease on {name} was lost before the commit: {exc}") from exc
         # Phase 2: end everywhere, each server with the rewards of the roles it plays.
-        outputs = {name: self._output(name, result) for name in leases}
         ends = {name: self._io.submit(self.endpoints[name].client.end_episode, task_id, lease.episode_id,
-                                      outputs[name], timeout=60)
+                                      self._output(name, result), timeout=60)
                 for name, lease in leases.items()}
         failed = {}
         for name, future in ends.items():
@@ -357,11 +315,11 @@ class Coordinator:
             except (SwarmError, httpx.HTTPError) as exc:
                 failed[name] = exc
             else:
-                self._forget(leases[name])
+                self._leases.forget(leases[name])
         if failed:
             raise GameFailed(f"game {task_id}: end failed on {', '.join(failed)}: {next(iter(failed.values()))}")
 
-    def _output(self, server: str, result: GameResult) -> EpisodeOutput:
+    def _output(self, server: str, result: GameRecord) -> EpisodeOutput:
         rewards = {role: r for role, r in result.role_rewards.items() if self.role_servers.get(role) == server}
         return EpisodeOutput(
             reward=sum(rewards.values()) / len(rewards) if rewards else 0.0,
@@ -369,37 +327,73 @@ class Coordinator:
             metadata={"seed": result.seed, "role_rewards": result.role_rewards, "turns": result.turns},
         )
 
-    def _abort(self, leases: Iterable[_Lease]) -> None:
+    # --- leases held ---------------------------------------------------------------------------------------------
+
+    def abort_all(self) -> int:
+        """Abort every lease still held (Ctrl-C); returns how many."""
+        return self._leases.abort_all()
+
+    def open_leases(self) -> int:
+        return self._leases.count()
+
+    def close(self) -> None:
+        self._leases.close()
+        if self._own_monitor:
+            self.monitor.close()
+        self._io.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class _Lease:
+    server: str
+    episode_id: str
+    lease: EpisodeLease
+    renewed_at: float = field(default_factory=time.monotonic)
+
+
+class _HeldLeases:
+    """Every lease the coordinator holds: begun here, kept alive, forgotten once ended, aborted on failure or Ctrl-C."""
+
+    def __init__(self, endpoints: Mapping[str, Endpoint], io: ThreadPoolExecutor):
+        self.endpoints, self.io = endpoints, io
+        self._open: dict[tuple[str, str], _Lease] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._keep_alive, name="coordinator-keepalive", daemon=True).start()
+
+    def begin(self, server: str) -> _Lease:
+        episode_id, lease = self.endpoints[server].client.begin_episode(timeout=_LEASE_ATTEMPT_S)
+        held = _Lease(server, episode_id, lease)
+        with self._lock:
+            self._open[(server, episode_id)] = held
+        return held
+
+    def forget(self, held: _Lease) -> None:
+        with self._lock:
+            self._open.pop((held.server, held.episode_id), None)
+
+    def abort(self, leases: Iterable[_Lease]) -> None:
         for held in list(leases):
             try:
                 self.endpoints[held.server].client.abort_episode(held.episode_id, timeout=10)
             except (SwarmError, httpx.HTTPError) as exc:  # the server is gone: its lease dies with it (or expires)
                 log.warning("could not abort %s on %s: %s", held.episode_id, held.server, exc)
-            self._forget(held)
-
-    def _forget(self, held: _Lease) -> None:
-        with self._open_lock:
-            self._open.pop((held.server, held.episode_id), None)
+            self.forget(held)
 
     def abort_all(self) -> int:
-        """Abort every lease still held (Ctrl-C); returns how many."""
-        with self._open_lock:
+        with self._lock:
             held = list(self._open.values())
-        self._abort(held)
+        self.abort(held)
         return len(held)
 
-    def open_leases(self) -> int:
-        with self._open_lock:
+    def count(self) -> int:
+        with self._lock:
             return len(self._open)
-
-    def _concurrency_slots(self):
-        return _Slots([self._limits[name] for name in sorted(self._limits) if name in self.trainable])
 
     def close(self) -> None:
         self._closed.set()
-        self._io.shutdown(wait=False, cancel_futures=True)
 
-    def _keep_leases_alive(self) -> None:
+    def _keep_alive(self) -> None:
         """Renew every held lease at a quarter of its patience.
 
         A lease expires after `patience_s` without a model call, but in a game a role may rightly wait for minutes
@@ -407,7 +401,7 @@ class Coordinator:
         of the games it is playing. If the coordinator dies, the renewals stop and the servers reclaim the slots.
         """
         while not self._closed.wait(_KEEPALIVE_POLL_S):
-            with self._open_lock:
+            with self._lock:
                 held = list(self._open.values())
             now = time.monotonic()
             for lease in held:
@@ -415,7 +409,7 @@ class Coordinator:
                     continue
                 lease.renewed_at = now
                 try:
-                    self._io.submit(self._renew, lease)  # in parallel: a dead server must not delay the others
+                    self.io.submit(self._renew, lease)  # in parallel: a dead server must not delay the others
                 except RuntimeError:  # closed meanwhile
                     return
 
@@ -427,6 +421,7 @@ class Coordinator:
 
 
 def _close(players: Iterable[Any]) -> None:
+    """Close every player that can be closed (a player's `close()` is optional)."""
     for player in players:
         close = getattr(player, "close", None)
         if close is not None:
@@ -453,75 +448,3 @@ class _Slots:
     def __exit__(self, *exc: object) -> None:
         for sem in reversed(self.semaphores):
             sem.release()
-
-
-# --- many games ------------------------------------------------------------------------------------------------
-
-
-def tasks(run_name: str, repeats: int, seed: int) -> Iterator[tuple[str, int]]:
-    """Endless (task id, env seed) pairs, each repeated `repeats` times in a row (one GRPO group per task)."""
-    index = 0
-    while True:
-        for _ in range(repeats):
-            yield f"{run_name}-{index}", seed * 1_000_003 + index
-        index += 1
-
-
-@dataclass
-class RunStats:
-    games: int = 0
-    failed: int = 0
-    retried: int = 0
-    results: list[GameResult] = field(default_factory=list)
-
-
-def play_games(
-    coordinator: Coordinator,
-    schedule: Iterator[tuple[str, int]],
-    *,
-    concurrency: int,
-    should_stop: Callable[[], bool],
-    on_result: Callable[[GameResult | None, Exception | None], None] = lambda r, e: None,
-    max_attempts: int = 5,
-) -> RunStats:
-    """Play games `concurrency` at a time until `should_stop()`; a failed game is replayed with its task id."""
-    stats = RunStats()
-    lock = threading.Lock()
-    retry: list[tuple[str, int, int]] = []
-
-    def next_game() -> tuple[str, int, int] | None:
-        with lock:
-            if should_stop():
-                return None
-            if retry:
-                return retry.pop(0)
-            task_id, seed = next(schedule)
-            return task_id, seed, 1
-
-    def worker() -> None:
-        while (game := next_game()) is not None:
-            task_id, seed, attempt = game
-            try:
-                result = coordinator.play_game(task_id, seed)
-            except GameFailed as exc:
-                log.warning("%s (attempt %d)", exc, attempt)
-                with lock:
-                    stats.failed += 1
-                    if attempt < max_attempts:
-                        stats.retried += 1
-                        retry.append((task_id, seed, attempt + 1))
-                on_result(None, exc)
-                time.sleep(min(2.0 * attempt, 10.0))
-                continue
-            with lock:
-                stats.games += 1
-                stats.results.append(result)
-            on_result(result, None)
-
-    threads = [threading.Thread(target=worker, name=f"game-{i}", daemon=True) for i in range(concurrency)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        while thread.is_alive():
-            thread.join(timeout=0.5)  # short joins keep Ctrl-C responsive
-    return stats

@@ -1,13 +1,19 @@
-"""Start `marl serve` processes on free local ports and stop them again (used by `marl run` and the tests)."""
+"""Local `marl serve` processes: start them on free local ports, restart those that die (`Supervisor`), stop them.
+
+Used by `marl run` and the tests.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import httpx
@@ -18,6 +24,10 @@ _ALLOCATOR_ENV = {"MALLOC_ARENA_MAX": "2"}
 
 #: written by `marl run` into its run directory: where its local servers listen (and their admin token)
 SERVERS_FILE = "servers.json"
+#: deaths of one local server that `Supervisor` repairs before it gives up
+MAX_RESTARTS = 3
+
+log = logging.getLogger("marl.launch")
 
 
 def free_port() -> int:
@@ -102,3 +112,47 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+class Supervisor:
+    """Restarts a local server that died, on its port and data dir: it resumes from its ledger and checkpoints (and
+    whoever watches its status, the run's `ServerMonitor`, then syncs its config and starts its engine again).
+
+    After `MAX_RESTARTS` deaths of one server it gives up: `fatal` says which server, how it died and where its log is.
+    `report(message)` tells the user about every death.
+    """
+
+    def __init__(self, processes: Mapping[str, ServerProcess], *, report: Callable[[str], None],
+                 poll_s: float = 1.0):
+        self.processes, self.report, self.poll_s = processes, report, poll_s
+        self.fatal: str | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="supervisor", daemon=True)
+
+    def start(self) -> Supervisor:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.poll_s)
+
+    def check(self) -> None:
+        """Restart every server that died since the last check (one pass)."""
+        for name, proc in self.processes.items():
+            if proc.exit_code() is None or self.fatal:
+                continue
+            what = proc.describe_exit()
+            if proc.restarts >= MAX_RESTARTS:
+                self.fatal = f"local server {name} {what}, {proc.restarts + 1} times; see {proc.log_path}"
+                continue
+            proc.restarts += 1
+            self.report(f"local server {name} {what}; restarting it ({proc.restarts}/{MAX_RESTARTS}),"
+                        f" log: {proc.log_path}")
+            log.warning("local server %s %s; restarting it (%d/%d)", name, what, proc.restarts, MAX_RESTARTS)
+            proc.start()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self.poll_s):
+            self.check()

@@ -13,9 +13,13 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
-__all__ = ["plot_reward_curves", "plot_run", "plot_training", "summarize_games"]
+from marl.game_record import GameRecord, as_records, read_games
+
+__all__ = ["percent", "plot_reward_curves", "plot_run", "plot_training", "summarize_games", "summarize_roles"]
 
 
 def plot_run(run_dir: Path) -> list[Path]:
@@ -59,13 +63,10 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 def plot_reward_curves(run_dir: Path) -> Path | None:
     """reward_curves.png: per trainable server, the mean reward of each role, per policy version of that server."""
-    games_path = Path(run_dir) / "games.jsonl"
-    if not games_path.exists():
-        return None
     curves: dict[str, dict[str, dict[int, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
-    for game in _read_jsonl(games_path):
-        for server, version in game["policy_versions"].items():
-            for role, reward in game["role_rewards"].items():
+    for game in read_games(Path(run_dir) / "games.jsonl"):
+        for server, version in game.policy_versions.items():
+            for role, reward in game.role_rewards.items():
                 curves[server][role][version].append(reward)
     if not curves:
         return None
@@ -113,22 +114,23 @@ def plot_training(data_dir: Path) -> Path | None:
 def summarize_games(run_dir: Path) -> dict[str, dict[str, float]]:
     """Per role over games.jsonl: games, mean reward, valid-reply rate (1 - invalid / replies), win rate (games its
     team won, of those with a recorded winner; NaN for games without winners), and games/hour over all games."""
-    games = _read_jsonl(Path(run_dir) / "games.jsonl")
+    games = read_games(Path(run_dir) / "games.jsonl")
     return {**summarize_roles(games), **_pace(games)}
 
 
-def summarize_roles(games: list[dict]) -> dict[str, dict[str, float]]:
-    """`summarize_games` for a list of games.jsonl records, without the pace."""
+def summarize_roles(games: Iterable[GameRecord | Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """`summarize_games` for a list of games (records, or games.jsonl rows as dicts), without the pace."""
+    records = as_records(games)
     out: dict[str, dict[str, float]] = {}
-    for role in sorted({r for g in games for r in g.get("role_rewards", {})}):
-        played = [g for g in games if role in g["role_rewards"]]
-        replies = sum(g.get("replies", {}).get(role, 0) for g in played)
-        invalid = sum(g.get("invalid_actions", {}).get(role, 0) for g in played)
-        decided = [g for g in played if g.get("winner") is not None and role in g.get("teams", {})]
-        won = sum(g["teams"][role] == g["winner"] for g in decided)
+    for role in sorted({r for g in records for r in g.role_rewards}):
+        played = [g for g in records if role in g.role_rewards]
+        replies = sum(g.replies.get(role, 0) for g in played)
+        invalid = sum(g.invalid_actions.get(role, 0) for g in played)
+        decided = [g for g in played if g.winner is not None and role in g.teams]
+        won = sum(g.teams[role] == g.winner for g in decided)
         out[role] = {
             "games": len(played),
-            "mean_reward": sum(g["role_rewards"][role] for g in played) / len(played),
+            "mean_reward": sum(g.role_rewards[role] for g in played) / len(played),
             "valid_reply_rate": 1 - invalid / replies if replies else math.nan,
             "win_rate": won / len(decided) if decided else math.nan,
         }
@@ -140,9 +142,10 @@ def percent(rate: float) -> str:
     return "-" if rate != rate else f"{100 * rate:.0f}%"
 
 
-def _pace(games: list[dict]) -> dict[str, dict[str, float]]:
+def _pace(games: list[GameRecord]) -> dict[str, dict[str, float]]:
+    times = [g.time for g in games if g.time is not None]
     out: dict[str, dict[str, float]] = {}
-    if len(games) > 1:
-        hours = (games[-1]["time"] - games[0]["time"]) / 3600
-        out["all"] = {"games": len(games), "games_per_hour": (len(games) - 1) / hours if hours > 0 else math.nan}
+    if len(times) > 1:
+        hours = (times[-1] - times[0]) / 3600
+        out["all"] = {"games": len(games), "games_per_hour": (len(times) - 1) / hours if hours > 0 else math.nan}
     return out

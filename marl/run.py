@@ -4,11 +4,20 @@ The run directory (`run.run_dir`, default `runs/<name>`) gets:
   topology.yaml             the resolved topology (overrides applied)
   logs/<server>.log         output of every local server
   servers/<server>/         each local server's data dir: ledger, checkpoints, metrics.jsonl (one line per step)
-  games.jsonl               one line per finished game: task, rewards per role, policy versions, invalid actions,
-                            the winner (for games with teams)
+  games.jsonl               one `GameRecord` per finished game: task, rewards per role, policy versions, invalid
+                            actions, replies, the winner (for games with teams)
   reward_curves.png         mean reward per role against each trainable server's policy version (`marl plot`)
   servers.json              where the local servers listen, for `marl overwatch TOPOLOGY.yaml` (owner-only)
-Ctrl-C aborts every open lease and stops the servers this run started.
+
+The run stops after `run.games` games (exactly that many are played and recorded), once every trainable server took
+`run.max_steps` training steps, or when it gives up: a game that failed `run.max_failures` times in a row, a local
+server that died more than `marl.launch.MAX_RESTARTS` (3) times, a server that keeps stopping with an error
+(`RunSummary.error` says which; `marl run` then exits 1). Ctrl-C (or SIGTERM) aborts every open lease and stops the
+servers this run started.
+
+Who does what: `marl.launch` starts and supervises the local servers, `marl.monitor.ServerMonitor` watches every
+trainable server (lease gating, revival, the live table), `marl.coordinator` plays one game, `marl.games` schedules
+them; this module wires them together and shows the live table and the summary.
 """
 
 from __future__ import annotations
@@ -29,72 +38,83 @@ import yaml
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
-from marl.client import SwarmClient, SwarmError
-from marl.coordinator import (
-    Coordinator,
-    Endpoint,
-    GameResult,
-    GameSettings,
-    play_games,
-    tasks,
-)
-from marl.launch import SERVERS_FILE, ServerProcess
+from marl.client import SwarmClient
+from marl.coordinator import Coordinator, Endpoint, GameSettings
+from marl.game_record import GameRecord, append_game
+from marl.games import FailedAttempt, play_games, tasks
+from marl.launch import SERVERS_FILE, ServerProcess, Supervisor
+from marl.monitor import ServerMonitor, ServerView
 from marl.plot import percent, plot_run, summarize_games
-from marl.protocol import EngineState
+from marl.protocol import ADMIN_TOKEN_ENV, EngineState, ServerStatus
 from marl.topology import ServerKind, Topology
 
 log = logging.getLogger("marl.run")
-
-MAX_RESTARTS = 3  # deaths of one local server that `marl run` repairs before it gives up
 
 
 @dataclass
 class RunSummary:
     run_dir: Path
-    games: int
-    failed: int
+    games: int  # games played and recorded in games.jsonl
+    failed: int  # failed attempts (each failed game is replayed)
+    retried: int  # replays of failed games
     seconds: float
     policy_versions: dict[str, int]
     interrupted: bool = False
-    error: str | None = None  # why the run gave up (a local server that keeps dying)
+    error: str | None = None  # why the run gave up: a game that kept failing, a server that kept dying
 
 
 class _Board:
-    """What the live display and the stop condition read: per-server status and the game tallies."""
+    """The run's tallies and its games.jsonl; renders the live table (with the monitor's view of the servers)."""
 
-    def __init__(self, trainable: list[str]):
+    def __init__(self, games_path: Path, target: int | None):
         self.lock = threading.Lock()
-        self.status: dict[str, dict] = {name: {} for name in trainable}
-        self.games = 0
-        self.failed = 0
-        self.rewards: dict[str, list[float]] = defaultdict(list)  # role -> recent rewards
+        self.target = target
+        self.games = self.failed = self.retried = 0
+        self.rewards: dict[str, list[float]] = defaultdict(list)  # role -> rewards, game after game
         self.last_error = ""
-        self.fatal: str | None = None  # set when the run must stop (a local server that keeps dying)
+        self._file = open(games_path, "a")
+
+    def record(self, result: GameRecord) -> None:
+        with self.lock:
+            self.games += 1
+            for role, reward in result.role_rewards.items():
+                self.rewards[role].append(reward)
+            append_game(self._file, result)
+
+    def failure(self, failure: FailedAttempt) -> None:
+        with self.lock:
+            self.failed += 1
+            self.retried += failure.retrying
+            self.last_error = str(failure.error)
+
+    def close(self) -> None:
+        with self.lock:
+            self._file.close()
 
     def recent_rewards(self, games: int = 50) -> dict[str, float]:
-        """Mean reward per role over the last `games` games (call with the lock held)."""
-        return {role: sum(v[-games:]) / len(v[-games:]) for role, v in sorted(self.rewards.items())}
-
-    def versions(self) -> dict[str, int]:
+        """Mean reward per role over the last `games` games."""
         with self.lock:
-            return {name: s.get("policy_version", 0) for name, s in self.status.items()}
+            return {role: sum(v[-games:]) / len(v[-games:]) for role, v in sorted(self.rewards.items())}
 
-    def table(self, name: str, started: float) -> Table:
+    def table(self, name: str, started: float, servers: dict[str, ServerView]) -> Table:
+        rewards = ", ".join(f"{role} {mean:.2f}" for role, mean in self.recent_rewards().items())
         with self.lock:
-            table = Table(title=f"marl run {name} — {self.games} games, {self.failed} failed,"
-                                f" {time.monotonic() - started:.0f}s", title_justify="left")
-            for column in ("server", "state", "version", "pool (groups / episodes)", "leases"):
-                table.add_column(column)
-            for server, s in self.status.items():
-                pool = s.get("pool") or {}
-                table.add_row(server, s.get("state", "?"), str(s.get("policy_version", "?")),
-                              f"{pool.get('complete_groups', 0)}/{pool.get('batch_size', '?')}"
-                              f" · {pool.get('pending_episodes', 0)}", str(pool.get("running_leases", 0)))
-            rewards = ", ".join(f"{role} {mean:.2f}" for role, mean in self.recent_rewards().items())
+            games = f"{self.games}/{self.target}" if self.target else str(self.games)
+            table = Table(title=f"marl run {name} — {games} games, {self.failed} failed attempts, {self.retried}"
+                                f" retries, {time.monotonic() - started:.0f}s", title_justify="left")
             table.caption = f"reward (last 50 games): {rewards or '-'}" + (
                 f"\nlast failure: {self.last_error[:160]}" if self.last_error else "")
-            return table
+        for column in ("server", "state", "version", "pool (groups / episodes)", "leases"):
+            table.add_column(column)
+        for server, view in servers.items():
+            status, pool = view.status, view.status.pool if view.status else None
+            table.add_row(server, view.error or (status.state.value if status else "?"),
+                          str(status.policy_version) if status else "?",
+                          f"{pool.complete_groups}/{pool.batch_size} · {pool.pending_episodes}" if pool else "-",
+                          str(pool.running_leases) if pool else "-")
+        return table
 
 
 def run(path: str, overrides: list[str] | None = None, *, console: Console | None = None) -> RunSummary:
@@ -102,52 +122,117 @@ def run(path: str, overrides: list[str] | None = None, *, console: Console | Non
     topology = Topology.load(path, overrides or [])
     for warning in topology.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
-    spec = topology.spec
-    run_dir = Path(spec.run.run_dir or f"runs/{spec.name}")
+    run_dir = Path(topology.spec.run.run_dir or f"runs/{topology.name}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "topology.yaml").write_text(yaml.safe_dump(topology.to_dict(), sort_keys=False))
-    token = os.environ.get("MARL_ADMIN_TOKEN") or secrets.token_urlsafe(24)
-
     started = time.monotonic()
-    processes: dict[str, ServerProcess] = {}
-    coordinator: Coordinator | None = None
-    interrupted = False
-    board = _Board(topology.trainable_servers())
+    session = _Session(topology, run_dir, console)
     previous_sigterm = _sigterm_as_ctrl_c()
     try:
-        endpoints = _start_servers(topology, run_dir, token, processes, console)
-        env_class = topology.env_class()
-        coordinator = Coordinator(
-            env_factory=lambda: env_class(**spec.env.args),
-            role_servers={role: topology.server_of(role) for role in spec.roles},
-            endpoints=endpoints,
-            settings=GameSettings(lease_timeout_s=spec.run.lease_timeout_s, max_tokens=spec.run.max_tokens,
-                                  temperature=spec.run.temperature),
-        )
-        interrupted = _play(topology, coordinator, endpoints, board, run_dir, console, started, processes)
+        session.start()
+        session.play(started)
     except KeyboardInterrupt:
-        interrupted = True
+        session.interrupted = True
     finally:
         _restore_sigterm(previous_sigterm)
-        if coordinator is not None:
-            aborted = coordinator.abort_all()
-            if aborted:
-                console.print(f"aborted {aborted} open leases")
-            coordinator.close()
-        with ThreadPoolExecutor(len(processes) or 1) as stopping:  # together: each may drain in-flight calls
-            list(stopping.map(ServerProcess.stop, processes.values()))
-        if processes:
-            console.print(f"stopped {len(processes)} local servers")
+        session.shut_down()
     plot_run(run_dir)
     _print_summary(run_dir, console)
-    summary = RunSummary(run_dir=run_dir, games=board.games, failed=board.failed,
-                         seconds=time.monotonic() - started, policy_versions=board.versions(), interrupted=interrupted,
-                         error=board.fatal)
+    summary = session.summary(time.monotonic() - started)
     if summary.error:
         console.print(f"[red]gave up:[/] {summary.error}")
-    console.print(f"{'interrupted' if interrupted else 'done'}: {summary.games} games ({summary.failed} failed) in"
-                  f" {summary.seconds:.0f}s; policy versions {summary.policy_versions}; see {run_dir}")
+    ending = "interrupted" if summary.interrupted else "stopped" if summary.error else "done"
+    console.print(f"{ending}: {summary.games} games, {summary.failed}"
+                  f" failed attempts, {summary.retried} retries in {summary.seconds:.0f}s; policy versions"
+                  f" {summary.policy_versions}; see {run_dir}")
     return summary
+
+
+class _Session:
+    """One `marl run`: its local servers, monitor, coordinator and games. `shut_down` undoes whatever `start` did."""
+
+    def __init__(self, topology: Topology, run_dir: Path, console: Console):
+        self.topology, self.spec, self.run_dir, self.console = topology, topology.spec, run_dir, console
+        self.max_failures = self.spec.run.max_failures
+        self.board = _Board(run_dir / "games.jsonl", self.spec.run.games)
+        self.processes: dict[str, ServerProcess] = {}
+        self.supervisor: Supervisor | None = None
+        self.monitor: ServerMonitor | None = None
+        self.coordinator: Coordinator | None = None
+        self.error: str | None = None  # a game that kept failing
+        self.interrupted = False
+
+    def start(self) -> None:
+        token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
+        endpoints = _start_servers(self.topology, self.run_dir, token, self.processes, self.console)
+        self.supervisor = Supervisor(self.processes, report=lambda line: self.console.log(Text(line, style="red")))
+        self.supervisor.start()
+        self.monitor = ServerMonitor({name: endpoints[name] for name in self.topology.trainable_servers()},
+                                     max_revivals=self.max_failures, on_step=self._step_done).start()
+        run = self.spec.run
+        self.coordinator = Coordinator(
+            env_factory=self.topology.make_env,
+            role_servers=self.topology.players(),
+            endpoints=endpoints,
+            settings=GameSettings(lease_timeout_s=run.lease_timeout_s, max_tokens=run.max_tokens,
+                                  temperature=run.temperature),
+            linked_servers=self.topology.linked_servers(),
+            monitor=self.monitor,
+        )
+
+    def play(self, started: float) -> None:
+        run = self.spec.run
+
+        def table() -> Table:
+            return self.board.table(self.spec.name, started, self.monitor.views())
+
+        with Live(get_renderable=table, console=self.console, refresh_per_second=1):
+            stats = play_games(self.coordinator, tasks(self.spec.name, run.repeats or 1, run.seed),
+                               concurrency=run.concurrency, games=run.games, max_failures=self.max_failures,
+                               should_stop=self._should_stop, on_result=self.board.record,
+                               on_failure=self.board.failure)
+        self.console.print()  # the live table's last line has no newline of its own
+        self.error = stats.error
+
+    def _should_stop(self) -> bool:
+        if self._fatal():
+            return True
+        max_steps = self.spec.run.max_steps
+        if max_steps is None:
+            return False
+        versions = self.monitor.versions(self.coordinator.linked)
+        return bool(versions) and all(v >= max_steps for v in versions.values())
+
+    def _fatal(self) -> str | None:
+        return (self.supervisor and self.supervisor.fatal) or (self.monitor and self.monitor.fatal) or None
+
+    def _step_done(self, server: str, status: ServerStatus) -> None:
+        """The monitor saw a new policy version: one line per training step, so progress shows in logs too."""
+        rewards = {role: round(mean, 3) for role, mean in self.board.recent_rewards().items()}
+        self.console.log(f"{server}: step {status.policy_version} done; {self.board.games} games;"
+                         f" recent reward {json.dumps(rewards)}")
+
+    def shut_down(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.close()  # first: a server stopped below has not died
+        if self.coordinator is not None:
+            aborted = self.coordinator.abort_all()
+            if aborted:
+                self.console.print(f"aborted {aborted} open leases")
+            self.coordinator.close()
+        if self.monitor is not None:
+            self.monitor.close()
+        self.board.close()
+        with ThreadPoolExecutor(len(self.processes) or 1) as stopping:  # together: each may drain in-flight calls
+            list(stopping.map(ServerProcess.stop, self.processes.values()))
+        if self.processes:
+            self.console.print(f"stopped {len(self.processes)} local servers")
+
+    def summary(self, seconds: float) -> RunSummary:
+        versions = self.monitor.versions() if self.monitor else {}
+        return RunSummary(run_dir=self.run_dir, games=self.board.games, failed=self.board.failed,
+                          retried=self.board.retried, seconds=seconds, policy_versions=versions,
+                          interrupted=self.interrupted, error=self.error or self._fatal())
 
 
 def _print_summary(run_dir: Path, console: Console) -> None:
@@ -187,25 +272,10 @@ def _restore_sigterm(previous: dict | None) -> None:
         signal.signal(signum, handler)
 
 
-def _supervise(processes: dict[str, ServerProcess], board: _Board, console: Console) -> None:
-    """Restart a local server that died (it resumes from its ledger and checkpoints; the coordinator then syncs its
-    config and starts its engine again). After MAX_RESTARTS deaths of one server the run gives up."""
-    for name, proc in processes.items():
-        if proc.exit_code() is None or board.fatal:
-            continue
-        what = proc.describe_exit()
-        if proc.restarts >= MAX_RESTARTS:
-            board.fatal = f"local server {name} {what}, {proc.restarts + 1} times; see {proc.log_path}"
-            continue
-        proc.restarts += 1
-        console.log(f"[red]local server {name} {what}[/]; restarting it ({proc.restarts}/{MAX_RESTARTS}),"
-                    f" log: {proc.log_path}")
-        log.warning("local server %s %s; restarting it (%d/%d)", name, what, proc.restarts, MAX_RESTARTS)
-        proc.start()
-
-
 def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dict[str, ServerProcess],
                    console: Console) -> dict[str, Endpoint]:
+    """Start the local servers (into `processes`, so a failure here still stops them), connect to every server,
+    sync the trainable ones' configs and start their engines; returns how the coordinator reaches each."""
     spec = topology.spec
     for name in topology.local_servers():
         server = spec.servers[name]
@@ -218,23 +288,7 @@ def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dic
     for proc in processes.values():
         proc.wait_healthy()
     _write_servers_file(run_dir, processes, token)
-
-    endpoints: dict[str, Endpoint] = {}
-    for name, server in spec.servers.items():
-        if server.kind == ServerKind.LOCAL_TRAINABLE:
-            client = SwarmClient(processes[name].url, admin_token=token, max_wait_s=3600)
-            endpoints[name] = Endpoint(name, client=client, max_concurrency=spec.run.per_server_concurrency,
-                                       train_config=server.train.model_dump())
-        elif server.kind == ServerKind.REMOTE_SWARM:
-            client = SwarmClient(server.swarm_url, admin_token=os.environ.get(server.admin_token_env or ""),
-                                 max_wait_s=3600)
-            endpoints[name] = Endpoint(name, client=client, max_concurrency=spec.run.per_server_concurrency,
-                                       train_config=server.train.model_dump())
-        elif server.kind == ServerKind.LOCAL_STATIC:
-            endpoints[name] = Endpoint(name, base_url=processes[name].url + "/v1", model=server.model)
-        else:
-            endpoints[name] = Endpoint(name, base_url=server.url, model=server.model,
-                                       api_key=os.environ.get(server.api_key_env or "", "none"))
+    endpoints = {name: _endpoint(topology, name, processes, token) for name in spec.servers}
 
     def boot(name: str) -> None:
         endpoint = endpoints[name]
@@ -250,6 +304,23 @@ def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dic
     return endpoints
 
 
+def _endpoint(topology: Topology, name: str, processes: dict[str, ServerProcess], token: str) -> Endpoint:
+    """How the coordinator reaches server `name`: a swarm client (trainable) or an OpenAI-compatible URL."""
+    server, run = topology.spec.servers[name], topology.spec.run
+    if server.kind == ServerKind.LOCAL_TRAINABLE:
+        client = SwarmClient(processes[name].url, admin_token=token, max_wait_s=3600)
+    elif server.kind == ServerKind.REMOTE_SWARM:
+        client = SwarmClient(server.swarm_url, admin_token=os.environ.get(server.admin_token_env or ""),
+                             max_wait_s=3600)
+    elif server.kind == ServerKind.LOCAL_STATIC:
+        return Endpoint(name, base_url=processes[name].url + "/v1", model=server.model)
+    else:
+        return Endpoint(name, base_url=server.url, model=server.model,
+                        api_key=os.environ.get(server.api_key_env or "", "none"))
+    return Endpoint(name, client=client, max_concurrency=run.per_server_concurrency,
+                    train_config=server.train.model_dump())
+
+
 def _write_servers_file(run_dir: Path, processes: dict[str, ServerProcess], token: str) -> None:
     """Where the local servers listen, for `marl overwatch TOPOLOGY.yaml`; owner-only, it holds the admin token."""
     path = run_dir / SERVERS_FILE
@@ -257,64 +328,3 @@ def _write_servers_file(run_dir: Path, processes: dict[str, ServerProcess], toke
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({name: {"url": proc.url, "admin_token": token} for name, proc in processes.items()}, f, indent=2)
-
-
-def _play(topology: Topology, coordinator: Coordinator, endpoints: dict[str, Endpoint], board: _Board,
-          run_dir: Path, console: Console, started: float, processes: dict[str, ServerProcess]) -> bool:
-    spec = topology.spec
-    games_file = open(run_dir / "games.jsonl", "a")
-    stop_polling = threading.Event()
-
-    def poll() -> None:
-        while not stop_polling.is_set():
-            for name in board.status:
-                try:
-                    status = endpoints[name].client.status(timeout=5).model_dump(mode="json")
-                except (SwarmError, OSError) as exc:
-                    status = {"state": f"unreachable ({type(exc).__name__})"}
-                with board.lock:
-                    before = board.status[name].get("policy_version", 0)
-                    board.status[name] = {**board.status[name], **status}
-                    rewards = board.recent_rewards()
-                if status.get("policy_version", 0) > before:  # one line per training step: progress in logs too
-                    console.log(f"{name}: step {status['policy_version']} done; {board.games} games;"
-                                f" recent reward {json.dumps({r: round(v, 3) for r, v in rewards.items()})}")
-            _supervise(processes, board, console)
-            stop_polling.wait(1.0)
-
-    def should_stop() -> bool:
-        if board.fatal:
-            return True
-        if spec.run.games is not None and board.games >= spec.run.games:
-            return True
-        if spec.run.max_steps is not None:
-            versions = board.versions()
-            return bool(versions) and all(v >= spec.run.max_steps for v in versions.values())
-        return False
-
-    def on_result(result: GameResult | None, error: Exception | None) -> None:
-        with board.lock:
-            if result is None:
-                board.failed += 1
-                board.last_error = str(error)
-                return
-            board.games += 1
-            for role, reward in result.role_rewards.items():
-                board.rewards[role].append(reward)
-        games_file.write(json.dumps({"time": time.time(), **result.__dict__}) + "\n")
-        games_file.flush()
-
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
-    interrupted = False
-    try:
-        with Live(get_renderable=lambda: board.table(spec.name, started), console=console, refresh_per_second=1):
-            play_games(coordinator, tasks(spec.name, spec.run.repeats or 1, spec.run.seed),
-                       concurrency=spec.run.concurrency, should_stop=should_stop, on_result=on_result)
-        console.print()  # the live table's last line has no newline of its own
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        stop_polling.set()
-        games_file.close()
-    return interrupted

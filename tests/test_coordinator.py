@@ -6,10 +6,14 @@ import threading
 import time
 from collections import Counter
 
+import pytest
 from conftest import ADMIN, LocalServer, admin_http, ledger_samples, server_process, trainable, wait_state
 from envs.signalling import SignallingGame
 from marl import SwarmClient
-from marl.coordinator import Coordinator, Endpoint, GameFailed, GameSettings, play_games, tasks
+from marl.coordinator import Coordinator, Endpoint, GameFailed, GameSettings, linked_servers_of
+from marl.games import play_games, tasks
+from marl.launch import free_port
+from marl.monitor import ServerMonitor
 
 SETTINGS = GameSettings(max_tokens=6, lease_timeout_s=60)
 ROLES = {"speaker": "speaker_model", "listener": "listener_model"}
@@ -25,10 +29,8 @@ def pool(url: str) -> dict:
         return http.get("/control/pool").json()
 
 
-def play(coordinator: Coordinator, games: int, concurrency: int = 2, repeats: int = 2):
-    done = []
-    return play_games(coordinator, tasks("t", repeats, seed=0), concurrency=concurrency,
-                      should_stop=lambda: len(done) >= games, on_result=lambda r, e: r and done.append(r))
+def play(coordinator: Coordinator, games: int, concurrency: int = 2, repeats: int = 2, **kw):
+    return play_games(coordinator, tasks("t", repeats, seed=0), concurrency=concurrency, games=games, **kw)
 
 
 def test_three_servers_each_get_exactly_their_roles_episodes(tiny_model, tmp_path):
@@ -45,7 +47,7 @@ def test_three_servers_each_get_exactly_their_roles_episodes(tiny_model, tmp_pat
             settings=SETTINGS)
         stats = play(coordinator, games=8, concurrency=3)
         coordinator.close()
-        assert stats.failed == 0 and stats.games >= 8
+        assert stats.failed == 0 and stats.games == len(stats.results) == 8
         for server, role, data in (("speaker_model", "speaker", "a"), ("listener_model", "listener", "b")):
             by_episode = {r.episodes[server]: r for r in stats.results}
             rows = episodes(tmp_path / data)
@@ -100,7 +102,7 @@ def test_server_killed_mid_game_aborts_the_other_leases_and_is_used_again_after_
             coordinator.endpoints["listener_model"].client = SwarmClient(new_url, admin_token=ADMIN)
             waiting.join(180)
             stats = outcome[1]
-            assert stats.games >= 4
+            assert stats.games == 4 and stats.error is None
             assert pool(a.url)["running_leases"] == pool(new_url)["running_leases"] == 0
         coordinator.close()
 
@@ -124,7 +126,7 @@ def test_weight_sync_on_one_server_does_not_expire_leases_on_the_other(tiny_mode
         coordinator.close()
         with admin_http(a.url) as http:
             assert http.get("/control/status").json()["policy_version"] >= 2  # a did sync weights, repeatedly
-        assert stats.failed == 0 and stats.games >= 8
+        assert stats.failed == 0 and stats.games == 8
         assert pool(b.url)["expired"] == 0  # no lease on b was left waiting while a was syncing
 
 
@@ -149,3 +151,91 @@ def test_a_role_waiting_longer_than_its_lease_patience_keeps_its_lease(tiny_mode
             coordinator.close()
         assert pool(a.url)["expired"] == 0 and pool(a.url)["pending_episodes"] == 1
         assert [episode for episode, *_ in episodes(tmp_path / "a")] == [result.episodes["speaker_model"]]
+
+
+# --- many games: exactly `games`, a bounded failure budget, a prompt stop -----------------------------------------
+
+
+def test_games_is_the_number_of_games_played_even_with_more_workers(tiny_model, tmp_path):
+    with LocalServer(tiny_model, tmp_path / "a") as a, LocalServer(tiny_model, tmp_path / "b") as b:
+        coordinator = Coordinator(env_factory=lambda: SignallingGame(num_items=3), role_servers=ROLES,
+                                  endpoints={"speaker_model": trainable("speaker_model", a.url, batch_size=100),
+                                             "listener_model": trainable("listener_model", b.url, batch_size=100)},
+                                  settings=SETTINGS)
+        reported = []
+        stats = play(coordinator, games=2, concurrency=8, on_result=reported.append)
+        coordinator.close()
+        assert stats.games == len(stats.results) == len(reported) == 2 and stats.failed == 0
+        for data in ("a", "b"):
+            assert len({episode for episode, *_ in episodes(tmp_path / data)}) == 2  # no game beyond the 2 asked
+
+
+class _BrokenGame(SignallingGame):
+    """Fails every game after the speaker spoke (its leases are held by then)."""
+
+    def _apply(self, agent, action):
+        if agent == "listener":
+            raise RuntimeError("the listener's table is broken")
+        super()._apply(agent, action)
+
+
+def test_a_game_that_always_fails_ends_the_run_with_its_reason(tiny_model, tmp_path):
+    with LocalServer(tiny_model, tmp_path / "a") as a, LocalServer(tiny_model, tmp_path / "b") as b:
+        coordinator = Coordinator(env_factory=lambda: _BrokenGame(num_items=3), role_servers=ROLES,
+                                  endpoints={"speaker_model": trainable("speaker_model", a.url),
+                                             "listener_model": trainable("listener_model", b.url)},
+                                  settings=SETTINGS)
+        failures = []
+        started = time.monotonic()
+        stats = play(coordinator, games=4, concurrency=3, max_failures=2, on_failure=failures.append)
+        assert time.monotonic() - started < 30  # one 2 s pause between a game's two attempts, and the games
+        assert stats.games == 0 and stats.error is not None
+        assert "failed 2 times in a row" in stats.error and "the listener's table is broken" in stats.error
+        assert stats.failed == len(failures) >= 2 and stats.retried == sum(f.retrying for f in failures) >= 1
+        assert not any(f.retrying for f in failures if f.attempt == 2)  # the budget: no third attempt
+        assert coordinator.open_leases() == 0
+        assert pool(a.url)["running_leases"] == pool(b.url)["running_leases"] == 0  # every lease was aborted
+        coordinator.close()
+
+
+def test_stopping_cancels_the_games_waiting_for_a_lease(tiny_model, tmp_path):
+    with LocalServer(tiny_model, tmp_path / "a") as a:  # never started: OFFLINE, and nobody may revive it
+        coordinator = Coordinator(env_factory=lambda: SignallingGame(num_items=3),
+                                  role_servers={"speaker": "speaker_model", "listener": None},
+                                  endpoints={"speaker_model": Endpoint("speaker_model",
+                                                                       client=SwarmClient(a.url, admin_token=ADMIN))},
+                                  settings=SETTINGS)
+        stop_at = time.monotonic() + 1.0
+        stats = play(coordinator, games=4, concurrency=2, should_stop=lambda: time.monotonic() > stop_at)
+        coordinator.close()
+        assert time.monotonic() - stop_at < 5  # not lease_timeout_s: an OFFLINE server counts as busy, not gone
+        assert (stats.games, stats.failed, stats.error) == (0, 0, None)
+        with admin_http(a.url) as http:
+            assert http.get("/control/status").json()["state"] == "OFFLINE"
+
+
+def test_only_servers_playing_a_dealt_role_are_leased_on():
+    nowhere = f"http://127.0.0.1:{free_port()}"  # leasing here would fail every game
+    endpoints = {name: Endpoint(name, client=SwarmClient(nowhere, admin_token=ADMIN)) for name in ("a", "ghost")}
+    endpoints["frozen"] = Endpoint("frozen", base_url=nowhere + "/v1")
+    roles = {"speaker": "a", "listener": "frozen", "observer": "ghost"}  # SignallingGame() deals no observer
+    assert linked_servers_of(SignallingGame(num_items=3), roles, endpoints) == ["a"]
+    assert linked_servers_of(SignallingGame(num_items=3, observers=1), roles, endpoints) == ["a", "ghost"]
+    with pytest.raises(ValueError, match="observer"):
+        linked_servers_of(SignallingGame(num_items=3, observers=1), {"speaker": "a", "listener": None}, endpoints)
+
+
+def test_a_server_that_keeps_failing_to_boot_is_given_up_by_the_monitor(tiny_model, tmp_path):
+    def broken_trainer(model_dir, config):
+        raise RuntimeError("no trainer for you")
+
+    with LocalServer(tiny_model, tmp_path / "a", trainer_factory=broken_trainer) as a:
+        config = {"batch_size": 2, "num_repeat": 2, "save_freq": 0}
+        monitor = ServerMonitor({"a": Endpoint("a", client=SwarmClient(a.url, admin_token=ADMIN),
+                                               train_config=config)}, max_revivals=2, poll_s=0.1).start()
+        deadline = time.monotonic() + 60
+        while monitor.fatal is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        monitor.close()
+        assert monitor.fatal is not None and "server a" in monitor.fatal and "no trainer for you" in monitor.fatal
+        assert monitor.state("a") == "OFFLINE"  # and it is left alone

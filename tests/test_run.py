@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,9 @@ import httpx
 import pytest
 import yaml
 from PIL import Image
+
+from marl.game_record import GameRecord, read_games
+from marl.plot import summarize_games
 
 TOPOLOGY = {
     "name": "tiny-signalling",
@@ -45,8 +49,8 @@ def test_marl_run_plays_trains_and_writes_the_run_directory(tiny_model, tmp_path
                             capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "120"})
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = tmp_path / "run"
-    games = [json.loads(line) for line in (run_dir / "games.jsonl").read_text().splitlines()]
-    assert len(games) >= 4 and all(set(g["role_rewards"]) == {"speaker", "listener"} for g in games)
+    games = read_games(run_dir / "games.jsonl")
+    assert len(games) >= 4 and all(set(g.role_rewards) == {"speaker", "listener"} for g in games)
     for server in ("speaker_model", "listener_model"):
         steps = [json.loads(line) for line in (run_dir / "servers" / server / "metrics.jsonl").read_text().splitlines()]
         assert [s["step"] for s in steps][:2] == [1, 2]
@@ -54,8 +58,71 @@ def test_marl_run_plays_trains_and_writes_the_run_directory(tiny_model, tmp_path
     with Image.open(run_dir / "reward_curves.png") as image:
         assert image.size[0] > 500
     assert "stopped 2 local servers" in result.stdout
+    assert re.search(r"speaker_model: step \d done; \d+ games; recent reward", result.stdout)  # from the monitor
     assert "valid replies" in result.stdout and "games/hour" in result.stdout  # the per-role summary
-    assert all(g["replies"]["listener"] - g["invalid_actions"]["listener"] in (0, 1) for g in games)  # 1 pick or a fallback
+    assert all(g.replies["listener"] - g.invalid_actions["listener"] in (0, 1) for g in games)  # 1 pick or a fallback
+
+
+def test_run_games_is_the_number_of_games_played_and_recorded(tiny_model, tmp_path):
+    path = write_topology(tmp_path, tiny_model)
+    result = subprocess.run([sys.executable, "-m", "marl.cli", "run", path, "run.games=2", "run.concurrency=8",
+                             "run.max_steps=1000"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(read_games(tmp_path / "run" / "games.jsonl")) == 2  # 8 workers, and not one game more
+    assert "2/2 games, 0 failed attempts, 0 retries" in result.stdout  # the live table's title
+    assert "done: 2 games, 0 failed attempts, 0 retries" in result.stdout
+
+
+#: An env whose scripted speaker has no scripted move: `scripted_action` raises on its free-text turn, every game.
+FAILING_ENV = """
+from envs.base import TextAECEnv
+from envs.signalling import SignallingGame
+
+
+class ScriptlessSignalling(SignallingGame):
+    scripted_action = TextAECEnv.scripted_action
+"""
+
+
+def test_a_game_that_always_fails_ends_the_run_with_exit_1_and_the_reason(tiny_model, tmp_path):
+    (tmp_path / "scriptless_env.py").write_text(FAILING_ENV)
+    spec = json.loads(json.dumps(TOPOLOGY))
+    del spec["servers"]["speaker_model"]
+    spec["servers"]["listener_model"]["model"] = str(tiny_model)
+    spec["roles"]["speaker"] = {"scripted": True}
+    spec["env"]["class"] = "scriptless_env:ScriptlessSignalling"
+    spec["run"].update(run_dir=str(tmp_path / "run"), concurrency=8, max_steps=1000)
+    (tmp_path / "topology.yaml").write_text(yaml.safe_dump(spec))
+    python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))  # the env module
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "marl.cli", "run", str(tmp_path / "topology.yaml")],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "COLUMNS": "200", "PYTHONPATH": python_path})
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert time.monotonic() - started < 120, output  # server start, then 5 attempts 2 + 4 + 6 + 8 s apart
+    assert "gave up: " in output and "ScriptlessSignalling has no scripted action for free-text turns" in output
+    assert "failed 5 times in a row" in output
+    assert "stopped 1 local servers" in output
+    assert read_games(tmp_path / "run" / "games.jsonl") == []
+
+
+def test_games_jsonl_rows_of_older_versions_still_read(tmp_path):
+    path = tmp_path / "games.jsonl"
+    old = {"time": 1.0, "task_id": "t-0", "seed": 0, "agent_rewards": {"speaker": 1.0},  # as the first version wrote
+           "role_rewards": {"speaker": 1.0}, "episodes": {"m": "e1"}, "policy_versions": {"m": 0},
+           "invalid_actions": {}, "seconds": 1.0, "turns": 2}
+    new = GameRecord(task_id="t-1", seed=1, role_rewards={"speaker": 0.0}, policy_versions={"m": 1},
+                     replies={"speaker": 1}, winner="speaker", teams={"speaker": "speaker"}, time=3601.0)
+    path.write_text(json.dumps(old) + "\n" + '{"torn": ' + "\n" + new.model_dump_json() + "\n")
+    games = read_games(path)
+    assert [g.task_id for g in games] == ["t-0", "t-1"]
+    assert (games[0].replies, games[0].winner, games[0].teams) == ({}, None, {})  # not recorded then
+    assert games[1] == new
+    stats = summarize_games(tmp_path)
+    assert stats["speaker"]["games"] == 2 and stats["speaker"]["win_rate"] == 1.0  # only the game with a winner
+    assert stats["all"]["games_per_hour"] == 1.0
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])

@@ -235,6 +235,9 @@ class RunSpec(_Spec):
     temperature: float = Field(1.0, ge=0, le=2, description="Sampling temperature of the LLM agents.")
     seed: int = 0
     run_dir: Path | None = Field(None, description="Output directory (default: runs/<name>).")
+    max_failures: int = Field(5, ge=1, description="A game that fails this many times in a row ends the run (exit 1,"
+                              " with its last failure); a failed game is replayed with the same task id. Also how"
+                              " often a server that keeps stopping with an error is revived.")
 
     @model_validator(mode="after")
     def _stops(self) -> RunSpec:

@@ -1,0 +1,148 @@
+"""Many games: which task each game plays, how many are in flight, when one is replayed, and when a run stops.
+
+`play_games` keeps up to `concurrency` games in flight, each on its own worker thread. Its promises:
+- `games=N` is the number of games played and reported to `on_result`, never more: a worker starts a new game only
+  while the games finished plus those in flight are fewer than N.
+- A game that fails is replayed in the same slot with the same task id and seed (so every task still reaches
+  `repeats` episodes on every server), after a pause that grows with each attempt. Failed attempts and replays are
+  counted apart from games (`RunStats.failed`, `RunStats.retried`); every failed attempt goes to `on_failure`.
+- A game that fails `max_failures` times in a row ends the run, and `RunStats.error` says which game and why (its
+  last failure). A server restart costs a game one or two attempts (leasing waits while a server is unreachable, up
+  to `lease_timeout_s` per attempt); a deterministic failure (an env that raises, a scripted role without a scripted
+  move) fails every attempt at once and ends the run within half a minute (the pauses add up to 20 s).
+- `should_stop()` (asked before every game and twice a second) ends the run early: games still waiting for a lease
+  give up, games already playing finish and are reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from marl.coordinator import Coordinator, GameCancelled, GameFailed
+from marl.game_record import GameRecord
+
+log = logging.getLogger("marl.games")
+
+MAX_FAILURES = 5  # failed attempts in a row after which a game ends the run (`run.max_failures`)
+_CHECK_S = 0.5  # how often the waiting thread asks `should_stop` (short joins also keep Ctrl-C responsive)
+
+
+def tasks(run_name: str, repeats: int, seed: int) -> Iterator[tuple[str, int]]:
+    """Endless (task id, env seed) pairs, each repeated `repeats` times in a row (one GRPO group per task)."""
+    index = 0
+    while True:
+        for _ in range(repeats):
+            yield f"{run_name}-{index}", seed * 1_000_003 + index
+        index += 1
+
+
+def retry_pause_s(attempt: int) -> float:
+    """Pause before replaying a game that failed `attempt` times: 2 s, 4 s, 6 s, ... at most 10 s."""
+    return min(2.0 * attempt, 10.0)
+
+
+@dataclass
+class RunStats:
+    games: int = 0  # games finished and reported
+    failed: int = 0  # failed attempts
+    retried: int = 0  # replays of a failed game
+    results: list[GameRecord] = field(default_factory=list)
+    error: str | None = None  # why the run gave up (a game that failed `max_failures` times in a row)
+
+
+@dataclass(frozen=True)
+class FailedAttempt:
+    task_id: str
+    attempt: int  # 1 for the game's first try
+    error: GameFailed
+    retrying: bool  # False: the game is given up (the run ends or stops)
+
+
+class _Games:
+    """The shared state of one `play_games` call: slots, tallies, the stop signal."""
+
+    def __init__(self, coordinator: Coordinator, schedule: Iterator[tuple[str, int]], *, games: int | None,
+                 max_failures: int, should_stop: Callable[[], bool], on_result: Callable[[GameRecord], None],
+                 on_failure: Callable[[FailedAttempt], None]):
+        self.coordinator, self.schedule, self.games, self.max_failures = coordinator, schedule, games, max_failures
+        self.should_stop, self.on_result, self.on_failure = should_stop, on_result, on_failure
+        self.stats = RunStats()
+        self.started = 0  # games given a slot: finished or in flight (a replay keeps its game's slot)
+        self.lock = threading.Lock()
+        self.stop = threading.Event()  # set: no new game, no replay, and games waiting for a lease give up
+
+    def claim(self) -> tuple[str, int] | None:
+        """A new game's task id and seed, or None when no more games are needed (or the run is stopping)."""
+        with self.lock:
+            if self.stop.is_set() or self.should_stop() or (self.games is not None and self.started >= self.games):
+                return None
+            self.started += 1
+            return next(self.schedule)
+
+    def worker(self) -> None:
+        while (game := self.claim()) is not None:
+            self.play(*game)
+
+    def play(self, task_id: str, seed: int) -> None:
+        """Play one game until it finishes, fails `max_failures` times in a row, or the run stops."""
+        attempt = 1
+        while True:
+            try:
+                result = self.coordinator.play_game(task_id, seed, cancel=self.stop)
+            except GameCancelled:
+                return
+            except GameFailed as exc:
+                if not self.failed(task_id, attempt, exc) or self.stop.wait(retry_pause_s(attempt)):
+                    return
+                attempt += 1
+                continue
+            with self.lock:
+                self.stats.games += 1
+                self.stats.results.append(result)
+            self.on_result(result)
+            return
+
+    def failed(self, task_id: str, attempt: int, exc: GameFailed) -> bool:
+        """Count a failed attempt; True if the game is to be replayed."""
+        with self.lock:
+            self.stats.failed += 1
+            retrying = attempt < self.max_failures and not self.stop.is_set()
+            if retrying:
+                self.stats.retried += 1
+            elif attempt >= self.max_failures and self.stats.error is None:
+                self.stats.error = f"game {task_id} failed {attempt} times in a row; the last failure: {exc}"
+                self.stop.set()
+        log.warning("%s (attempt %d%s)", exc, attempt, ", replaying it" if retrying else "")
+        self.on_failure(FailedAttempt(task_id, attempt, exc, retrying))
+        return retrying
+
+
+def play_games(
+    coordinator: Coordinator,
+    schedule: Iterator[tuple[str, int]],
+    *,
+    concurrency: int,
+    games: int | None = None,
+    max_failures: int = MAX_FAILURES,
+    should_stop: Callable[[], bool] = lambda: False,
+    on_result: Callable[[GameRecord], None] = lambda result: None,
+    on_failure: Callable[[FailedAttempt], None] = lambda failure: None,
+) -> RunStats:
+    """Play `games` games (None: until `should_stop()`), `concurrency` at a time; see the module docstring."""
+    run = _Games(coordinator, schedule, games=games, max_failures=max_failures, should_stop=should_stop,
+                 on_result=on_result, on_failure=on_failure)
+    threads = [threading.Thread(target=run.worker, name=f"game-{i}", daemon=True) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(timeout=_CHECK_S)
+                if not run.stop.is_set() and should_stop():
+                    run.stop.set()
+    finally:  # Ctrl-C included: no worker starts or replays a game after this
+        run.stop.set()
+    return run.stats
