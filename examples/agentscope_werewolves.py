@@ -19,11 +19,11 @@ from itertools import islice
 
 import yaml
 
-from marl import SwarmClient, SwarmError
+from marl import ADMIN_TOKEN_ENV, SwarmClient, SwarmError
 from marl.agentscope_agents import Fallback, agentscope_players
 from marl.coordinator import Coordinator, Endpoint, GameFailed, GameSettings
 from marl.games import tasks
-from marl.topology import import_class
+from marl.topology import import_env_factory
 
 SERVER = "server"  # the swarm server's name in the coordinator
 
@@ -31,11 +31,12 @@ SERVER = "server"  # the swarm server's name in the coordinator
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server", required=True, help="URL of a running trainable `marl serve` swarm server")
-    parser.add_argument("--admin-token", default=os.environ.get("MARL_ADMIN_TOKEN"),
-                        help="the server's admin token (default: $MARL_ADMIN_TOKEN)")
+    parser.add_argument("--admin-token", default=os.environ.get(ADMIN_TOKEN_ENV),
+                        help=f"the server's admin token (default: ${ADMIN_TOKEN_ENV})")
     parser.add_argument("--roles", default="werewolf,seer", help="roles played by AgentScope agents on the server")
     parser.add_argument("--games", type=int, default=2)
-    parser.add_argument("--env", default="envs.werewolves:Werewolves", help="the env class, module:Class")
+    parser.add_argument("--env", default="envs.werewolves:Werewolves",
+                        help="the env class or factory, module:name")
     parser.add_argument("--env-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="an argument of the env class, e.g. max_rounds=3 (repeatable; VALUE is read as YAML)")
     parser.add_argument("--repeats", type=int, default=2, help="games per task (the server's GRPO group size)")
@@ -50,28 +51,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def ours_and_theirs(env, roles: str) -> tuple[dict[str, str | None], list[str]]:
+    """Role -> SERVER for the roles the AgentScope agents play, None (scripted or fallback) for the others."""
+    dealt = env.dealt_roles()  # every role the env deals, known before any game
+    ours = [role.strip() for role in roles.split(",") if role.strip()]
+    unknown = [role for role in ours if role not in dealt]
+    if unknown:
+        raise SystemExit(f"error: the env deals no role {unknown}; its roles: {sorted(dealt)}")
+    return {role: SERVER if role in ours else None for role in dealt}, ours
+
+
+def play(coordinator: Coordinator, games: list[tuple[str, int]]) -> int:
+    """Play the games one by one, printing each result; returns how many failed."""
+    failed = 0
+    for task_id, seed in games:
+        try:
+            result = coordinator.play_game(task_id, seed)
+        except GameFailed as exc:
+            print(f"{task_id} (seed {seed}) failed: {exc}")
+            failed += 1
+            continue
+        rewards = sorted(result.role_rewards.items(), key=lambda item: -item[1])
+        print(f"{task_id} (seed {seed}): " + (f"winner {result.winner}, " if result.winner else "")
+              + f"{result.turns} turns, {result.seconds:.1f}s, rewards "
+              + ", ".join(f"{role} {reward:+.2f}" for role, reward in rewards)
+              + f"; episode {result.episodes[SERVER]} at policy version {result.policy_versions[SERVER]}")
+    return failed
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.admin_token:
-        print("error: give the server's admin token (--admin-token or $MARL_ADMIN_TOKEN)", file=sys.stderr)
+        print(f"error: give the server's admin token (--admin-token or ${ADMIN_TOKEN_ENV})", file=sys.stderr)
         return 2
-    env_class = import_class(args.env)
+    make_env = import_env_factory(args.env)
     env_args = {key: yaml.safe_load(value) for key, _, value in (arg.partition("=") for arg in args.env_arg)}
-    games = list(islice(tasks("agentscope", args.repeats, args.seed), args.games))  # (task id, seed) pairs
-
-    # Which roles the env deals in these games: ours go to the server, the rest are scripted (or the fallback's).
-    env = env_class(**env_args)
-    dealt = set()
-    for _, seed in games:
-        env.reset(seed=seed)
-        dealt |= {env.role_of(agent) for agent in env.possible_agents}
-    env.close()
-    ours = [role.strip() for role in args.roles.split(",") if role.strip()]
-    unknown = [role for role in ours if role not in dealt]
-    if unknown:
-        print(f"error: {args.env} deals no role {unknown} in these games; its roles: {sorted(dealt)}", file=sys.stderr)
-        return 2
-    role_servers = {role: SERVER if role in ours else None for role in sorted(dealt)}
+    role_servers, ours = ours_and_theirs(make_env(**env_args), args.roles)
 
     # The server trains this config (synced, and its engine started, if it is not running yet).
     config = {"job": "agentscope", "batch_size": args.batch_size, "num_repeat": args.repeats}
@@ -81,16 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     except SwarmError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-
-    last_env = []  # the env of the game just played, for its winner (Werewolves sets `env.winner`)
-
-    def new_env():
-        last_env[:] = [env_class(**env_args)]
-        return last_env[0]
-
     fallback = Fallback(args.fallback_url, args.fallback_model, args.fallback_api_key) if args.fallback_url else None
     coordinator = Coordinator(
-        env_factory=new_env,
+        env_factory=lambda: make_env(**env_args),
         role_servers=role_servers,
         endpoints={SERVER: Endpoint(SERVER, client=client, train_config=config)},
         settings=GameSettings(max_tokens=args.max_tokens, temperature=args.temperature),
@@ -98,21 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     others = "the fallback model" if fallback else "scripted"
     print(f"{args.env}: {', '.join(ours)} played by AgentScope agents on {args.server}; other roles {others}")
-    failed = 0
     try:
-        for task_id, seed in games:
-            try:
-                result = coordinator.play_game(task_id, seed)
-            except GameFailed as exc:
-                print(f"{task_id} (seed {seed}) failed: {exc}")
-                failed += 1
-                continue
-            winner = getattr(last_env[0], "winner", None)
-            rewards = sorted(result.role_rewards.items(), key=lambda item: -item[1])
-            print(f"{task_id} (seed {seed}): " + (f"winner {winner}, " if winner else "")
-                  + f"{result.turns} turns, {result.seconds:.1f}s, rewards "
-                  + ", ".join(f"{role} {reward:+.2f}" for role, reward in rewards)
-                  + f"; episode {result.episodes[SERVER]} at policy version {result.policy_versions[SERVER]}")
+        failed = play(coordinator, list(islice(tasks("agentscope", args.repeats, args.seed), args.games)))
     finally:
         coordinator.abort_all()  # leases of a game interrupted by Ctrl-C
         coordinator.close()

@@ -116,9 +116,7 @@ def _episode(args: argparse.Namespace) -> None:
         sys.exit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="marl", description="Multi-agent RL for heterogeneous teams of LLM agents.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_serve(sub: argparse._SubParsersAction) -> None:
 
     serve = sub.add_parser("serve", help="run a swarm server for one model",
                            description="Serve one model: leases, an OpenAI-compatible endpoint, and (unless --static)"
@@ -138,11 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
 
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
     status = sub.add_parser("status", help="print a server's status as JSON")
     status.add_argument("url")
     status.add_argument("--admin-token", help="default: $MARL_ADMIN_TOKEN")
     status.set_defaults(func=_status)
 
+
+def _add_topology(sub: argparse._SubParsersAction) -> None:
     topology = sub.add_parser("topology", help="inspect a topology file",
                               description="Topologies say which model server plays each role (topologies/*.yaml).")
     topology_sub = topology.add_subparsers(dest="topology_command", required=True)
@@ -155,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="do not import and construct env.class, nor check roles: against the roles it deals")
     show.set_defaults(func=_topology_show)
 
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="play and train a topology: start local servers, play games, train each model",
                          description="Start the topology's local servers (logs in the run directory), connect to its"
                                      " remote ones, sync configs, start engines, and play games until run.games or"
@@ -163,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. run.max_steps=5")
     run.set_defaults(func=_run)
 
+
+def _add_overwatch(sub: argparse._SubParsersAction) -> None:
     overwatch = sub.add_parser("overwatch", help="live terminal monitor of one or many swarm servers",
                                description="Watch servers side by side, refreshed every second: state, policy"
                                            " version, pool progress, leases, reward per role, tokens/s, errors."
@@ -175,12 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
     overwatch.add_argument("--once", action="store_true", help="print one snapshot and exit (no UI)")
     overwatch.set_defaults(func=_overwatch)
 
+
+def _add_plot(sub: argparse._SubParsersAction) -> None:
     plot = sub.add_parser("plot", help="write PNG reward/loss curves of a run directory",
                           description="From games.jsonl and servers/*/metrics.jsonl: reward_curves.png and"
                                       " servers/<name>/training.png. Prints the paths written.")
     plot.add_argument("run_dir", help="a run directory (runs/<name>) or one server's data dir")
     plot.set_defaults(func=_plot)
 
+
+def _add_episode(sub: argparse._SubParsersAction) -> None:
     episode = sub.add_parser("episode", help="inspect the episodes in a server's ledger")
     episode_sub = episode.add_subparsers(dest="episode_command", required=True)
     listing = episode_sub.add_parser("list", help="the latest episodes, newest first")
@@ -195,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     show_ep.add_argument("--model", help="tokenizer to decode with (default: newest checkpoint, else the served model)")
     show_ep.add_argument("--tokens", action="store_true", help="also one row per token: mask, logprob, token")
     show_ep.set_defaults(func=_episode)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="marl", description="Multi-agent RL for heterogeneous teams of LLM agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_serve, _add_status, _add_topology, _add_run, _add_overwatch, _add_plot, _add_episode):
+        add(sub)
     return parser
 
 
