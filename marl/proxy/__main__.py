@@ -1,0 +1,3 @@
+from marl.proxy.cli import main
+
+main()
