@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup test test-slow demo bench clean
+.PHONY: setup test test-slow demo bench fuzz clean
 
 $(BIN)/marl: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ demo: setup
 bench: setup
 	$(BIN)/python bench/proxy_overhead.py
 	$(BIN)/python bench/engine_throughput.py --model smollm2-135m
+
+# Schema-driven fuzzing of a real tiny-model server: every operation, valid credentials, no 5xx (bench/fuzz.py).
+fuzz: setup
+	$(BIN)/python bench/fuzz.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -19,6 +19,16 @@ def _gigabytes(text: str) -> float:
     return value
 
 
+def _megabytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of MB > 0, got {text!r}")
+    return value
+
+
 def _serve(args: argparse.Namespace) -> None:
     # marl/ imports servers/ only in the server-side commands: `serve` (starting a server process is what it is
     # for) and `episode` (reading a server's ledger).
@@ -28,7 +38,7 @@ def _serve(args: argparse.Namespace) -> None:
         model=args.model, port=args.port, host=args.host, admin_token=args.admin_token,
         data_dir=Path(args.data_dir) if args.data_dir else None, static=args.static,
         served_model_name=args.served_model_name, public_url=args.public_url, device=args.device,
-        prefix_cache_gb=args.prefix_cache_gb, log_level=args.log_level,
+        prefix_cache_gb=args.prefix_cache_gb, max_body_mb=args.max_body_mb, log_level=args.log_level,
     ))
 
 
@@ -133,6 +143,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--prefix-cache-gb", type=_gigabytes,
                        help="memory for the keys/values of finished calls, reused by the next turn of the same"
                             " conversation instead of prefilling it again (default: 2; 0 turns it off)")
+    serve.add_argument("--max-body-mb", type=_megabytes, default=16.0,
+                       help="largest request body accepted, in MB (413 beyond; default: 16)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
 

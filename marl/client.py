@@ -28,9 +28,12 @@ WEIGHT_SYNCING, or every lease slot is busy) is temporary: the call retries with
 `retry_after_s`, capped at 5 s, with jitter) until its `timeout`, then raises `SwarmTimeout`. Any other error raises at
 once (`SwarmRefused` for a 4xx, `SwarmError` otherwise); its `.code` is the server's `ErrorCode`: branch on that,
 never on the message text. Transport errors (connection refused or reset, timeouts) are retried the same way on
-idempotent calls (GETs, begin, config, stop, renew); on end, abort and start they are retried only when the request
-provably never left this machine (connection refused, connect or pool timeout), because the server may already have
-acted on a request whose answer was lost.
+idempotent calls: GETs, begin, config, stop, renew, and end, prepare and commit, which the server answers with the
+stored outcome when it had already acted on the same request (`replayed`). Abort and start are retried only when the
+request provably never left this machine (connection refused, connect or pool timeout).
+
+A game spanning several servers commits with `prepare_episode` on each, then `commit_episode` on each (two-phase
+commit; `marl.two_phase` drives it with the coordinator's decision log).
 
 Thread safety: one `httpx.Client` (thread-safe) is shared by every thread; a `SwarmClient` holds no per-episode state,
 so any number of threads may begin, end and abort episodes concurrently.
@@ -60,12 +63,14 @@ from marl.protocol import (
     AGENT_HEADER,
     ROUTE_ABORT,
     ROUTE_BEGIN,
+    ROUTE_COMMIT,
     ROUTE_CONFIG,
     ROUTE_END,
     ROUTE_EPISODE,
     ROUTE_HEALTH,
     ROUTE_MONITOR,
     ROUTE_POOL,
+    ROUTE_PREPARE,
     ROUTE_RENEW,
     ROUTE_START,
     ROUTE_STATUS,
@@ -85,6 +90,8 @@ from marl.protocol import (
     ErrorResponse,
     MonitorSnapshot,
     PoolInfo,
+    PrepareEpisodeRequest,
+    PrepareEpisodeResponse,
     ServerStatus,
     TrainConfig,
 )
@@ -525,24 +532,58 @@ class SwarmClient:
         `task`: a task id string, or an object with `task_id` (or `id`), or a mapping with one of those keys.
         `output`: a float reward, an `EpisodeOutput`, or any object with `.reward` (and optionally
         `.agent_rewards`, `.metadata`). Bad arguments raise `TypeError`/`ValueError` before any request is sent.
+        A transport error is retried with the same body: the server answers a repeat with the outcome it stored
+        (`replayed: True`), so an end whose answer was lost is never recorded twice nor lost.
         """
-        reward, agent_rewards, metadata = _output_fields(output)
-        body = EndEpisodeRequest(
-            client_id=self.client_id, task_id=_task_id(task), reward=reward, agent_rewards=agent_rewards,
-            metadata=metadata,
-        )
+        body = EndEpisodeRequest(client_id=self.client_id, task_id=_task_id(task), **self._output_body(output))
         return self._call(
             "POST", ROUTE_END.format(episode_id=episode_id), EndEpisodeResponse, what="end_episode",
-            json=body.model_dump(mode="json"), retry="unsent", timeout=timeout, episode_id=episode_id,
+            json=body.model_dump(mode="json"), timeout=timeout, episode_id=episode_id,
         )
+
+    def prepare_episode(
+        self, task: Any, episode_id: str, output: Any, *, game_id: str, prepare_timeout_s: float | None = None,
+        decision_log: str | None = None, timeout: float | None = None,
+    ) -> PrepareEpisodeResponse:
+        """Phase one of a two-phase commit: the server validates the episode and stores it durably as PREPARED (its
+        lease key dies), outside the pool until `commit_episode` (or dropped by `abort_episode`).
+
+        `game_id` names the game; `decision_log` is the path of the coordinator's decision log as the server sees
+        it. If neither commit nor abort arrives within `prepare_timeout_s` (server default 300 s), the server
+        resolves the episode from that log (commit if the game was decided so, else abort), or aborts it when
+        no log was named. Retried on transport errors like `end_episode`.
+        """
+        extra = {} if prepare_timeout_s is None else {"timeout_s": prepare_timeout_s}
+        body = PrepareEpisodeRequest(client_id=self.client_id, task_id=_task_id(task), game_id=game_id,
+                                     decision_log=decision_log, **self._output_body(output), **extra)
+        return self._call(
+            "POST", ROUTE_PREPARE.format(episode_id=episode_id), PrepareEpisodeResponse, what="prepare_episode",
+            json=body.model_dump(mode="json"), timeout=timeout, episode_id=episode_id,
+        )
+
+    def commit_episode(self, episode_id: str, *, timeout: float | None = None) -> EndEpisodeResponse:
+        """Phase two: a prepared episode enters the pool. Idempotent (a repeat answers `replayed: True`); refused
+        with 409 `episode_aborted` if it was aborted meanwhile (by its holder, or at its deadline)."""
+        return self._call(
+            "POST", ROUTE_COMMIT.format(episode_id=episode_id), EndEpisodeResponse, what="commit_episode",
+            json=ClientRequest(client_id=self.client_id).model_dump(mode="json"), timeout=timeout,
+            episode_id=episode_id,
+        )
+
+    @staticmethod
+    def _output_body(output: Any) -> dict[str, Any]:
+        reward, agent_rewards, metadata = _output_fields(output)
+        return {"reward": reward, "agent_rewards": agent_rewards, "metadata": metadata}
 
     def abort_episode(
         self, episode_id: str, *, missing_ok: bool = True, timeout: float | None = None
     ) -> AbortEpisodeResponse | None:
-        """Discard the episode (its slot is re-queued while ROLLING). Returns None if the server no longer knows it
-        (already ended, aborted or expired) and `missing_ok`; the episode does not count either way."""
+        """Discard the episode: a running one (its slot is re-queued while ROLLING) or a prepared one. Returns None
+        if a prepared episode was aborted already, or if the server no longer runs it (aborted, expired) and
+        `missing_ok`; the episode does not count either way. An episode already ended (or committed) cannot be
+        aborted: `SwarmRefused` with code `episode_already_ended`."""
         try:
-            return self._call(
+            response = self._call(
                 "POST", ROUTE_ABORT.format(episode_id=episode_id), AbortEpisodeResponse, what="abort_episode",
                 json=ClientRequest(client_id=self.client_id).model_dump(mode="json"), retry="unsent",
                 timeout=timeout, episode_id=episode_id,
@@ -551,6 +592,7 @@ class SwarmClient:
             if missing_ok and exc.code is ErrorCode.EPISODE_NOT_FOUND:
                 return None
             raise
+        return None if response.replayed else response
 
     def renew_episode(self, episode_id: str, *, timeout: float | None = None) -> EpisodeState:
         """Heartbeat: reset the lease's idle timer (needed only when the agent makes no model call for a while)."""
@@ -758,6 +800,13 @@ class SwarmClient:
                 "patience_s): its result was not recorded. For agents that pause between model calls, call "
                 "renew_episode() or use episode(..., heartbeat_s=...)."
             )
+        if code is ErrorCode.EPISODE_ALREADY_ENDED:
+            return ("the episode was recorded already (ended, prepared or committed) with another request; only the"
+                    " very same request may be repeated.")
+        if code is ErrorCode.EPISODE_ABORTED:
+            return "the prepared episode was aborted (by its holder, or by the server at its deadline)."
+        if code is ErrorCode.REQUEST_TOO_LARGE:
+            return "the request body is over the server's limit (marl serve --max-body-mb)."
         if code is ErrorCode.STATIC_SERVER:
             return "a STATIC server grants no leases and trains nothing: call its OpenAI endpoint directly."
         if code is ErrorCode.ENGINE_NOT_ROLLING:

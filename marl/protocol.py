@@ -8,9 +8,9 @@ client (`marl.client`) both import this module; it imports nothing else of the p
 from __future__ import annotations
 
 import enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 # --------------------------------------------------------------------------------------------------------------
 # Routes and headers (one place, so server and client cannot drift apart)
@@ -25,6 +25,8 @@ ROUTE_MONITOR = "/control/monitor"  # everything `marl overwatch` shows, in one 
 ROUTE_BEGIN = "/episodes/begin"
 ROUTE_EPISODE = "/episodes/{episode_id}"  # GET: can the episode continue?
 ROUTE_END = "/episodes/{episode_id}/end"
+ROUTE_PREPARE = "/episodes/{episode_id}/prepare"  # two-phase commit, phase one: recorded, not yet in the pool
+ROUTE_COMMIT = "/episodes/{episode_id}/commit"  # phase two: a prepared episode enters the pool
 ROUTE_ABORT = "/episodes/{episode_id}/abort"
 ROUTE_RENEW = "/episodes/{episode_id}/renew"
 ROUTE_HEALTH = "/health"
@@ -40,9 +42,63 @@ DEFAULT_AGENT = "default"
 ADMIN_TOKEN_ENV = "MARL_ADMIN_TOKEN"
 #: Every episode key starts with this, so the control plane can tell a misplaced episode key from a wrong token.
 EPISODE_KEY_PREFIX = "marl-ep-"
+#: Routes under these prefixes need the admin token (the rest: a lease key on the data plane, or nothing).
+ADMIN_ROUTE_PREFIXES = ("/control/", "/episodes/")
+#: Default limit on a request body (`marl serve --max-body-mb`); a larger one is refused with 413 before it is read.
+DEFAULT_MAX_BODY_MB = 16.0
+#: Longest id a client may choose (client_id, task_id, game_id, an agent tag).
+MAX_ID_LENGTH = 512
+
+# Numbers on the wire are numbers: no `true` for 1, no "yes" for true, no 1.0 for an int (floats do take ints).
+Int = StrictInt
+Bool = StrictBool
+#: A finite number (raw JSON may say NaN or Infinity; a reward like that would poison a whole GRPO group).
+Real = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+#: The range of a seed (torch and every other RNG take 64 bits).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)]
 
 
-class _Strict(BaseModel):
+#: Deepest nesting of lists and objects a request may have (deeper JSON would exhaust the recursion of whoever
+#: serializes it next: the ledger's json.dumps, a template).
+MAX_NESTING = 64
+
+
+def check_text_and_nesting(value: Any) -> None:
+    """Raise ValueError if a string anywhere in `value` is not encodable text (JSON's "\\udfff" escape decodes to a
+    lone surrogate, which no tokenizer or database takes), or if it nests deeper than MAX_NESTING."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise ValueError(f"{where or 'a string'} is not valid Unicode text (a lone surrogate at"
+                                     f" character {exc.start}); send UTF-8 text") from None
+            continue
+        if depth > MAX_NESTING:
+            raise ValueError(f"{where or 'the body'} nests lists and objects deeper than {MAX_NESTING} levels")
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                path = f"{where}.{key}" if where else str(key)
+                stack += [(key, f"a key of {where or 'the body'}", depth + 1), (inner, path, depth + 1)]
+        elif isinstance(item, (list, tuple)):
+            stack += [(inner, f"{where}.{i}" if where else str(i), depth + 1) for i, inner in enumerate(item)]
+
+
+class _Request(BaseModel):
+    """Every request body: its text must be encodable (checked before anything is stored or tokenized)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable_text(cls, data: Any) -> Any:
+        check_text_and_nesting(data)
+        return data
+
+
+class _Strict(_Request):
     """Requests reject unknown fields: a typo in a config key must fail loudly, not be ignored."""
 
     model_config = ConfigDict(extra="forbid")
@@ -91,15 +147,21 @@ class ErrorCode(enum.StrEnum):
     MODEL_NOT_FOUND = "model_not_found"
     ROUTE_NOT_FOUND = "route_not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    # 413: the body is over the server's limit (marl serve --max-body-mb)
+    REQUEST_TOO_LARGE = "request_too_large"
     # 409: not in this state (do something else first)
     ENGINE_NOT_OFFLINE = "engine_not_offline"
     STATIC_SERVER = "static_server"
+    EPISODE_ALREADY_ENDED = "episode_already_ended"  # ended, prepared or committed with another body; abort too late
+    EPISODE_NOT_PREPARED = "episode_not_prepared"  # commit of an episode that is still running
+    EPISODE_ABORTED = "episode_aborted"  # commit of a prepared episode that was aborted (or timed out: presumed abort)
     # 409 or 503: no lease now (503 with retry_after_s while BOOTING / ROLLING_POST / WEIGHT_SYNCING)
     ENGINE_NOT_ROLLING = "engine_not_rolling"
     # 503: wait and retry (retry_after_s is set)
     NO_FREE_SLOT = "no_free_slot"
     ENGINE_BOOTING = "engine_booting"
     ENGINE_UNAVAILABLE = "engine_unavailable"
+    LEDGER_UNAVAILABLE = "ledger_unavailable"  # the ledger write failed; nothing changed, the lease is still live
     # 5xx: the server failed
     ENGINE_ERROR = "engine_error"  # generation failed
     INTERNAL_ERROR = "internal_error"  # anything unexpected
@@ -131,18 +193,18 @@ class ErrorResponse(BaseModel):
 class GRPOConfig(_Strict):
     """The GRPO trainer's section of a `TrainConfig` (`train.grpo`): the objective and the optimiser."""
 
-    learning_rate: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float = Field(1.0, gt=0)
-    clip_eps_low: float = Field(0.2, gt=0, description="PPO ratio clip below 1.")
-    clip_eps_high: float = Field(0.28, gt=0, description="PPO ratio clip above 1.")
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the frozen initial model; 0 disables it.")
-    normalize_advantage_std: bool = Field(True, description="Divide group-relative advantages by the group std.")
-    skip_zero_variance_groups: bool = Field(True, description="Skip groups whose rewards are all equal (counted).")
-    micro_batch_tokens: int = Field(4096, ge=16, description="Token budget of one forward/backward micro-batch.")
-    ppo_epochs: int = Field(1, ge=1, description="Passes over each batch.")
-    gradient_checkpointing: bool = Field(False, description="Recompute each layer's activations in the backward pass:"
+    learning_rate: Real = Field(1e-5, gt=0)
+    weight_decay: Real = Field(0.0, ge=0)
+    adam_betas: tuple[Real, Real] = (0.9, 0.999)
+    max_grad_norm: Real = Field(1.0, gt=0)
+    clip_eps_low: Real = Field(0.2, gt=0, description="PPO ratio clip below 1.")
+    clip_eps_high: Real = Field(0.28, gt=0, description="PPO ratio clip above 1.")
+    kl_coef: Real = Field(0.0, ge=0, description="KL penalty to the frozen initial model; 0 disables it.")
+    normalize_advantage_std: Bool = Field(True, description="Divide group-relative advantages by the group std.")
+    skip_zero_variance_groups: Bool = Field(True, description="Skip groups whose rewards are all equal (counted).")
+    micro_batch_tokens: Int = Field(4096, ge=16, description="Token budget of one forward/backward micro-batch.")
+    ppo_epochs: Int = Field(1, ge=1, description="Passes over each batch.")
+    gradient_checkpointing: Bool = Field(False, description="Recompute each layer's activations in the backward pass:"
                                          " far less memory on long conversations, about a third more compute.")
 
 
@@ -161,18 +223,19 @@ class TrainConfig(_Strict):
     """
 
     # Rollout pool and batch assembly
-    job: str = Field("default", min_length=1, description="Job name: task ids are namespaced by it.")
-    batch_size: int = Field(4, ge=1, description="GRPO groups per training step.")
-    num_repeat: int = Field(4, ge=1, description="Episodes per group (GRPO group size).")
-    max_leases: int = Field(256, ge=1, description="Leases that may run at once; more begin calls wait.")
-    lease_patience_s: float = Field(300.0, gt=0, description="A lease idle this long expires; its slot is re-queued.")
-    max_staleness: int = Field(
+    job: str = Field("default", min_length=1, max_length=MAX_ID_LENGTH, description="Job name: task ids are"
+                     " namespaced by it.")
+    batch_size: Int = Field(4, ge=1, description="GRPO groups per training step.")
+    num_repeat: Int = Field(4, ge=1, description="Episodes per group (GRPO group size).")
+    max_leases: Int = Field(256, ge=1, description="Leases that may run at once; more begin calls wait.")
+    lease_patience_s: Real = Field(300.0, gt=0, description="A lease idle this long expires; its slot is re-queued.")
+    max_staleness: Int = Field(
         1, ge=0, description="Samples produced this many policy versions before the trained one are dropped (counted)."
     )
     # Checkpoints
-    save_freq: int = Field(1, ge=0, description="Checkpoint every N steps; 0 disables checkpoints.")
-    keep_checkpoints: int = Field(2, ge=1)
-    seed: int = 0
+    save_freq: Int = Field(1, ge=0, description="Checkpoint every N steps; 0 disables checkpoints.")
+    keep_checkpoints: Int = Field(2, ge=1)
+    seed: Int = Field(0, ge=0, le=SEED_MAX)
     # The trainer
     trainer: Literal["grpo"] = Field("grpo", description="Which trainer steps the policy; its knobs are the section"
                                                          " of the same name.")
@@ -245,6 +308,7 @@ class PoolInfo(BaseModel):
     requeued: int  # leases aborted or expired while ROLLING: their slot went back to the pool
     discarded: int  # leases aborted or expired after the batch was complete
     expired: int
+    prepared_episodes: int = 0  # prepared (two-phase commit), waiting for their commit or abort
 
 
 class ServerStatus(BaseModel):
@@ -302,7 +366,7 @@ class MonitorSnapshot(BaseModel):
 
 
 class BeginEpisodeRequest(_Strict):
-    client_id: str = Field(min_length=1, description="Identifies the holder: only it may end or abort the lease.")
+    client_id: Id = Field(description="Identifies the holder: only it may end or abort the lease.")
 
 
 class EpisodeLease(BaseModel):
@@ -316,10 +380,13 @@ class EpisodeLease(BaseModel):
 
 
 class EndEpisodeRequest(_Strict):
-    client_id: str = Field(min_length=1)
-    task_id: str = Field(min_length=1, description="Episodes of the same task form a GRPO group (per agent).")
-    reward: float
-    agent_rewards: dict[str, float] | None = Field(
+    """Body of end (and of prepare, which adds the game's fields). Sending the same body again is always safe: the
+    server answers with the outcome it stored (`replayed`); a different body for an ended episode is refused (409)."""
+
+    client_id: Id
+    task_id: Id = Field(description="Episodes of the same task form a GRPO group (per agent).")
+    reward: Real
+    agent_rewards: dict[Annotated[str, Field(max_length=MAX_ID_LENGTH)], Real] | None = Field(
         None, description="Reward per agent tag; agents not listed get `reward`."
     )
     metadata: dict[str, Any] = {}
@@ -330,17 +397,55 @@ class EndEpisodeResponse(BaseModel):
     samples: int
     trainable_tokens: int
     pool: PoolInfo
+    replayed: bool = False  # True: the episode had been recorded already; this is the stored outcome
+
+
+#: How long a prepared episode waits for its commit or abort by default, before the server resolves it itself.
+DEFAULT_PREPARE_TIMEOUT_S = 300.0
+
+
+class PrepareEpisodeRequest(EndEpisodeRequest):
+    """Phase one of a game's two-phase commit: the episode is validated and recorded durably as PREPARED (its lease
+    key dies), but it enters the pool only on commit. Not committed or aborted within `timeout_s`, the server asks
+    `decision_log` (the coordinator's, `marl.decision_log`) what was decided for `game_id`: commit if it says so,
+    abort if it says abort or nothing; without a decision log the episode is aborted (presumed abort)."""
+
+    game_id: Id
+    timeout_s: Real = Field(DEFAULT_PREPARE_TIMEOUT_S, gt=0, le=7 * 24 * 3600)
+    decision_log: str | None = Field(None, min_length=1, max_length=4096, description="Path of the coordinator's"
+                                     " decision log, as this server sees it (a file both can reach).")
+
+
+class PrepareEpisodeResponse(BaseModel):
+    episode_id: str
+    samples: int
+    trainable_tokens: int
+    deadline: float  # unix time at which the server resolves the episode itself if nobody has
+    replayed: bool = False
 
 
 class ClientRequest(_Strict):
-    """Body of abort / renew: who is asking."""
+    """Body of abort / renew / commit: who is asking."""
 
-    client_id: str = Field(min_length=1)
+    client_id: Id
 
 
 class AbortEpisodeResponse(BaseModel):
     episode_id: str
+    #: requeued: its slot went back to the pool (aborted while ROLLING); discarded: after the batch filled, or a
+    #: prepared episode dropped.
     disposition: Literal["requeued", "discarded"]
+    replayed: bool = False  # True: it had been aborted already
+
+
+class EpisodePhase(enum.StrEnum):
+    """Where an episode is on its way into the pool."""
+
+    RUNNING = "running"  # its lease is live
+    PREPARED = "prepared"  # recorded, waiting for commit or abort
+    ENDED = "ended"  # in the pool (ended, or prepared and committed)
+    ABORTED = "aborted"  # a prepared episode that was aborted
+    GONE = "gone"  # not running and not recorded: aborted, expired, closed by an engine stop, or never existed
 
 
 class EpisodeState(BaseModel):
@@ -350,6 +455,7 @@ class EpisodeState(BaseModel):
     state: EngineState
     idle_s: float | None = None
     patience_s: float | None = None
+    phase: EpisodePhase = EpisodePhase.RUNNING
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -379,11 +485,20 @@ class Sample(BaseModel):
 # --------------------------------------------------------------------------------------------------------------
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content (`{"type": "text", "text": ...}`); parts of other types carry no text."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
@@ -391,10 +506,10 @@ class ChatMessage(BaseModel):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class ChatCompletionRequest(_Request):
     # Unknown OpenAI parameters (frequency_penalty, ...) are accepted and ignored, as vLLM does.
     model_config = ConfigDict(extra="ignore")
 
@@ -402,18 +517,29 @@ class ChatCompletionRequest(BaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    stop: str | list[str] | None = None
-    stream: bool = False
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    temperature: Real = Field(1.0, ge=0, le=2)
+    top_p: Real = Field(1.0, gt=0, le=1)
+    stop: str | list[str] | None = Field(None, max_length=16)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
-    n: int = Field(1, ge=1, le=1, description="Only n=1: each sample must be its own recorded call.")
-    user: str | None = None
-    logprobs: bool = False
-    return_token_ids: bool = Field(False, description="vLLM extension: include prompt and completion token ids.")
+    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    n: Int = Field(1, ge=1, le=1, description="Only n=1: each sample must be its own recorded call.")
+    user: str | None = Field(None, max_length=MAX_ID_LENGTH, description="Tags the call with an agent when the"
+                             f" {AGENT_HEADER} header does not.")
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=0, description="Not supported: the server records and returns"
+                                     " the sampled token's logprob only (omit it, or send 0).")
+    return_token_ids: Bool = Field(False, description="vLLM extension: include prompt and completion token ids.")
+
+    @field_validator("top_logprobs", mode="before")
+    @classmethod
+    def _no_top_logprobs(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            raise ValueError("top_logprobs is not supported by this server: it returns the logprob of each sampled"
+                             " token only (logprobs: true); omit top_logprobs or send 0")
+        return value
 
 
 class FunctionCall(BaseModel):

@@ -1,9 +1,11 @@
 """HTTP for one swarm server: routes, authentication and error bodies; every route is one call into the server.
 
-Control and episode routes need `Authorization: Bearer <admin token>`; the data plane needs the api_key of a live
-lease (a static server takes any); `/health` and the Prometheus `/metrics` are open. Every error is an OpenAI-shaped
-`ErrorResponse` whose `code` is an `ErrorCode`, FastAPI's own refusals (unknown route, bad body) included.
-`app.state.server` is the server object (tests look inside it).
+Control and episode routes need `Authorization: Bearer <admin token>`; a trainable server's chat completions need
+the api_key of a live lease (a static server takes any); `/health`, `/metrics` and `/v1/models` are open. Both are
+checked from the headers alone, before the body is read, and a body over the limit is refused with 413 before it is
+parsed (`servers.http_guards`). Every error is an OpenAI-shaped `ErrorResponse` whose `code` is an `ErrorCode`,
+FastAPI's own refusals (unknown route, bad body) and unexpected exceptions included; the OpenAPI document lists the
+errors each route really sends (`servers.openapi`). `app.state.server` is the server object (tests look inside it).
 """
 
 from __future__ import annotations
@@ -11,18 +13,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from collections.abc import Callable
 from typing import Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 
 from marl import protocol as p
 from marl.protocol import EPISODE_KEY_PREFIX, EngineState, ErrorCode
-from servers.errors import Refusal
+from servers import openapi
+from servers.errors import Refusal, refusal_response
+from servers.http_guards import Authorize, CatchUnexpected, RequestGate, Scope, bearer_token
+from servers.openapi import BEARER, errors
 from servers.serving import ChatService
 from servers.static import StaticServer
 from servers.trainable import TrainableServer
@@ -44,7 +49,8 @@ class SwarmServer(Protocol):
     async def metrics_text(self) -> bytes: ...
 
 
-def create_app(server: TrainableServer | StaticServer, admin_token: str) -> FastAPI:
+def create_app(server: TrainableServer | StaticServer, admin_token: str, *,
+               max_body_mb: float = p.DEFAULT_MAX_BODY_MB) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         await server.startup()
@@ -55,11 +61,16 @@ def create_app(server: TrainableServer | StaticServer, admin_token: str) -> Fast
     app.state.server = server
     for error, handler in _ERROR_HANDLERS.items():
         app.add_exception_handler(error, handler)
-    admin = [Depends(_admin_auth(admin_token))]
     app.include_router(_open_routes(server))
-    app.include_router(_monitoring_routes(server), dependencies=admin)
-    app.include_router(_training_routes(server), dependencies=admin)
+    app.include_router(_monitoring_routes(server), dependencies=[BEARER])
+    app.include_router(_control_routes(server), dependencies=[BEARER])
+    app.include_router(_episode_routes(server), dependencies=[BEARER])
     app.include_router(_data_plane_routes(server.chat))
+    # The last added runs first: unexpected errors are caught around the gate too.
+    app.add_middleware(RequestGate, authorize=_authorizer(server, admin_token, app.router.routes),
+                       max_body_bytes=int(max_body_mb * 2**20))
+    app.add_middleware(CatchUnexpected)
+    openapi.install(app)
     return app
 
 
@@ -73,7 +84,8 @@ def _open_routes(server: SwarmServer) -> APIRouter:
     async def health() -> dict:
         return {"ok": True, "state": server.state.value}
 
-    @router.get(p.ROUTE_METRICS)
+    @router.get(p.ROUTE_METRICS, response_class=PlainTextResponse, responses={200: {
+        "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics() -> Response:
         return Response(await server.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
@@ -81,7 +93,7 @@ def _open_routes(server: SwarmServer) -> APIRouter:
 
 
 def _monitoring_routes(server: SwarmServer) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(responses=errors(401))
 
     @router.get(p.ROUTE_STATUS)
     async def status() -> p.ServerStatus:
@@ -94,18 +106,22 @@ def _monitoring_routes(server: SwarmServer) -> APIRouter:
     return router
 
 
-def _training_routes(server: TrainableServer | StaticServer) -> APIRouter:
-    """The control plane and the episode API; a static server refuses them (409 STATIC_SERVER)."""
+def _trainable_or_refuse(server: TrainableServer | StaticServer):
+    """A dependency: the trainable server, or a 409 STATIC_SERVER refusal on a static one."""
 
-    def trainable_or_refuse() -> TrainableServer:
+    def trainable() -> TrainableServer:
         if isinstance(server, StaticServer):
             server.refuse_training()
         return server
 
-    router = APIRouter()
-    trainable = Depends(trainable_or_refuse)
+    return Depends(trainable)
 
-    @router.post(p.ROUTE_CONFIG)
+
+def _control_routes(server: TrainableServer | StaticServer) -> APIRouter:
+    router = APIRouter(responses=errors(401, 409, 413))
+    trainable = _trainable_or_refuse(server)
+
+    @router.post(p.ROUTE_CONFIG, responses=errors(400))
     async def sync_config(config: p.TrainConfig, srv: TrainableServer = trainable) -> p.ConfigResponse:
         return await srv.lifecycle.sync_config(config)
 
@@ -121,20 +137,38 @@ def _training_routes(server: TrainableServer | StaticServer) -> APIRouter:
     async def pool(srv: TrainableServer = trainable) -> p.PoolInfo:
         return await srv.pool.info(detailed=True)
 
-    @router.post(p.ROUTE_BEGIN)
+    return router
+
+
+def _episode_routes(server: TrainableServer | StaticServer) -> APIRouter:
+    """The episode API; a static server refuses it (409 STATIC_SERVER)."""
+    router = APIRouter(responses=errors(400, 401, 403, 404, 409, 413))
+    trainable = _trainable_or_refuse(server)
+
+    @router.post(p.ROUTE_BEGIN, responses=errors(503))
     async def begin(body: p.BeginEpisodeRequest, request: Request,
                     srv: TrainableServer = trainable) -> p.EpisodeLease:
         return srv.pool.begin(body.client_id, request_url=str(request.base_url))
 
-    @router.post(p.ROUTE_END)
+    @router.post(p.ROUTE_END, responses=errors(503))
     async def end(episode_id: str, body: p.EndEpisodeRequest,
                   srv: TrainableServer = trainable) -> p.EndEpisodeResponse:
-        return await srv.pool.end(episode_id, body)
+        return await srv.recorder.end(episode_id, body)
+
+    @router.post(p.ROUTE_PREPARE, responses=errors(503))
+    async def prepare(episode_id: str, body: p.PrepareEpisodeRequest,
+                      srv: TrainableServer = trainable) -> p.PrepareEpisodeResponse:
+        return await srv.recorder.prepare(episode_id, body)
+
+    @router.post(p.ROUTE_COMMIT)
+    async def commit(episode_id: str, body: p.ClientRequest,
+                     srv: TrainableServer = trainable) -> p.EndEpisodeResponse:
+        return await srv.recorder.commit(episode_id, body.client_id)
 
     @router.post(p.ROUTE_ABORT)
     async def abort(episode_id: str, body: p.ClientRequest,
                     srv: TrainableServer = trainable) -> p.AbortEpisodeResponse:
-        return srv.pool.abort(episode_id, body.client_id)
+        return await srv.recorder.abort(episode_id, body.client_id)
 
     @router.post(p.ROUTE_RENEW)
     async def renew(episode_id: str, body: p.ClientRequest, srv: TrainableServer = trainable) -> p.EpisodeState:
@@ -142,7 +176,7 @@ def _training_routes(server: TrainableServer | StaticServer) -> APIRouter:
 
     @router.get(p.ROUTE_EPISODE)
     async def episode(episode_id: str, srv: TrainableServer = trainable) -> p.EpisodeState:
-        return srv.pool.episode_state(episode_id)
+        return await srv.recorder.episode_state(episode_id)
 
     return router
 
@@ -154,10 +188,13 @@ def _data_plane_routes(chat: ChatService) -> APIRouter:
     async def models() -> p.ModelList:
         return chat.models()
 
-    @router.post(p.ROUTE_CHAT)
+    @router.post(p.ROUTE_CHAT, dependencies=[BEARER], responses={
+        200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+              "description": "The completion (JSON), or its server-sent events with `stream: true`."},
+        **errors(400, 401, 404, 413, 500, 503)})
     async def chat_completions(body: p.ChatCompletionRequest, authorization: str | None = Header(None),
                                agent: str | None = Header(None, alias=p.AGENT_HEADER)):
-        reply = await chat.create(body, _bearer(authorization), agent)
+        reply = await chat.create(body, bearer_token(authorization), agent)
         return reply if isinstance(reply, p.ChatCompletionResponse) else StreamingResponse(
             reply, media_type="text/event-stream")
 
@@ -167,41 +204,43 @@ def _data_plane_routes(chat: ChatService) -> APIRouter:
 # --- authentication ------------------------------------------------------------------------------------------------
 
 
-def _bearer(authorization: str | None) -> str | None:
-    if authorization and authorization.lower().startswith("bearer "):
-        return authorization[7:].strip()
-    return None
+def _authorizer(server: SwarmServer, admin_token: str, routes: list[BaseRoute]) -> Authorize:
+    """Who may go on, from the request line and the bearer token alone (`RequestGate` asks before reading the body).
+    A request no route takes goes on unasked: the router answers it 404 or 405 without reading its body."""
+
+    def authorize(scope: Scope, token: str | None) -> Refusal | None:
+        if not any(route.matches(scope)[0] is Match.FULL for route in routes):
+            return None
+        path = scope["path"]
+        if path.startswith(p.ADMIN_ROUTE_PREFIXES):
+            return _admin_refusal(token, admin_token)
+        if path == p.ROUTE_CHAT:
+            try:
+                server.chat.admit(token)
+            except Refusal as refusal:
+                return refusal
+        return None
+
+    return authorize
 
 
-def _admin_auth(admin_token: str) -> Callable[..., None]:
-    def admin(authorization: str | None = Header(None)) -> None:
-        token = _bearer(authorization)
-        if token is not None and secrets.compare_digest(token.encode(), admin_token.encode()):
-            return
-        if token is not None and token.startswith(EPISODE_KEY_PREFIX):
-            message = "an episode key cannot reach the control plane: these routes need the server's admin token"
-        elif token is None:
-            message = "missing 'Authorization: Bearer <admin token>' (marl serve --admin-token / MARL_ADMIN_TOKEN)"
-        else:
-            message = "wrong admin token for this server"
-        raise Refusal(401, ErrorCode.UNAUTHORIZED, message)
-
-    return admin
+def _admin_refusal(token: str | None, admin_token: str) -> Refusal | None:
+    if token is not None and secrets.compare_digest(token.encode(), admin_token.encode()):
+        return None
+    if token is not None and token.startswith(EPISODE_KEY_PREFIX):
+        message = "an episode key cannot reach the control plane: these routes need the server's admin token"
+    elif token is None:
+        message = "missing 'Authorization: Bearer <admin token>' (marl serve --admin-token / MARL_ADMIN_TOKEN)"
+    else:
+        message = "wrong admin token for this server"
+    return Refusal(401, ErrorCode.UNAUTHORIZED, message)
 
 
 # --- errors --------------------------------------------------------------------------------------------------------
 
 
-def _error_response(status: int, refusal: Refusal, headers: dict[str, str] | None = None) -> JSONResponse:
-    headers = dict(headers or {})
-    if refusal.retry_after_s:
-        headers["Retry-After"] = f"{refusal.retry_after_s:g}"
-    return JSONResponse(p.ErrorResponse(error=refusal.info()).model_dump(mode="json"), status_code=status,
-                        headers=headers or None)
-
-
 async def _refused(_: Request, exc: Refusal) -> JSONResponse:
-    return _error_response(exc.status, exc)
+    return refusal_response(exc)
 
 
 async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -213,8 +252,8 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         else:
             problems.append(f"{where}: {err.get('msg')}")
     first_param = ".".join(str(x) for x in exc.errors()[0].get("loc", ())[1:]) if exc.errors() else None
-    return _error_response(400, Refusal(400, ErrorCode.INVALID_REQUEST, "invalid request: " + "; ".join(problems),
-                                        param=first_param or None))
+    return refusal_response(Refusal(400, ErrorCode.INVALID_REQUEST, "invalid request: " + "; ".join(problems),
+                                    param=first_param or None))
 
 
 _HTTP_ERROR_CODES = {404: ErrorCode.ROUTE_NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}
@@ -223,13 +262,7 @@ _HTTP_ERROR_CODES = {404: ErrorCode.ROUTE_NOT_FOUND, 405: ErrorCode.METHOD_NOT_A
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     code = _HTTP_ERROR_CODES.get(exc.status_code, ErrorCode.HTTP_ERROR)
     message = f"{exc.detail}: {request.method} {request.url.path}"
-    return _error_response(exc.status_code, Refusal(exc.status_code, code, message), exc.headers)
+    return refusal_response(Refusal(exc.status_code, code, message), exc.headers)  # 405 keeps its Allow header
 
 
-async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-    log.error("unexpected error: %r", exc)  # Starlette logs the traceback after this answer is sent
-    return _error_response(500, Refusal(500, ErrorCode.INTERNAL_ERROR, f"internal server error: {exc}"))
-
-
-_ERROR_HANDLERS = {Refusal: _refused, RequestValidationError: _invalid, StarletteHTTPException: _http_error,
-                   Exception: _internal_error}
+_ERROR_HANDLERS = {Refusal: _refused, RequestValidationError: _invalid, StarletteHTTPException: _http_error}

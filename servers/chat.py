@@ -5,6 +5,10 @@ that text may not give the ids the model generated (tokenizers are not injective
 prompt's rendered text starts with the decoded text of an earlier call of the same lease (its prompt + completion),
 the prompt is spliced: those exact earlier ids, then the tokenized remainder. That is also what makes timeline
 merging (servers.samples) find the earlier call as a token prefix.
+
+Text is text: only the chat template makes control tokens; a message that spells out "<|im_end|>" gets the tokens
+of that text (`servers.control_tokens`). And a prompt that cannot fit the context is refused before it is tokenized:
+its character count alone proves it (`PromptTooLong`), so a huge prompt costs no tokenizer time or memory.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from marl.protocol import ChatCompletionRequest, FunctionCall, ToolCall
+from servers.control_tokens import Control, ControlTokens, ControlTokenText
 from servers.samples import CallRecord
 
 
@@ -22,44 +28,72 @@ class PromptError(ValueError):
     """The request cannot be rendered into a prompt (bad template input); a 400 for the caller."""
 
 
+class PromptTooLong(ValueError):
+    """The prompt has at least `tokens` tokens, known without tokenizing it: over the context length."""
+
+    def __init__(self, tokens: int):
+        super().__init__(f"the prompt has at least {tokens} tokens")
+        self.tokens = tokens
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    text: str
+    controls: tuple[Control, ...]  # the control tokens the template put in `text`
+
+
 class ChatFormatter:
+    """Thread-safe: the server renders and tokenizes prompts in worker threads, off its event loop."""
+
     def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int]):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
+        self.control_tokens = ControlTokens(tokenizer)
 
     # --- prompts ---------------------------------------------------------------------------------------------
 
-    def render_text(self, request: ChatCompletionRequest) -> str:
+    def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
         messages = [m.model_dump(exclude_none=True) for m in request.messages]
         for message in messages:
             message["content"] = _text_content(message.get("content"))
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=request.tools, add_generation_prompt=True, tokenize=False
-            )
-        except Exception as exc:  # jinja errors: the messages do not fit the model's template
-            raise PromptError(f"the model's chat template rejected these messages: {exc}") from exc
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        def template(inputs: tuple[list[dict], list[dict] | None]) -> str:
+            messages, tools = inputs
+            try:
+                return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                          tokenize=False)
+            except Exception as exc:  # jinja errors: the messages do not fit the model's template
+                raise PromptError(f"the model's chat template rejected these messages: {exc}") from exc
+
+        try:
+            text, controls = self.control_tokens.render(template, (messages, request.tools))
+        except ControlTokenText as exc:
+            raise PromptError(str(exc)) from exc
+        return RenderedPrompt(text, controls)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(
             ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def prompt_ids(self, request: ChatCompletionRequest, history: list[CallRecord]) -> list[int]:
-        """Token ids of the prompt, reusing the exact ids of the longest earlier call the prompt extends."""
-        text = self.render_text(request)
+    def prompt_ids(self, request: ChatCompletionRequest, history: list[CallRecord], context_length: int) -> list[int]:
+        """Token ids of the prompt, reusing the exact ids of the longest earlier call the prompt extends.
+
+        Raises `PromptTooLong` when the prompt provably has `context_length` tokens or more, before tokenizing it.
+        """
+        prompt = self.render(request)
         best: CallRecord | None = None
         for call in history:
             if not call.text:
                 call.text = self.decode(call.prompt_ids + call.completion_ids)
-            if text.startswith(call.text) and (best is None or len(call.text) > len(best.text)):
+            if prompt.text.startswith(call.text) and (best is None or len(call.text) > len(best.text)):
                 best = call
-        if best is None:
-            return self.encode(text)
-        return best.prompt_ids + best.completion_ids + self.encode(text[len(best.text) :])
+        prefix = best.prompt_ids + best.completion_ids if best else []
+        start = len(best.text) if best else 0
+        at_least = len(prefix) + -(-(len(prompt.text) - start) // self.control_tokens.max_chars_per_token)
+        if at_least >= context_length:
+            raise PromptTooLong(at_least)
+        return prefix + self.control_tokens.encode(prompt.text, prompt.controls, start)
 
     # --- replies ---------------------------------------------------------------------------------------------
 
@@ -78,7 +112,7 @@ class ChatFormatter:
 def _text_content(content: Any) -> Any:
     """Flatten OpenAI content parts ([{"type": "text", "text": ...}, ...]) into plain text."""
     if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return "".join(part.get("text") or "" for part in content if isinstance(part, dict))
     return content
 
 

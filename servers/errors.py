@@ -1,14 +1,18 @@
-"""`Refusal`: a request a swarm server turns down, raised anywhere in `servers/` and turned into HTTP by `servers.app`.
+"""`Refusal`: a request a swarm server turns down, raised anywhere in `servers/`, and its HTTP answer.
 
 Every refusal names an `ErrorCode` (clients branch on it, never on the message); its OpenAI `type` follows from the
-code, so two refusals with one code never disagree about who is at fault.
+code, so two refusals with one code never disagree about who is at fault. `refusal_response` is the one way a
+refusal becomes an HTTP response (route handlers and the ASGI guards in front of them alike).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from marl.protocol import EngineState, ErrorCode, ErrorInfo, ErrorType
+from fastapi.responses import JSONResponse
+
+from marl.protocol import EngineState, ErrorCode, ErrorInfo, ErrorResponse, ErrorType
 
 #: The OpenAI error type of the codes that are not plain invalid requests.
 _TYPE_OF_CODE = {
@@ -17,6 +21,7 @@ _TYPE_OF_CODE = {
     ErrorCode.NOT_LEASE_HOLDER: ErrorType.PERMISSION,
     ErrorCode.ENGINE_ERROR: ErrorType.SERVER,
     ErrorCode.INTERNAL_ERROR: ErrorType.SERVER,
+    ErrorCode.LEDGER_UNAVAILABLE: ErrorType.SERVER,
 }
 
 
@@ -45,3 +50,12 @@ class Refusal(Exception):
     def info(self) -> ErrorInfo:
         return ErrorInfo(message=self.message, type=self.type.value, code=self.code.value, param=self.param,
                          state=self.state, retry_after_s=self.retry_after_s)
+
+
+def refusal_response(refusal: Refusal, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The OpenAI-shaped error body, with `Retry-After` when the refusal is temporary."""
+    headers = dict(headers or {})
+    if refusal.retry_after_s:
+        headers["Retry-After"] = f"{refusal.retry_after_s:g}"
+    return JSONResponse(ErrorResponse(error=refusal.info()).model_dump(mode="json"), status_code=refusal.status,
+                        headers=headers or None)

@@ -1,8 +1,10 @@
 """Leases: the live episodes of a server, and the opaque keys that let agents call the model for them.
 
 A key is a random server-issued token mapped to its lease in memory: it carries no meaning of its own, and it stops
-working the instant its lease ends, is aborted, expires, or the engine restarts (a new generation). Dead keys are
-remembered for a while so a late caller learns *why* it was refused.
+working the instant its lease ends, is aborted, expires, or the engine restarts (a new generation). Dead keys and
+closed episodes are remembered for a while so a late caller learns *why* it was refused. While its end is being
+written a lease is *sealed*: it takes no new calls and never expires, and it closes only once the write has
+committed.
 
 A lease is also what a data-plane call runs under (`servers.serving`): it gives the call its history (for prompt
 splicing), counts it as busy while the model works, and keeps the finished call for the episode's samples.
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 from marl.protocol import EPISODE_KEY_PREFIX
 from servers.samples import CallRecord
 
-_DEAD_KEYS_REMEMBERED = 10_000
+_REMEMBERED = 10_000  # dead keys, and closed episodes
 
 
 @dataclass
@@ -36,9 +38,10 @@ class Lease:
     inflight: int = 0  # data-plane calls running now: a lease is never idle while the model works for it
     calls: list[CallRecord] = field(default_factory=list)  # oldest first
     closed: bool = False  # ended, aborted, expired or the engine stopped: its key is dead
+    sealed: bool = False  # its end (or prepare) is being written: no new calls, no expiry
 
     def idle_s(self, now: float | None = None) -> float:
-        return 0.0 if self.inflight else (now or time.monotonic()) - self.last_active
+        return 0.0 if self.inflight or self.sealed else (now or time.monotonic()) - self.last_active
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
@@ -54,8 +57,8 @@ class Lease:
             self.touch()
 
     def record(self, call: CallRecord) -> bool:
-        """Keep a finished call; False (nothing kept) if the lease closed meanwhile: no stale writes."""
-        if self.closed:
+        """Keep a finished call; False (nothing kept) if the lease closed or was sealed meanwhile: no stale writes."""
+        if self.closed or self.sealed:
             return False
         self.calls.append(call)
         self.touch()
@@ -73,6 +76,7 @@ class LeaseTable:
         self.by_episode: dict[str, Lease] = {}
         self._by_key: dict[str, Lease] = {}
         self._dead_keys: OrderedDict[str, str] = OrderedDict()
+        self._closed: OrderedDict[str, str] = OrderedDict()  # episode id -> why its lease closed
 
     def __len__(self) -> int:
         return len(self.by_episode)
@@ -102,13 +106,21 @@ class LeaseTable:
         lease.closed = True
         self.by_episode.pop(lease.episode_id, None)
         self._by_key.pop(lease.key, None)
-        self._dead_keys[lease.key] = reason
-        while len(self._dead_keys) > _DEAD_KEYS_REMEMBERED:
-            self._dead_keys.popitem(last=False)
+        _remember(self._dead_keys, lease.key, reason)
+        _remember(self._closed, lease.episode_id, reason)
 
     def why_dead(self, key: str) -> str | None:
         return self._dead_keys.get(key)
 
+    def why_closed(self, episode_id: str) -> str | None:
+        return self._closed.get(episode_id)
+
     def expired(self) -> list[Lease]:
         now = time.monotonic()
         return [lease for lease in self.by_episode.values() if lease.idle_s(now) > lease.patience_s]
+
+
+def _remember(memory: OrderedDict[str, str], key: str, value: str) -> None:
+    memory[key] = value
+    while len(memory) > _REMEMBERED:
+        memory.popitem(last=False)

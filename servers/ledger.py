@@ -2,7 +2,8 @@
 
 Guarantees (invariant 1: no acknowledged sample is lost or counted twice):
 - `record_episode` commits the episode and all its samples in one transaction, fsynced (synchronous=FULL), before
-  the server answers end_episode.
+  the server answers end_episode; with them goes the digest of the request that ended it, so a repeated end is
+  answered from here (`ended_episode`), even after a restart.
 - `claim_batch(step, ...)` marks the batch's samples with the step that consumes them, in one transaction; a sample is
   claimed at most once.
 - A claim is kept only as long as a checkpoint holds its step: a restarted server calls `recover(resume_step)` with
@@ -10,7 +11,8 @@ Guarantees (invariant 1: no acknowledged sample is lost or counted twice):
   those updates) to the pool, so the resumed lineage trains on every sample exactly once.
 
 Rows are small: token ids, masks and logprobs are stored as packed arrays. `LedgerThread` runs a `Ledger`'s calls
-on one worker thread, off the server's event loop, which also serialises the writes.
+(and those of `servers.prepared`, which shares its connection) on one worker thread, off the server's event loop,
+which also serialises the writes.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from marl.protocol import Sample
+from marl.protocol import EpisodePhase, Sample
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -40,7 +42,9 @@ CREATE TABLE IF NOT EXISTS episodes (
     agent_rewards TEXT,
     metadata TEXT NOT NULL,
     num_calls INTEGER NOT NULL,
-    ended_at REAL NOT NULL
+    ended_at REAL NOT NULL,
+    request_digest TEXT,  -- of the end (or prepare) body that recorded it: a repeat with the same body is replayed
+    trainable_tokens INTEGER
 );
 CREATE TABLE IF NOT EXISTS samples (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -59,10 +63,14 @@ CREATE TABLE IF NOT EXISTS samples (
     consumed_step INTEGER
 );
 CREATE INDEX IF NOT EXISTS samples_pool ON samples (consumed_step, job, task_id, agent);
+CREATE INDEX IF NOT EXISTS samples_episode ON samples (episode_id);
 """
 
 DROPPED_STALE = -1
 T = TypeVar("T")
+
+#: Columns added to `episodes` after its first release, created on open in ledgers written before them.
+_ADDED_EPISODE_COLUMNS = {"request_digest": "TEXT", "trainable_tokens": "INTEGER"}
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,23 @@ class GroupKey:
     job: str
     task_id: str
     agent: str
+
+
+@dataclass(frozen=True)
+class RecordedEpisode:
+    """What the ledger holds of an episode that left its lease: enough to answer a repeated end, prepare, commit or
+    abort with the outcome it already had."""
+
+    phase: EpisodePhase  # PREPARED, ENDED (in the pool) or ABORTED (a prepared episode dropped)
+    client_id: str
+    request_digest: str | None  # None: recorded by a server older than idempotent ends
+    samples: int
+    trainable_tokens: int
+    deadline: float | None = None  # of a prepared episode: when the server resolves it itself
+
+
+def trainable_tokens(samples: list[Sample]) -> int:
+    return sum(sum(s.loss_mask) for s in samples)
 
 
 @dataclass(frozen=True)
@@ -95,6 +120,10 @@ class Ledger:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")  # an acknowledged episode survives power loss, not just a crash
         self.db.executescript(_SCHEMA)
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(episodes)")}
+        for name, kind in _ADDED_EPISODE_COLUMNS.items():
+            if name not in columns:
+                self.db.execute(f"ALTER TABLE episodes ADD COLUMN {name} {kind}")
 
     def close(self) -> None:
         self.db.close()
@@ -110,54 +139,42 @@ class Ledger:
 
     # --- writing ---------------------------------------------------------------------------------------------
 
-    def record_episode(
-        self,
-        *,
-        episode_id: str,
-        job: str,
-        task_id: str,
-        client_id: str,
-        reward: float,
-        agent_rewards: dict[str, float] | None,
-        metadata: dict,
-        num_calls: int,
-        samples: list[Sample],
-    ) -> None:
-        with self._transaction():
-            self.db.execute(
-                "INSERT INTO episodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (
-                    episode_id,
-                    job,
-                    task_id,
-                    client_id,
-                    reward,
-                    json.dumps(agent_rewards) if agent_rewards is not None else None,
-                    json.dumps(metadata),
-                    num_calls,
-                    time.time(),
-                ),
-            )
-            self.db.executemany(
-                "INSERT INTO samples (episode_id, job, task_id, agent, reward, policy_version, num_calls, num_tokens,"
-                " token_ids, loss_mask, logprobs, consumed_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
-                [
-                    (
-                        episode_id,
-                        job,
-                        task_id,
-                        s.agent,
-                        s.reward,
-                        s.policy_version,
-                        s.num_calls,
-                        len(s.token_ids),
-                        array("i", s.token_ids).tobytes(),
-                        array("b", s.loss_mask).tobytes(),
-                        array("f", s.logprobs).tobytes(),
-                    )
-                    for s in samples
-                ],
-            )
+    def record_episode(self, **episode: Any) -> None:
+        """Commit one episode and its samples (`insert_episode`'s arguments) in one transaction."""
+        with self.transaction():
+            self.insert_episode(**episode)
+
+    def insert_episode(self, *, episode_id: str, job: str, task_id: str, client_id: str, reward: float,
+                       agent_rewards: dict[str, float] | None, metadata: dict, num_calls: int, samples: list[Sample],
+                       request_digest: str | None = None) -> None:
+        """Insert the episode and its samples into the pool, inside the caller's transaction."""
+        self.db.execute(
+            "INSERT INTO episodes (episode_id, job, task_id, client_id, reward, agent_rewards, metadata, num_calls,"
+            " ended_at, request_digest, trainable_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (episode_id, job, task_id, client_id, reward,
+             json.dumps(agent_rewards) if agent_rewards is not None else None, json.dumps(metadata), num_calls,
+             time.time(), request_digest, trainable_tokens(samples)),
+        )
+        self.db.executemany(
+            "INSERT INTO samples (episode_id, job, task_id, agent, reward, policy_version, num_calls, num_tokens,"
+            " token_ids, loss_mask, logprobs, consumed_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+            [
+                (episode_id, job, task_id, s.agent, s.reward, s.policy_version, s.num_calls, len(s.token_ids),
+                 array("i", s.token_ids).tobytes(), array("b", s.loss_mask).tobytes(),
+                 array("f", s.logprobs).tobytes())
+                for s in samples
+            ],
+        )
+
+    def ended_episode(self, episode_id: str) -> RecordedEpisode | None:
+        """What was stored when the episode was ended (or committed), or None if it is not in the pool's ledger."""
+        row = self.db.execute(
+            "SELECT client_id, request_digest, trainable_tokens, (SELECT COUNT(*) FROM samples s WHERE"
+            " s.episode_id = e.episode_id) FROM episodes e WHERE episode_id = ?", (episode_id,)).fetchone()
+        if row is None:
+            return None
+        client_id, digest, tokens, samples = row
+        return RecordedEpisode(EpisodePhase.ENDED, client_id, digest, samples, tokens or 0)
 
     # --- the pool ----------------------------------------------------------------------------------------------
 
@@ -175,7 +192,7 @@ class Ledger:
 
     def drop_stale(self, min_version: int) -> int:
         """Take samples older than `min_version` out of the pool (never silently: returns how many)."""
-        with self._transaction():
+        with self.transaction():
             cur = self.db.execute(
                 "UPDATE samples SET consumed_step = ? WHERE consumed_step IS NULL AND policy_version < ?",
                 (DROPPED_STALE, min_version),
@@ -185,7 +202,7 @@ class Ledger:
     def claim_batch(self, step: int, groups: Iterable[GroupKey]) -> dict[GroupKey, list[Sample]]:
         """Mark every pooled sample of these groups as consumed by `step` and return them."""
         claimed: dict[GroupKey, list[Sample]] = {}
-        with self._transaction():
+        with self.transaction():
             for key in groups:
                 rows = self.db.execute(
                     "SELECT id, episode_id, agent, token_ids, loss_mask, logprobs, reward, policy_version, num_calls"
@@ -198,7 +215,7 @@ class Ledger:
 
     def recover(self, resume_step: int) -> int:
         """Return to the pool the samples claimed by steps after `resume_step` (the model never kept them)."""
-        with self._transaction():
+        with self.transaction():
             cur = self.db.execute("UPDATE samples SET consumed_step = NULL WHERE consumed_step > ?", (resume_step,))
         return cur.rowcount
 
@@ -226,7 +243,7 @@ class Ledger:
                 for r in rows]
 
     @contextlib.contextmanager
-    def _transaction(self):
+    def transaction(self):
         self.db.execute("BEGIN IMMEDIATE")
         try:
             yield
@@ -257,30 +274,31 @@ class LedgerThread:
         self.ledger = ledger
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ledger")
 
-    async def _run(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    async def run(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`call(*args, **kwargs)` on the ledger thread (any function that uses this ledger's connection)."""
         return await asyncio.get_running_loop().run_in_executor(self._thread, lambda: call(*args, **kwargs))
 
     async def set_meta(self, key: str, value: str) -> None:
-        await self._run(self.ledger.set_meta, key, value)
+        await self.run(self.ledger.set_meta, key, value)
 
     async def record_episode(self, **episode: Any) -> None:
-        await self._run(self.ledger.record_episode, **episode)
+        await self.run(self.ledger.record_episode, **episode)
 
     async def pool_groups(self) -> dict[GroupKey, int]:
-        return await self._run(self.ledger.pool_groups)
+        return await self.run(self.ledger.pool_groups)
 
     async def pending_episodes(self) -> int:
-        return await self._run(self.ledger.pending_episodes)
+        return await self.run(self.ledger.pending_episodes)
 
     async def drop_stale(self, min_version: int) -> int:
-        return await self._run(self.ledger.drop_stale, min_version)
+        return await self.run(self.ledger.drop_stale, min_version)
 
     async def claim_batch(self, step: int, groups: Iterable[GroupKey]) -> dict[GroupKey, list[Sample]]:
-        return await self._run(self.ledger.claim_batch, step, list(groups))
+        return await self.run(self.ledger.claim_batch, step, list(groups))
 
     async def recover(self, resume_step: int) -> int:
-        return await self._run(self.ledger.recover, resume_step)
+        return await self.run(self.ledger.recover, resume_step)
 
     async def close(self) -> None:
-        await self._run(self.ledger.close)
+        await self.run(self.ledger.close)
         self._thread.shutdown(wait=True)

@@ -110,7 +110,7 @@ class EngineLifecycle:
 
     async def _boot(self, generation: int) -> None:
         try:
-            engine, trainer = await self._build()
+            engine, trainer, formatter = await self._build()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -123,17 +123,18 @@ class EngineLifecycle:
             _close_soon(engine)
             return
         self.engine, self.trainer, self.policy_version = engine, trainer, trainer.step_count
-        self.formatter = ChatFormatter(engine.tokenizer, engine.eos_token_ids)
+        self.formatter = formatter
         self.move_to(EngineState.ROLLING)
         log.info("engine ROLLING: serving %s at policy version %d", self.served_name, self.policy_version)
         self._batch_check.set()
 
-    async def _build(self) -> tuple[InferenceEngine, Trainer]:
-        """Resolve the model, build the engine and the trainer, resume both from the latest checkpoint, and return
-        to the pool the samples claimed by steps that checkpoint does not hold."""
+    async def _build(self) -> tuple[InferenceEngine, Trainer, ChatFormatter]:
+        """Resolve the model, build the engine, its chat formatter and the trainer, resume both from the latest
+        checkpoint, and return to the pool the samples claimed by steps that checkpoint does not hold."""
         model_dir = await asyncio.to_thread(self.resolve_model, self.model)
         engine = await asyncio.to_thread(self.engine_factory, model_dir)
         try:
+            formatter = await asyncio.to_thread(ChatFormatter, engine.tokenizer, engine.eos_token_ids)
             trainer = await asyncio.to_thread(self.trainer_factory, model_dir, self.config)
             latest = self.checkpoints.latest()
             if latest is not None:
@@ -146,7 +147,7 @@ class EngineLifecycle:
         except BaseException:
             _close_soon(engine)
             raise
-        return engine, trainer
+        return engine, trainer, formatter
 
     async def publish_weights(self, engine: InferenceEngine, trainer: Trainer) -> None:
         """Make `engine` serve `trainer`'s current weights: tensors straight across when both live in this process,

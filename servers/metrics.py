@@ -21,7 +21,8 @@ from servers.status import Counters
 
 #: lease outcomes counted by the server: counter key -> `event` label
 LEASE_EVENTS = {"leases_begun": "begun", "episodes_ended": "ended", "leases_aborted": "aborted",
-                "leases_requeued": "requeued", "leases_discarded": "discarded", "leases_expired": "expired"}
+                "leases_requeued": "requeued", "leases_discarded": "discarded", "leases_expired": "expired",
+                "episodes_prepared": "prepared", "prepared_aborted": "prepared_aborted"}
 
 
 @dataclass

@@ -1,9 +1,9 @@
-"""The rollout pool: the leases of running episodes, and the ended episodes waiting in the ledger to be trained on.
+"""The rollout pool: the leases of running episodes, and how far the pool is from the next training step.
 
-`RolloutPool` grants leases while the engine is ROLLING (at most `max_leases` at once), ends them into the ledger
-(the lease's calls merged into samples by `servers.samples.merge_calls`, committed before end_episode answers),
-aborts, renews and expires them, admits data-plane calls by their episode key, and says how far the pool is from the
-next training step (`info`). Every change that may complete a batch sets `batch_check` for the train loop.
+`RolloutPool` grants leases while the engine is ROLLING (at most `max_leases` at once), aborts, renews and expires
+them, admits data-plane calls by their episode key, closes a lease once its episode is recorded (the recording
+itself is `servers.recording`'s), and says how far the pool is from the next training step (`info`). Every change
+that may complete a batch sets `batch_check` for the train loop.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import time
 from marl.protocol import (
     RUNNING_STATES,
     AbortEpisodeResponse,
-    EndEpisodeRequest,
-    EndEpisodeResponse,
     EngineState,
     EpisodeLease,
     EpisodeState,
@@ -29,7 +27,7 @@ from servers.errors import Refusal
 from servers.leases import Lease, LeaseTable, NoFreeSlot
 from servers.ledger import LedgerThread
 from servers.lifecycle import EngineLifecycle
-from servers.samples import merge_calls
+from servers.prepared import PreparedEpisodes
 from servers.status import Counters
 
 log = logging.getLogger("marl.server")
@@ -38,11 +36,12 @@ _REAP_INTERVAL_S = 0.25
 
 
 class RolloutPool:
-    def __init__(self, engine: EngineLifecycle, ledger: LedgerThread, counters: Counters,
+    def __init__(self, engine: EngineLifecycle, ledger: LedgerThread, prepared: PreparedEpisodes, counters: Counters,
                  batch_check: asyncio.Event, public_url: str | None = None):
         self.leases = LeaseTable()
         self._engine = engine
         self._ledger = ledger
+        self._prepared = prepared
         self._counters = counters
         self._batch_check = batch_check
         self._public_url = public_url  # base of the URLs handed to agents; default: the URL the client used
@@ -69,43 +68,35 @@ class RolloutPool:
                             api_key=lease.key, model=self._engine.served_name, generation=lease.generation,
                             patience_s=lease.patience_s, policy_version=self._engine.policy_version)
 
-    async def end(self, episode_id: str, request: EndEpisodeRequest) -> EndEpisodeResponse:
-        lease = self._held_lease(episode_id, request.client_id)
-        self.leases.close(lease, "the episode ended")  # the key is dead from here: no call can add to it
-        samples = merge_calls(episode_id, lease.calls, request.reward, request.agent_rewards)
-        await self._ledger.record_episode(
-            episode_id=episode_id, job=self._engine.config.job, task_id=request.task_id, client_id=request.client_id,
-            reward=request.reward, agent_rewards=request.agent_rewards, metadata=request.metadata,
-            num_calls=len(lease.calls), samples=samples)
-        self._counters.episodes_ended += 1
-        self._counters.samples_recorded += len(samples)
-        self._batch_check.set()
-        return EndEpisodeResponse(episode_id=episode_id, samples=len(samples),
-                                  trainable_tokens=sum(sum(s.loss_mask) for s in samples), pool=await self.info())
-
-    def abort(self, episode_id: str, client_id: str) -> AbortEpisodeResponse:
-        lease = self._held_lease(episode_id, client_id)
+    def abort(self, lease: Lease) -> AbortEpisodeResponse:
+        """Discard a held lease unrecorded (see `held`)."""
         disposition = self._release(lease, "the episode was aborted")
         self._counters.leases_aborted += 1
-        return AbortEpisodeResponse(episode_id=episode_id, disposition=disposition)
+        return AbortEpisodeResponse(episode_id=lease.episode_id, disposition=disposition)
+
+    def finish(self, lease: Lease, reason: str) -> None:
+        """Close the lease of an episode that is now recorded (ended or prepared)."""
+        self.leases.close(lease, reason)
+        self._batch_check.set()
 
     def renew(self, episode_id: str, client_id: str) -> EpisodeState:
-        self._held_lease(episode_id, client_id).touch()
+        self.held(episode_id, client_id).touch()
         return self.episode_state(episode_id)
 
-    def episode_state(self, episode_id: str) -> EpisodeState:
-        lease, state = self.leases.get(episode_id), self._engine.state
+    def episode_state(self, episode_id: str) -> EpisodeState | None:
+        """The state of a running episode; None when it has no live lease."""
+        lease = self.leases.get(episode_id)
         if lease is None:
-            return EpisodeState(episode_id=episode_id, can_continue=False, state=state,
-                                reason="the episode is not running: it ended, was aborted or expired")
-        return EpisodeState(episode_id=episode_id, can_continue=True, reason="running", state=state,
-                            idle_s=lease.idle_s(), patience_s=lease.patience_s)
+            return None
+        return EpisodeState(episode_id=episode_id, can_continue=not lease.sealed, state=self._engine.state,
+                            reason="being ended" if lease.sealed else "running", idle_s=lease.idle_s(),
+                            patience_s=lease.patience_s)
 
     def close_all(self, reason: str) -> None:
-        """Drop every lease unrecorded (the engine stops): counted as discarded."""
+        """Drop every lease unrecorded (the engine stops): counted as discarded (a sealed one is being recorded)."""
         for lease in list(self.leases.by_episode.values()):
             self.leases.close(lease, reason)
-            self._counters.leases_discarded += 1
+            self._counters.leases_discarded += not lease.sealed
 
     async def expire_idle_leases(self) -> None:
         """Forever: release leases idle longer than their patience (their slot is re-queued while ROLLING)."""
@@ -116,22 +107,30 @@ class RolloutPool:
                 self._counters.leases_expired += 1
                 log.info("lease %s expired", lease.episode_id)
 
-    def _held_lease(self, episode_id: str, client_id: str) -> Lease:
-        lease, state = self.leases.get(episode_id), self._engine.state
+    def held(self, episode_id: str, client_id: str) -> Lease:
+        """The live lease of `episode_id` if `client_id` holds it; 404 if it is not running, 403 if not theirs."""
+        lease = self.leases.get(episode_id)
         if lease is None:
-            raise Refusal(404, ErrorCode.EPISODE_NOT_FOUND,
-                          f"episode {episode_id} is not running here: it ended, was aborted, expired after"
-                          f" {self._engine.config.lease_patience_s:g}s idle, or never existed; begin a new episode",
-                          state=state, param="episode_id")
+            raise self.not_running(episode_id)
         if lease.client_id != client_id:
-            raise Refusal(403, ErrorCode.NOT_LEASE_HOLDER, f"episode {episode_id} is held by another client; only its"
-                          " holder may end or abort it", state=state)
+            raise self.not_holder(episode_id)
         return lease
+
+    def not_running(self, episode_id: str) -> Refusal:
+        closed = self.leases.why_closed(episode_id)
+        why = (f"its lease closed: {closed}" if closed else "it ended, was aborted, expired after"
+               f" {self._engine.config.lease_patience_s:g}s idle, or never existed")
+        return Refusal(404, ErrorCode.EPISODE_NOT_FOUND, f"episode {episode_id} is not running here: {why}; begin a"
+                       " new episode", state=self._engine.state, param="episode_id")
+
+    def not_holder(self, episode_id: str) -> Refusal:
+        return Refusal(403, ErrorCode.NOT_LEASE_HOLDER, f"episode {episode_id} is held by another client; only its"
+                       " holder may end, prepare, commit or abort it", state=self._engine.state)
 
     def _release(self, lease: Lease, reason: str) -> str:
         """Drop a lease without recording it: its slot is re-queued while ROLLING, discarded after the batch filled."""
-        self.leases.close(lease, reason)
         disposition = "requeued" if self._engine.state == EngineState.ROLLING else "discarded"
+        self.leases.close(lease, reason)
         if disposition == "requeued":
             self._counters.leases_requeued += 1
         else:
@@ -144,8 +143,11 @@ class RolloutPool:
     def admit(self, api_key: str | None) -> Lease:
         """The live lease a data-plane key belongs to; a dead or unknown key is refused, saying why."""
         lease = self.leases.by_key(api_key) if api_key else None
-        if lease is not None:
+        if lease is not None and not lease.sealed:
             return lease
+        if lease is not None:
+            raise Refusal(401, ErrorCode.INVALID_API_KEY, "this episode is being ended: its key takes no more calls",
+                          state=self._engine.state)
         reason = self.leases.why_dead(api_key) if api_key else None
         raise Refusal(401, ErrorCode.INVALID_API_KEY,
                       f"this episode key is no longer valid: {reason}; begin a new episode" if reason else
@@ -158,6 +160,7 @@ class RolloutPool:
         config = self._engine.config
         groups = await self._ledger.pool_groups()
         pending = await self._ledger.pending_episodes()
+        prepared = await self._ledger.run(self._prepared.count)
         rolling = self._engine.state == EngineState.ROLLING
         return PoolInfo(
             batch_size=config.batch_size,
@@ -172,6 +175,7 @@ class RolloutPool:
             requeued=self._counters.leases_requeued,
             discarded=self._counters.leases_discarded,
             expired=self._counters.leases_expired,
+            prepared_episodes=prepared,
         )
 
     def _lease_infos(self) -> list[LeaseInfo]:

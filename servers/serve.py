@@ -12,7 +12,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from marl.protocol import ADMIN_TOKEN_ENV, TrainConfig
+from marl.protocol import ADMIN_TOKEN_ENV, DEFAULT_MAX_BODY_MB, TrainConfig
 from servers.app import create_app
 from servers.interfaces import Trainer
 from servers.lifecycle import EngineFactory, TrainerFactory
@@ -32,7 +32,13 @@ class ServeOptions:
     public_url: str | None = None
     device: str | None = None
     prefix_cache_gb: float | None = None  # None: the engine's default
+    max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413) before they are read
     log_level: str = "info"
+
+    def served_name(self) -> str:
+        """`served_model_name`, else the model's alias or the last component of its path: what clients send as
+        `model`, and all that the open routes (/v1/models, /metrics) show of it, never a filesystem path."""
+        return self.served_model_name or Path(self.model.rstrip("/")).name or self.model
 
     def resolved_data_dir(self) -> Path:
         """`data_dir`, else runs/servers/<model>-<port>."""
@@ -89,7 +95,7 @@ def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None 
                  trainer_factory: TrainerFactory | None = None) -> tuple[TrainableServer | StaticServer, str]:
     """The server `options` describe, and its admin token. The factories default to the torch engine and the
     trainer the config names; tests and benches pass their own (a stub engine, a slow trainer)."""
-    served_name = options.served_model_name or options.model
+    served_name = options.served_name()
     engine_factory = engine_factory or torch_engine_factory(options.device, options.prefix_cache_gb)
     if options.static:
         server = StaticServer(model=options.model, served_name=served_name, resolve_model=resolve,
@@ -105,7 +111,7 @@ def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None 
 def build_app(options: ServeOptions, *, engine_factory=None, trainer_factory=None) -> FastAPI:
     """The ASGI app of the server `options` describe: what `marl serve` runs, and what tests run in-process."""
     server, token = build_server(options, engine_factory=engine_factory, trainer_factory=trainer_factory)
-    return create_app(server, token)
+    return create_app(server, token, max_body_mb=options.max_body_mb)
 
 
 def serve(options: ServeOptions) -> None:
@@ -114,5 +120,5 @@ def serve(options: ServeOptions) -> None:
     where = "static" if options.static else f"trainable (data: {options.resolved_data_dir()})"
     print(f"marl serve: {where} server for '{server.served_name}' on http://{options.host}:{options.port}",
           file=sys.stderr, flush=True)
-    uvicorn.run(create_app(server, token), host=options.host, port=options.port, log_level=options.log_level,
-                timeout_graceful_shutdown=5, access_log=options.log_level == "debug")
+    uvicorn.run(create_app(server, token, max_body_mb=options.max_body_mb), host=options.host, port=options.port,
+                log_level=options.log_level, timeout_graceful_shutdown=5, access_log=options.log_level == "debug")

@@ -2,12 +2,14 @@
 
 `ChatService.create` owns one chat completion from request to reply: it admits the caller's key (a lease on a
 trainable server, anything on a static one), checks the model name, renders the prompt into token ids (spliced onto
-the lease's earlier calls, see `servers.chat`), checks the context length, runs the engine, records exactly what the
-engine produced on the lease, and shapes the OpenAI response or its SSE chunks. `servers.app` only routes to it.
+the lease's earlier calls, see `servers.chat`) in a worker thread, so that a long prompt never stalls the event
+loop, checks the context length, runs the engine, records exactly what the engine produced on the lease, and shapes
+the OpenAI response or its SSE chunks. `servers.app` only routes to it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -17,7 +19,7 @@ from typing import Protocol
 
 from marl import protocol as p
 from marl.protocol import EngineState, ErrorCode
-from servers.chat import ChatFormatter, PromptError, StreamDecoder, parse_tool_calls
+from servers.chat import ChatFormatter, PromptError, PromptTooLong, StreamDecoder, parse_tool_calls
 from servers.errors import Refusal
 from servers.interfaces import InferenceEngine, SamplingParams
 from servers.samples import CallRecord
@@ -27,6 +29,7 @@ from servers.status import Telemetry
 class ServedModel(Protocol):
     """What the data plane reads of whatever serves the model (the engine lifecycle, or a static server)."""
 
+    model: str  # as configured (an alias or a path): accepted as a request's `model` too, never shown
     served_name: str
     state: EngineState
     policy_version: int
@@ -66,13 +69,16 @@ class ChatService:
         """The completion, or (with `stream`) its server-sent events. `agent` tags the call (default: `user`)."""
         session = self.admit(api_key)
         engine, formatter = self._ready_engine()
-        if body.model != self.model.served_name:
+        if body.model not in (self.model.served_name, self.model.model):
             raise Refusal(404, ErrorCode.MODEL_NOT_FOUND, f"model '{body.model}' is not served here; this server"
                           f" serves '{self.model.served_name}' (see GET /v1/models)", param="model")
         try:
-            prompt_ids = formatter.prompt_ids(body, session.calls)
+            prompt_ids = await asyncio.to_thread(formatter.prompt_ids, body, list(session.calls),
+                                                 engine.context_length)
         except PromptError as exc:
             raise Refusal(400, ErrorCode.INVALID_MESSAGES, str(exc), param="messages") from exc
+        except PromptTooLong as exc:
+            raise _too_long(f"at least {exc.tokens}", body, engine.context_length) from exc
         params = _sampling_params(body, len(prompt_ids), engine.context_length)
         call = ChatCall(self, session, body, prompt_ids, params, agent or body.user or p.DEFAULT_AGENT)
         return call.stream() if body.stream else await call.complete()
@@ -102,13 +108,17 @@ def _sampling_params(body: p.ChatCompletionRequest, prompt_tokens: int, context_
     room = context_length - prompt_tokens
     max_tokens = body.max_completion_tokens or body.max_tokens
     if room <= 0 or (max_tokens is not None and max_tokens > room):
-        raise Refusal(400, ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                      f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}; this model's context"
-                      f" limit is {context_length} tokens: shorten the conversation or lower max_tokens",
-                      param="messages")
+        raise _too_long(str(prompt_tokens), body, context_length)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(max_tokens=max_tokens or room, temperature=body.temperature, top_p=body.top_p, stop=stop,
                           seed=body.seed)
+
+
+def _too_long(prompt_tokens: str, body: p.ChatCompletionRequest, context_length: int) -> Refusal:
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    return Refusal(400, ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                   f"the prompt has {prompt_tokens} tokens and max_tokens is {max_tokens}; this model's context limit"
+                   f" is {context_length} tokens: shorten the conversation or lower max_tokens", param="messages")
 
 
 class ChatCall:

@@ -63,12 +63,13 @@ class StaticServer:
         try:
             model_dir = await asyncio.to_thread(self.resolve_model, self.model)
             engine = await asyncio.to_thread(self.engine_factory, model_dir)
+            formatter = await asyncio.to_thread(ChatFormatter, engine.tokenizer, engine.eos_token_ids)
         except Exception as exc:
             log.exception("engine failed to boot")
             self.telemetry.errors.report(f"boot failed: {exc}")
             self.state = EngineState.OFFLINE
             return
-        self.engine, self.formatter = engine, ChatFormatter(engine.tokenizer, engine.eos_token_ids)
+        self.engine, self.formatter = engine, formatter
         self.state = EngineState.STATIC
         log.info("engine STATIC: serving %s", self.served_name)
 

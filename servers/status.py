@@ -26,7 +26,9 @@ class Counters:
     """Counts since the process started (status `metrics`, and Prometheus counters)."""
 
     leases_begun: int = 0
-    episodes_ended: int = 0
+    episodes_ended: int = 0  # into the pool: ended, or prepared and then committed
+    episodes_prepared: int = 0
+    prepared_aborted: int = 0  # prepared episodes aborted (by their client, or at their deadline)
     leases_aborted: int = 0
     leases_requeued: int = 0  # aborted or expired while ROLLING: the slot went back to the pool
     leases_discarded: int = 0  # aborted or expired after the batch filled, or closed by an engine stop

@@ -1,7 +1,9 @@
 """A trainable swarm server: its rooms, composed, and the few operations that span them.
 
     EngineLifecycle  servers.lifecycle     engine states, boot and stop, weight publishing, the synced config
-    RolloutPool      servers.rollout_pool  leases, ended episodes into the ledger, pool progress
+    RolloutPool      servers.rollout_pool  leases, pool progress
+    EpisodeRecorder  servers.recording     end, prepare, commit, abort: each episode recorded exactly once
+    OverdueResolver  servers.overdue       prepared episodes past their deadline: the decision log, or abort
     TrainLoop        servers.train_loop    full batch -> drain -> train -> publish -> checkpoint
     ChatService      servers.serving       the OpenAI data plane
     Telemetry        servers.status        counters, errors, tokens/s
@@ -21,6 +23,9 @@ from marl.protocol import EngineState, MonitorSnapshot, ServerStatus, TrainConfi
 from servers.ledger import Ledger, LedgerThread
 from servers.lifecycle import EngineFactory, EngineLifecycle, TrainerFactory
 from servers.metrics import MetricsReading, render
+from servers.overdue import OverdueResolver
+from servers.prepared import PreparedEpisodes
+from servers.recording import EpisodeRecorder
 from servers.records import TrainingRecord
 from servers.rollout_pool import RolloutPool
 from servers.serving import ChatService
@@ -45,7 +50,13 @@ class TrainableServer:
             config=TrainConfig.model_validate_json(saved) if saved else TrainConfig(),
             resolve_model=resolve_model, engine_factory=engine_factory, trainer_factory=trainer_factory,
             ledger=self._ledger_thread, errors=self.telemetry.errors, batch_check=batch_check)
-        self.pool = RolloutPool(self.lifecycle, self._ledger_thread, self.telemetry.counters, batch_check, public_url)
+        prepared = PreparedEpisodes(self.ledger)
+        counters = self.telemetry.counters
+        self.pool = RolloutPool(self.lifecycle, self._ledger_thread, prepared, counters, batch_check, public_url)
+        self.recorder = EpisodeRecorder(pool=self.pool, engine=self.lifecycle, ledger=self._ledger_thread,
+                                        prepared=prepared, counters=counters, batch_check=batch_check)
+        self._overdue = OverdueResolver(ledger=self._ledger_thread, prepared=prepared, recorder=self.recorder,
+                                        counters=counters)
         self.train_loop = TrainLoop(engine=self.lifecycle, pool=self.pool, ledger=self._ledger_thread,
                                     record=self.record, telemetry=self.telemetry, batch_check=batch_check,
                                     stop_engine=self.stop_engine)
@@ -61,7 +72,8 @@ class TrainableServer:
         return self.lifecycle.state
 
     async def startup(self) -> None:
-        self._tasks = [asyncio.create_task(self.pool.expire_idle_leases()), asyncio.create_task(self.train_loop.run())]
+        self._tasks = [asyncio.create_task(self.pool.expire_idle_leases()), asyncio.create_task(self.train_loop.run()),
+                       asyncio.create_task(self._overdue.run())]
 
     async def shutdown(self) -> None:
         for task in self._tasks:

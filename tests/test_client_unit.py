@@ -368,10 +368,9 @@ class HangUpServer:
 def test_a_connection_dropped_after_sending(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("marl.client._TRANSPORT_RETRY_S", 0.01)
     with HangUpServer() as peer, SwarmClient(peer.url, ADMIN, timeout=2.0) as client:
-        with pytest.raises(SwarmError, match="may or may not") as info:
-            client.end_episode("t", "e1", 1.0)  # maybe recorded: never sent twice
-        assert not isinstance(info.value, SwarmTimeout) and "can_continue_episode('e1')" in str(info.value)
-        assert peer.requests == 1
+        with pytest.raises(SwarmTimeout, match="could not reach"):
+            client.end_episode("t", "e1", 1.0, timeout=0.3)  # an end is idempotent: retried until its timeout
+        assert peer.requests >= 2
         with pytest.raises(SwarmTimeout, match="could not reach") as timeout:
             client.status(timeout=0.3)  # idempotent: retried until its timeout
         assert isinstance(timeout.value.__cause__, httpx.RemoteProtocolError) and peer.requests >= 3
@@ -436,10 +435,8 @@ def test_transport_errors_retried_only_when_safe(
 
     end_path = ROUTE_END.format(episode_id=episode_id)
     transport.fail(end_path, httpx.ReadTimeout, after_send=True)
-    with pytest.raises(SwarmError, match="may or may not") as info:
-        client.end_episode("t", episode_id, 1.0)
-    assert not isinstance(info.value, SwarmTimeout) and f"can_continue_episode({episode_id!r})" in str(info.value)
-    assert transport.attempts[end_path] == 1  # not retried: the server had in fact recorded it
+    result = client.end_episode("t", episode_id, 1.0)  # the server recorded it; the retry gets the stored outcome
+    assert result.replayed and transport.attempts[end_path] == 2
     assert not client.can_continue_episode(episode_id)
     assert [e["episode_id"] for e in recorded_episodes(server.data_dir)] == [episode_id]
 

@@ -18,7 +18,14 @@ import torch
 
 from marl.protocol import GRPOConfig
 
-__all__ = ["TRAINER_STATE_FILE", "copy_tokenizer", "read_trainer_state", "restore_rng_states", "write_trainer_state"]
+__all__ = [
+    "TRAINER_STATE_FILE",
+    "copy_tokenizer",
+    "read_trainer_state",
+    "restore_rng_states",
+    "rng_states",
+    "write_trainer_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +49,34 @@ TOKENIZER_FILES = (
 TOKENIZER_DIRS = ("additional_chat_templates",)
 
 
+def rng_states() -> dict[str, Any]:
+    """This process's RNG states (python, numpy, torch, CUDA), as `restore_rng_states` takes them."""
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+
+
 def write_trainer_state(
-    directory: Path, *, step_count: int, optimizer: torch.optim.Optimizer, config: GRPOConfig, model_dir: Path
+    directory: Path,
+    *,
+    step_count: int,
+    optimizer: dict[str, Any],
+    config: GRPOConfig,
+    model_dir: Path,
+    rng: dict[str, Any],
+    **extra: Any,
 ) -> None:
+    """`optimizer` is the optimizer's state dict; `rng` what `rng_states` returned; `extra` entries of a backend."""
     state = {
         "step_count": step_count,
-        "optimizer": optimizer.state_dict(),
-        "rng": {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        },
+        "optimizer": optimizer,
+        "rng": rng,
         "config": config.model_dump(mode="json"),
         "model_dir": str(model_dir),
+        **extra,
     }
     torch.save(state, directory / TRAINER_STATE_FILE)
 

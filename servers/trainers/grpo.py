@@ -45,7 +45,8 @@ the engine and the trainer: a large value means they disagree about the model).
 Around the algorithm, in their own modules: packing samples into micro-batches (servers.trainers.micro_batches),
 loading the policy in eval mode (servers.trainers.policy_model), the metrics dict (servers.trainers.step_metrics),
 and checkpoints (servers.trainers.checkpoint): `save(dir)` writes a Hugging Face model directory plus the optimizer,
-step count and RNG states.
+step count and RNG states. Steps 1-3 are module functions (`grpo_step`, `trainable_items`, `micro_batch_loss`): the
+FSDP2 trainer (servers.trainers.fsdp) runs the same ones, step 1 in the server and 2-3 on each rank.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ import logging
 import math
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,20 +70,25 @@ from servers.trainers.checkpoint import (
     copy_tokenizer,
     read_trainer_state,
     restore_rng_states,
+    rng_states,
     write_trainer_state,
 )
-from servers.trainers.micro_batches import collate, pack_micro_batches, trained_tokens
+from servers.trainers.micro_batches import MicroBatch, collate, pack_micro_batches, trained_tokens
 from servers.trainers.policy_model import load_policy_model, resolve_dtype, set_gradient_checkpointing
-from servers.trainers.step_metrics import IDLE_PASS_METRICS, PassTotals, batch_metrics
+from servers.trainers.step_metrics import PassTotals, add_pass_stats, batch_metrics, idle_pass_metrics
 
 __all__ = [
     "ADV_EPS",
     "Advantages",
     "GRPOTrainer",
     "TRAINER_STATE_FILE",
+    "apply_optimizer_hparams",
     "compute_advantages",
+    "grpo_step",
+    "micro_batch_loss",
     "pack_micro_batches",
     "token_logprobs",
+    "trainable_items",
 ]
 
 log = logging.getLogger(__name__)
@@ -212,6 +218,94 @@ def compute_advantages(
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def trainable_items(batch: TrainBatch, config: GRPOConfig) -> tuple[list[tuple[Sample, float]], dict[str, float]]:
+    """Step 1: the (sample, advantage) pairs to train on (a sample without a trained token adds nothing to L) and
+    the batch's metrics (rewards, groups, tokens)."""
+    adv = compute_advantages(
+        batch.groups, normalize_std=config.normalize_advantage_std, skip_zero_variance=config.skip_zero_variance_groups
+    )
+    items = [(s, a) for s, a in adv.items if trained_tokens(s) > 0]
+    return items, batch_metrics(adv, items, batch.dropped_stale)
+
+
+def grpo_step(
+    batch: TrainBatch,
+    config: GRPOConfig,
+    *,
+    step_count: int,
+    with_ref: bool,
+    train: Callable[[list[tuple[Sample, float]], float], dict[str, float]],
+) -> dict[str, float]:
+    """One GRPO step around a backend's passes (one process or N ranks): step 1 here, then
+    `train(items, tokens_trained)` runs steps 2-4 and returns the pass metrics. The caller bumps its step count."""
+    t0 = time.perf_counter()
+    if batch.step != step_count + 1:
+        log.warning("batch.step=%d but the trainer is at step %d", batch.step, step_count)
+    items, metrics = trainable_items(batch, config)
+    if items:
+        metrics.update(train(items, metrics["tokens_trained"]))
+    else:  # nothing trainable: no optimizer step, but the version still moves on (the server bumps it)
+        metrics.update(idle_pass_metrics(with_ref=with_ref))
+    metrics.update(policy_version=float(step_count + 1), seconds=time.perf_counter() - t0)
+    return metrics
+
+
+def micro_batch_loss(
+    policy: torch.nn.Module, ref: torch.nn.Module | None, mb: MicroBatch, config: GRPOConfig, num_samples: int
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Steps 2-3 on one micro-batch: L_mb = sum_{s in mb} (1/|T_s| sum_t l_t) / S, with S = `num_samples` (all the
+    samples of the step, on every rank), so the micro-batches' L_mb add up to L; and the metric sums of mb."""
+    logp, entropy = _forward(policy, mb.input_ids, mb.attention_mask, keep=mb.loss_mask, with_entropy=True)
+    mask = mb.loss_mask
+    tokens_per_sample = mask.sum(-1).clamp(min=1.0)  # |T_s|
+    stats: dict[str, float] = {}
+
+    # ratio_t = exp(logp_t - logp_old_t), 1 off the trained tokens
+    log_ratio = ((logp - mb.old_logp) * mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    ratio = torch.exp(log_ratio)
+    # pg_t = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
+    a = mb.advantages[:, None]
+    pg_unclipped = -a * ratio
+    pg_clipped = -a * torch.clamp(ratio, 1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    loss_t = pg
+    # kl_t = exp(logp_ref - logp) - (logp_ref - logp) - 1   (k3, >= 0)
+    if ref is not None:
+        with torch.no_grad():
+            ref_logp = token_logprobs(ref, mb.input_ids, mb.attention_mask)
+        ref_log_ratio = ((ref_logp - logp) * mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        kl_ref = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0
+        if config.kl_coef > 0:
+            loss_t = loss_t + config.kl_coef * kl_ref
+        stats["kl_ref"] = float((kl_ref.detach() * mask).sum())
+
+    # L_mb = sum_{s in mb} (sum_t l_t * mask_t / |T_s|) / S   -> sum over micro-batches = L
+    loss = ((loss_t * mask).sum(-1) / tokens_per_sample).sum() / num_samples
+
+    with torch.no_grad():
+        trained = mask.bool()
+        diff = (logp - mb.old_logp).abs()[trained]
+        stats.update(
+            loss=float(loss),
+            pg_loss=float(((pg * mask).sum(-1) / tokens_per_sample).sum() / num_samples),
+            tokens=float(mask.sum()),
+            clipped=float(((pg_clipped > pg_unclipped) & trained).sum()),
+            kl_old=float(((ratio - 1.0 - log_ratio) * mask).sum()),  # approx KL(old || new) = E_old[(r - 1) - log r]
+            entropy=float((entropy * mask).sum()),
+            logprob_diff_sum=float(diff.sum()),
+            logprob_diff_max=float(diff.max()) if diff.numel() else 0.0,
+        )
+    return loss, stats
+
+
+def apply_optimizer_hparams(optimizer: torch.optim.Optimizer, config: GRPOConfig) -> None:
+    """Apply `config` to the optimizer (after a load, whose saved param groups hold the old run's values)."""
+    for group in optimizer.param_groups:
+        group["lr"] = config.learning_rate
+        group["betas"] = tuple(config.adam_betas)
+        group["weight_decay"] = config.weight_decay
+
+
 class GRPOTrainer(Trainer):
     """GRPO + PPO-clip on a Hugging Face causal LM, CPU or one GPU."""
 
@@ -241,34 +335,16 @@ class GRPOTrainer(Trainer):
         self.step_count = 0  # == policy version: the number of `step` calls so far
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
-        t0 = time.perf_counter()
         self.progress = None  # until the passes are known (a failed step may have left its count behind)
-        cfg = self.config
-        if batch.step != self.step_count + 1:
-            log.warning("batch.step=%d but the trainer is at step %d", batch.step, self.step_count)
-
-        # 1. Advantages per group; a sample without a trained token adds nothing to L.
-        adv = compute_advantages(
-            batch.groups,
-            normalize_std=cfg.normalize_advantage_std,
-            skip_zero_variance=cfg.skip_zero_variance_groups,
-        )
-        items = [(s, a) for s, a in adv.items if trained_tokens(s) > 0]
-        metrics = batch_metrics(adv, items, batch.dropped_stale)
-        if items:
-            metrics.update(self._train(items, tokens_trained=metrics["tokens_trained"]))
-        else:  # nothing trainable: no optimizer step, but the version still moves on (the server bumps it)
-            metrics.update(IDLE_PASS_METRICS)
-            if self.ref is not None:
-                metrics["kl_ref"] = 0.0
+        metrics = grpo_step(batch, self.config, step_count=self.step_count, with_ref=self.ref is not None,
+                            train=self._train)  # fmt: skip
         self.step_count += 1
-        metrics.update(policy_version=float(self.step_count), seconds=time.perf_counter() - t0)
         return metrics
 
-    def _train(self, items: Sequence[tuple[Sample, float]], *, tokens_trained: float) -> dict[str, float]:
+    def _train(self, items: Sequence[tuple[Sample, float]], tokens_trained: float) -> dict[str, float]:
         """2-4. `ppo_epochs` passes; each pass = forward/backward over all micro-batches, then one AdamW step."""
         cfg = self.config
-        self._sync_optimizer_hparams()
+        apply_optimizer_hparams(self.optimizer, cfg)
         set_gradient_checkpointing(self.policy, cfg.gradient_checkpointing)
         micro_batches = pack_micro_batches([len(s.token_ids) for s, _ in items], cfg.micro_batch_tokens)
         totals = PassTotals()
@@ -296,63 +372,17 @@ class GRPOTrainer(Trainer):
         No optimizer step, no zero_grad. `items` are (sample, advantage) pairs, each sample with >= 1 trained token.
         Returns sums for the metrics (tokens, clipped tokens, entropy, KLs, ...) and the loss L.
         """
-        cfg = self.config
         if micro_batches is None:
-            micro_batches = pack_micro_batches([len(s.token_ids) for s, _ in items], cfg.micro_batch_tokens)
-        num_samples = len(items)  # S in L = 1/S * sum_s token_mean_s
-        stats: dict[str, float] = defaultdict(float)
+            micro_batches = pack_micro_batches([len(s.token_ids) for s, _ in items], self.config.micro_batch_tokens)
+        stats: dict[str, float] = {}
         for indices in micro_batches:
             mb = collate([items[i] for i in indices], self.device, self.vocab_size)
-            logp, entropy = _forward(self.policy, mb.input_ids, mb.attention_mask, keep=mb.loss_mask, with_entropy=True)
-            mask = mb.loss_mask
-            tokens_per_sample = mask.sum(-1).clamp(min=1.0)  # |T_s|
-
-            # ratio_t = exp(logp_t - logp_old_t), 1 off the trained tokens
-            log_ratio = ((logp - mb.old_logp) * mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-            ratio = torch.exp(log_ratio)
-            # pg_t = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
-            a = mb.advantages[:, None]
-            pg_unclipped = -a * ratio
-            pg_clipped = -a * torch.clamp(ratio, 1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
-            pg = torch.maximum(pg_unclipped, pg_clipped)
-            loss_t = pg
-            # kl_t = exp(logp_ref - logp) - (logp_ref - logp) - 1   (k3, >= 0)
-            if self.ref is not None:
-                with torch.no_grad():
-                    ref_logp = token_logprobs(self.ref, mb.input_ids, mb.attention_mask)
-                ref_log_ratio = ((ref_logp - logp) * mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-                kl_ref = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0
-                if cfg.kl_coef > 0:
-                    loss_t = loss_t + cfg.kl_coef * kl_ref
-                stats["kl_ref"] += float((kl_ref.detach() * mask).sum())
-
-            # L_mb = sum_{s in mb} (sum_t l_t * mask_t / |T_s|) / S   -> sum over micro-batches = L
-            per_sample = (loss_t * mask).sum(-1) / tokens_per_sample
-            loss = per_sample.sum() / num_samples
+            loss, mb_stats = micro_batch_loss(self.policy, self.ref, mb, self.config, num_samples=len(items))
             loss.backward()
+            add_pass_stats(stats, mb_stats)
             if self.progress is not None:
                 self.progress = (self.progress[0] + 1, self.progress[1])
-
-            with torch.no_grad():
-                trained = mask.bool()
-                stats["loss"] += float(loss)
-                stats["pg_loss"] += float(((pg * mask).sum(-1) / tokens_per_sample).sum() / num_samples)
-                stats["tokens"] += float(mask.sum())
-                stats["clipped"] += float(((pg_clipped > pg_unclipped) & trained).sum())
-                # approx KL(old || new) = E_old[(ratio - 1) - log ratio]   (k3)
-                stats["kl_old"] += float(((ratio - 1.0 - log_ratio) * mask).sum())
-                stats["entropy"] += float((entropy * mask).sum())
-                diff = (logp - mb.old_logp).abs()[trained]
-                stats["logprob_diff_sum"] += float(diff.sum())
-                stats["logprob_diff_max"] = max(stats["logprob_diff_max"], float(diff.max()))
-        return dict(stats)
-
-    def _sync_optimizer_hparams(self) -> None:
-        """Apply `self.config` to the optimizer (after `load`, whose saved param groups hold the old run's values)."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.config.learning_rate
-            group["betas"] = tuple(self.config.adam_betas)
-            group["weight_decay"] = self.config.weight_decay
+        return stats
 
     # ------------------------------------------------------------------------------------------------------------
     # Weights for the inference engine
@@ -377,8 +407,8 @@ class GRPOTrainer(Trainer):
         """Write a checkpoint into `directory` (servers.checkpoints makes it atomic and prunes old ones)."""
         directory = self.export_weights(directory)
         copy_tokenizer(self.model_dir, directory)
-        write_trainer_state(directory, step_count=self.step_count, optimizer=self.optimizer, config=self.config,
-                            model_dir=self.model_dir)  # fmt: skip
+        write_trainer_state(directory, step_count=self.step_count, optimizer=self.optimizer.state_dict(),
+                            config=self.config, model_dir=self.model_dir, rng=rng_states())  # fmt: skip
 
     def load(self, directory: Path) -> None:
         """Restore weights, optimizer state, step_count and RNG states written by `save`."""

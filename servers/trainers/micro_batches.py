@@ -13,7 +13,7 @@ import torch
 
 from marl.protocol import Sample
 
-__all__ = ["MicroBatch", "collate", "pack_micro_batches", "trained_tokens"]
+__all__ = ["MicroBatch", "check_token_ids", "collate", "pack_micro_batches", "trained_tokens"]
 
 
 def pack_micro_batches(lengths: Sequence[int], budget: int) -> list[list[int]]:
@@ -50,6 +50,15 @@ class MicroBatch:
     advantages: torch.Tensor  # [B] float32
 
 
+def check_token_ids(sample: Sample, vocab_size: int) -> None:
+    """ValueError when `sample` holds ids outside the model's vocabulary."""
+    if sample.token_ids and (max(sample.token_ids) >= vocab_size or min(sample.token_ids) < 0):
+        raise ValueError(
+            f"sample of episode {sample.episode_id!r} has token ids outside the model's vocabulary "
+            f"[0, {vocab_size}): was it recorded by another model?"
+        )
+
+
 def collate(items: Sequence[tuple[Sample, float]], device: torch.device, vocab_size: int) -> MicroBatch:
     """(sample, advantage) pairs as right-padded tensors on `device`; ValueError for ids outside the vocabulary."""
     width = max(len(s.token_ids) for s, _ in items)
@@ -60,11 +69,7 @@ def collate(items: Sequence[tuple[Sample, float]], device: torch.device, vocab_s
     old_logp = torch.zeros(shape, dtype=torch.float32)
     for row, (sample, _) in enumerate(items):
         n = len(sample.token_ids)
-        if n and (max(sample.token_ids) >= vocab_size or min(sample.token_ids) < 0):
-            raise ValueError(
-                f"sample of episode {sample.episode_id!r} has token ids outside the model's vocabulary "
-                f"[0, {vocab_size}): was it recorded by another model?"
-            )
+        check_token_ids(sample, vocab_size)
         input_ids[row, :n] = torch.tensor(sample.token_ids, dtype=torch.long)
         attention_mask[row, :n] = 1
         loss_mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)

@@ -1,7 +1,8 @@
 """The metrics dict a GRPO step returns: rewards and groups of the batch, and what its passes did.
 
 Kept apart from the loss so that servers.trainers.grpo reads as the algorithm; the definitions here only divide the
-sums that `GRPOTrainer.accumulate_gradients` returns per pass (every ratio is a token mean over trained tokens).
+sums that `servers.trainers.grpo.micro_batch_loss` returns, added up per pass (every ratio is a token mean over
+trained tokens).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from servers.trainers.micro_batches import trained_tokens
 if TYPE_CHECKING:
     from servers.trainers.grpo import Advantages
 
-__all__ = ["IDLE_PASS_METRICS", "PassTotals", "batch_metrics"]
+__all__ = ["IDLE_PASS_METRICS", "PassTotals", "add_pass_stats", "batch_metrics", "idle_pass_metrics"]
 
 #: The pass metrics of a step with nothing to train on (no optimizer step).
 IDLE_PASS_METRICS = dict.fromkeys(
@@ -26,6 +27,18 @@ IDLE_PASS_METRICS = dict.fromkeys(
      "logprob_diff_mean", "logprob_diff_max", "grad_norm", "skipped_nonfinite"),
     0.0,
 )  # fmt: skip
+
+
+def idle_pass_metrics(*, with_ref: bool) -> dict[str, float]:
+    """The pass metrics of a step with nothing to train on."""
+    return {**IDLE_PASS_METRICS, "kl_ref": 0.0} if with_ref else dict(IDLE_PASS_METRICS)
+
+
+def add_pass_stats(into: dict[str, float], stats: dict[str, float]) -> None:
+    """Add one micro-batch's (or one rank's) metric sums to a pass's: sums add up, `*_max` keys take the max."""
+    for key, value in stats.items():
+        before = into.get(key)
+        into[key] = value if before is None else max(before, value) if key.endswith("_max") else before + value
 
 
 def batch_metrics(adv: Advantages, items: Sequence[tuple[Sample, float]], dropped_stale: int) -> dict[str, float]:

@@ -1,0 +1,133 @@
+"""A game's episodes recorded on every server of the game, or on none: two-phase commit over `SwarmClient`s.
+
+    decisions = DecisionLog(run_dir / "decisions.sqlite")
+    outcome = commit_game(decisions, game_id, {"srv_a": Part(client_a, task_id, episode_a, output_a), ...})
+
+1. The game and its participants (server url, episode id, holding client id) go to the decision log.
+2. Every server prepares its episode, concurrently: validated and durable, outside the pool, lease key dead.
+3. The decision is written to the log, fsynced: COMMIT if every prepare succeeded (and it is not too late: before
+   half the prepare timeout, see `marl.decision_log`), else ABORT.
+4. Every server is told the decision (`commit_episode`, retried until acknowledged within half the prepare timeout;
+   or `abort_episode`). A server that does not acknowledge is left `pending`: the game's decision stands, and it
+   reaches that server by `redrive` (a restarted coordinator) or by the server itself, which reads the log when
+   the prepared episode passes its deadline.
+
+`redrive(decisions)` finishes every game of the log not acknowledged everywhere: commit where COMMIT was decided, abort
+everywhere else (a game with no decision is decided ABORT first), as the client that holds each episode.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from marl.client import SwarmClient, SwarmError
+from marl.decision_log import Decision, DecisionLog, Participant
+from marl.protocol import DEFAULT_PREPARE_TIMEOUT_S
+
+__all__ = ["GameCommit", "Part", "commit_game", "redrive"]
+
+logger = logging.getLogger("marl.two_phase")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One server's share of a game: its client (the lease holder), the task, the episode and its output."""
+
+    client: SwarmClient
+    task: Any
+    episode_id: str
+    output: Any  # a float, an EpisodeOutput, or anything with `.reward`
+
+
+@dataclass
+class GameCommit:
+    decision: Decision
+    acknowledged: list[str]  # servers that applied the decision
+    pending: dict[str, Exception] = field(default_factory=dict)  # servers that did not (yet): re-driven later
+    prepare_errors: dict[str, Exception] = field(default_factory=dict)  # why the decision is ABORT
+
+    @property
+    def committed(self) -> bool:
+        """The game counts: COMMIT is decided (a pending server gets its episode from the re-drive or the log)."""
+        return self.decision is Decision.COMMIT
+
+
+def commit_game(decisions: DecisionLog, game_id: str, parts: Mapping[str, Part], *,
+                prepare_timeout_s: float = DEFAULT_PREPARE_TIMEOUT_S, io: Executor | None = None) -> GameCommit:
+    """Prepare the game's episode on every server, decide durably, then commit (or abort) everywhere."""
+    decisions.begin(game_id, {name: Participant(p.client.url, p.episode_id, p.client.client_id)
+                         for name, p in parts.items()})
+    decide_by = time.time() + prepare_timeout_s / 2
+    decision_log = str(decisions.path.resolve())
+
+    def prepare(part: Part) -> object:
+        return part.client.prepare_episode(part.task, part.episode_id, part.output, game_id=game_id,
+                                           prepare_timeout_s=prepare_timeout_s, decision_log=decision_log)
+
+    prepare_errors = _on_each(parts, prepare, io)
+    decision = decisions.decide(game_id, commit=not prepare_errors, decide_by=decide_by)
+    if decision is Decision.COMMIT:
+        pending = _on_each(parts, lambda p: p.client.commit_episode(p.episode_id, timeout=prepare_timeout_s / 2), io)
+    else:
+        pending = _on_each(parts, lambda p: p.client.abort_episode(p.episode_id), io)
+    if not pending:
+        decisions.done(game_id)
+    for name, exc in pending.items():
+        logger.warning("game %s: %s not yet told %s (%s); the re-drive or the server's deadline will", game_id, name,
+                    decision.value, exc)
+    return GameCommit(decision, [name for name in parts if name not in pending], pending, prepare_errors)
+
+
+def redrive(decisions: DecisionLog, admin_token: str | Mapping[str, str | None] | None = None, *,
+            timeout: float = 30.0) -> dict[str, GameCommit]:
+    """Apply every unfinished game's decision on all its servers (ABORT where none was made); by game id.
+
+    `admin_token`: one token for every server, or a mapping from server url to its token.
+    """
+    outcomes = {}
+    for game in decisions.unfinished():
+        decision = game.decision or decisions.decide(game.game_id, commit=False)
+        pending: dict[str, Exception] = {}
+        for name, who in game.participants.items():
+            token = admin_token.get(who.url) if isinstance(admin_token, Mapping) else admin_token
+            try:
+                _apply(decision, who, token, timeout)
+            except (SwarmError, httpx.HTTPError) as exc:
+                pending[name] = exc
+        if not pending:
+            decisions.done(game.game_id)
+        outcomes[game.game_id] = GameCommit(decision, [n for n in game.participants if n not in pending], pending)
+    return outcomes
+
+
+def _apply(decision: Decision, who: Participant, admin_token: str | None, timeout: float) -> None:
+    with SwarmClient(who.url, admin_token, client_id=who.client_id, timeout=timeout) as client:
+        if decision is Decision.COMMIT:
+            client.commit_episode(who.episode_id)
+        else:
+            client.abort_episode(who.episode_id)
+
+
+def _on_each(parts: Mapping[str, Part], action: Callable[[Part], object], io: Executor | None) -> dict[str, Exception]:
+    """Run `action` on every part concurrently; the errors, by server name."""
+    own = io is None
+    pool = ThreadPoolExecutor(max(1, len(parts)), thread_name_prefix="two-phase") if own else io
+    try:
+        futures = {name: pool.submit(action, part) for name, part in parts.items()}
+        errors = {}
+        for name, future in futures.items():
+            try:
+                future.result()
+            except (SwarmError, httpx.HTTPError) as exc:
+                errors[name] = exc
+        return errors
+    finally:
+        if own:
+            pool.shutdown(wait=True)

@@ -1,0 +1,110 @@
+"""The HTTP wire between the vLLM engine and its vLLM subprocess.
+
+- Generation: `/v1/completions` with the prompt as token ids (vLLM never re-tokenizes it), streamed, with
+  `return_token_ids` (the exact generated ids), `logprobs: 0` (the sampled token's logprob; vLLM's default
+  `logprobs_mode` is raw logprobs: log softmax of the unscaled logits, as the trainer computes them) and the usage
+  chunk (how many prompt tokens vLLM's prefix cache supplied).
+- Weight sync: the dev routes of `VLLM_SERVER_DEV_MODE` (pause, collective RPC into the worker extension, prefix
+  cache reset, resume).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from servers.interfaces import GenerationChunk, SamplingParams
+
+__all__ = ["completion_body", "stream_completion", "sync_weights"]
+
+#: (prompt tokens, of which served from vLLM's prefix cache), once per finished generation.
+UsageSink = Callable[[int, int], None]
+
+
+def completion_body(prompt_ids: list[int], params: SamplingParams, *, max_tokens: int,
+                    stop_token_ids: list[int]) -> dict[str, Any]:
+    """A streamed `/v1/completions` request that samples exactly as `params` says and reports exact tokens."""
+    return {
+        "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": params.temperature, "top_p": params.top_p,
+        "seed": params.seed, "stop": list(params.stop) or None, "stop_token_ids": stop_token_ids,
+        "logprobs": 0, "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True},
+    }
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                            on_usage: UsageSink) -> AsyncIterator[GenerationChunk]:
+    """Stream vLLM's answer as `GenerationChunk`s; the last one carries the finish reason.
+
+    ValueError when vLLM refuses the request (4xx), RuntimeError when the generation fails or the stream ends early;
+    httpx errors (vLLM unreachable or gone) pass through.
+    """
+    last: GenerationChunk | None = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            detail = (await response.aread()).decode(errors="replace")[:1000]
+            error = ValueError if 400 <= response.status_code < 500 else RuntimeError
+            raise error(f"vLLM answered {response.status_code}: {detail}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            if usage := event.get("usage"):
+                details = usage.get("prompt_tokens_details") or {}
+                on_usage(int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0))
+            chunk = _chunk(event)
+            if chunk is None:
+                continue
+            if chunk.finish_reason is not None:
+                last = chunk  # sent once the stream ends: its usage is counted by then
+            else:
+                yield chunk
+    if last is None:
+        raise RuntimeError("the vLLM stream ended before the generation finished")
+    yield last
+
+
+def _chunk(event: dict[str, Any]) -> GenerationChunk | None:
+    if "error" in event:
+        raise RuntimeError(f"vLLM failed the generation: {event['error']}")
+    if not event.get("choices"):
+        return None
+    choice = event["choices"][0]
+    ids = choice.get("token_ids") or []
+    logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+    if len(logprobs) != len(ids):
+        raise RuntimeError(f"vLLM sent {len(ids)} token ids with {len(logprobs)} logprobs")
+    finish = choice.get("finish_reason")
+    if finish not in (None, "stop", "length"):
+        raise RuntimeError(f"vLLM ended the generation with finish_reason {finish!r}")
+    if not ids and finish is None:
+        return None
+    return GenerationChunk(token_ids=[int(t) for t in ids], logprobs=[float(lp) for lp in logprobs],
+                           finish_reason=finish)
+
+
+def sync_weights(url: str, weights_dir: Path, timeout_s: float = 600.0) -> None:
+    """Have vLLM serve the safetensors in `weights_dir`: wait for the running requests to finish on the old weights
+    (`/pause?mode=wait`; requests that arrive meanwhile are held, then run on the new ones), reload in place through
+    the worker extension, empty the prefix cache (its keys/values came from the old weights), resume."""
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
+        _checked(http.post("/pause", params={"mode": "wait"}, timeout=None))  # as long as the running requests take
+        try:
+            _checked(http.post("/collective_rpc", json={
+                "method": "marl_reload_weights", "kwargs": {"weights_path": str(weights_dir)}}))
+            _checked(http.post("/reset_prefix_cache"))
+        except BaseException:
+            with contextlib.suppress(httpx.HTTPError):
+                http.post("/resume")
+            raise
+        _checked(http.post("/resume"))
+
+
+def _checked(response: httpx.Response) -> httpx.Response:
+    if response.status_code != 200:
+        raise RuntimeError(f"vLLM {response.request.url.path} answered {response.status_code}: {response.text[:1000]}")
+    return response

@@ -1,0 +1,142 @@
+"""What happens to a request before FastAPI sees it, and to an error no route handler knew (pure ASGI).
+
+`RequestGate` stands in front of every route:
+1. it authenticates from the headers alone (`Authorize`: the admin token on the control and episode routes, a live
+   lease key on a trainable server's chat completions), so an unauthenticated request is refused before a byte of
+   its body is read;
+2. it refuses a body over the limit with 413 (`request_too_large`): at once from its Content-Length, or as soon as a
+   streamed body passes the limit, never reading past it;
+3. it hands the body it read on to the app, which therefore never parses more than the limit.
+
+`CatchUnexpected` answers an exception that no handler took with the JSON 500 `internal_error`, as an ordinary
+response: Starlette's last-resort handler would re-raise it after answering, and the server would then drop the
+keep-alive connection under the client's next request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from starlette.datastructures import Headers
+
+from marl.protocol import ErrorCode
+from servers.errors import Refusal, refusal_response
+
+log = logging.getLogger("marl.server")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+#: (ASGI scope, bearer token or None) -> why the request may not go on, or None when it may.
+Authorize = Callable[[Scope, str | None], Refusal | None]
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    if authorization and authorization.lower().startswith("bearer "):
+        return authorization[7:].strip()
+    return None
+
+
+class RequestGate:
+    def __init__(self, app: ASGIApp, *, authorize: Authorize, max_body_bytes: int):
+        self.app = app
+        self.authorize = authorize
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        declared = _content_length(headers)
+        refusal = self.authorize(scope, bearer_token(headers.get("authorization")))
+        if refusal is None and declared is not None and declared > self.max_body_bytes:
+            refusal = self._too_large(f"declares {declared} bytes")
+        if refusal is not None:
+            if declared is not None and declared <= self.max_body_bytes:
+                await _drain(receive)  # a small body is read and dropped, so the connection stays usable
+            await refusal_response(refusal)(scope, receive, send)
+            return
+        body = await self._read_body(receive)
+        if isinstance(body, Refusal):
+            await refusal_response(body)(scope, receive, send)
+        elif body is not None:
+            await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, receive: Receive) -> bytes | Refusal | None:
+        """The whole body, a refusal once it passes the limit, or None if the client went away."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return self._too_large(f"sent more than {self.max_body_bytes} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_large(self, what: str) -> Refusal:
+        limit_mb = self.max_body_bytes / 2**20
+        return Refusal(413, ErrorCode.REQUEST_TOO_LARGE, f"the request body {what}; this server takes at most"
+                       f" {self.max_body_bytes} bytes ({limit_mb:g} MiB, marl serve --max-body-mb)")
+
+
+def _content_length(headers: Headers) -> int | None:
+    try:
+        return int(headers["content-length"])
+    except (KeyError, ValueError):
+        return None
+
+
+async def _drain(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            return
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that gives the body already read, then whatever the connection says next (a disconnect)."""
+    delivered = False
+
+    async def replay() -> Message:
+        nonlocal delivered
+        if delivered:
+            return await receive()
+        delivered = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+class CatchUnexpected:
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:  # the status line is out: all that is left is to drop the connection
+                raise
+            log.exception("unexpected error answering %s %s", scope.get("method"), scope.get("path"))
+            refusal = Refusal(500, ErrorCode.INTERNAL_ERROR, f"internal server error: {type(exc).__name__}: {exc}")
+            await refusal_response(refusal)(scope, receive, tracked)

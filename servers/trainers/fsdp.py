@@ -1,0 +1,157 @@
+"""The FSDP2 trainer: the GRPO step of `servers.trainers.grpo`, sharded over N torch.distributed ranks.
+
+`FSDPTrainer` is what the server holds (`trainer: fsdp`, knobs under `fsdp:` with `ranks: N`). It owns N rank
+processes (`servers.trainers.fsdp_ranks.RankGroup`, each a `servers.trainers.fsdp_worker` shard of the policy),
+kept alive across steps. A step:
+
+1. computes advantages and the batch metrics here (`grpo_step`, as the one-process trainer does);
+2. splits the trained samples over the ranks (longest first, each to the rank with the fewest tokens so far), packs
+   each rank's share into micro-batches under `micro_batch_tokens`, and pads every rank to as many micro-batches
+   as the busiest one (FSDP's collectives need every rank in every forward and backward);
+3. sends each rank its plan and S, the step's sample count: the ranks' gradients sum to the one-process trainer's
+   dL/dtheta, so N ranks make the same update as one process (up to float summation order);
+4. adds up the ranks' metric sums per pass into the same metrics dict `GRPOTrainer` returns.
+
+Weights leave through directories only (`named_weights` is None): `export_weights` has rank 0 gather the full
+model and write a Hugging Face directory (plus the tokenizer), which the engine loads with `load_weights_from`.
+Checkpoints are the one-process trainer's kind of directory, with the optimizer state gathered in full (by
+parameter name) and every rank's RNG, so they load at any number of ranks. A dead or failing rank makes the call
+raise `RankFailure` and takes the group down; `close` stops the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from pydantic import Field
+
+from marl.protocol import GRPOConfig, Int, Sample
+from servers.interfaces import TrainBatch, Trainer
+from servers.trainers.checkpoint import copy_tokenizer, restore_rng_states, rng_states
+from servers.trainers.fsdp_ranks import RankFailure, RankGroup
+from servers.trainers.fsdp_worker import PassResult, RankPlan, RankSpec
+from servers.trainers.grpo import grpo_step
+from servers.trainers.micro_batches import check_token_ids, pack_micro_batches
+from servers.trainers.step_metrics import PassTotals, add_pass_stats
+
+__all__ = ["FSDPConfig", "FSDPTrainer", "RankFailure", "plan_micro_batches"]
+
+
+class FSDPConfig(GRPOConfig):
+    """The FSDP2 trainer's section of a `TrainConfig` (`train.fsdp`): GRPO's knobs, and how many ranks."""
+
+    ranks: Int = Field(2, ge=1, description="Processes the policy is sharded over (one GPU each on CUDA).")
+
+
+def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int) -> list[list[list[int] | None]]:
+    """For each rank, its micro-batches as indices into `lengths`, every rank with as many (None: a padding pass).
+
+    Samples go longest first to the rank with the fewest tokens so far (ties: the lowest rank); each rank's share is
+    packed by `pack_micro_batches`.
+    """
+    shares: list[list[int]] = [[] for _ in range(ranks)]
+    loads = [0] * ranks
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        shares[rank].append(i)
+        loads[rank] += lengths[i]
+    plans: list[list[list[int] | None]] = [
+        [[share[j] for j in mb] for mb in pack_micro_batches([lengths[i] for i in share], budget)] for share in shares
+    ]
+    width = max(len(plan) for plan in plans)
+    return [plan + [None] * (width - len(plan)) for plan in plans]
+
+
+class FSDPTrainer(Trainer):
+    """GRPO + PPO-clip with the policy sharded over `config.ranks` processes (CPU with gloo, or a GPU each).
+
+    `threads_per_rank`: torch threads of each CPU rank (default: the cores split between the ranks). `timeout_s`: how
+    long the ranks may take to start, and a collective may wait for a peer before the step fails.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: FSDPConfig,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | str | None = None,
+        threads_per_rank: int | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.config = config  # read at every step: a caller may swap it between steps (not `ranks`)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = torch.device(device).type
+        if device_type == "cuda" and torch.cuda.device_count() < config.ranks:
+            raise ValueError(f"fsdp.ranks={config.ranks} needs as many GPUs; {torch.cuda.device_count()} visible")
+        if device_type == "cpu" and threads_per_rank is None:
+            threads_per_rank = max(1, (os.cpu_count() or 1) // config.ranks)  # the ranks share the cores
+        self._with_ref = config.kl_coef > 0  # the ranks hold the frozen reference iff asked for at start
+        spec = RankSpec(model_dir=str(self.model_dir), config=config, world_size=config.ranks,
+                        device_type=device_type, dtype=None if dtype is None else str(dtype),
+                        threads=threads_per_rank, timeout_s=timeout_s)  # fmt: skip
+        self.ranks = RankGroup(spec, start_timeout_s=timeout_s)
+        self.vocab_size = int(self.ranks.started[0]["vocab_size"])
+        self.step_count = 0
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        self.progress = None
+        metrics = grpo_step(batch, self.config, step_count=self.step_count, with_ref=self._with_ref,
+                            train=self._train)  # fmt: skip
+        self.step_count += 1
+        return metrics
+
+    def _train(self, items: list[tuple[Sample, float]], tokens_trained: float) -> dict[str, float]:
+        cfg = self.config
+        for sample, _ in items:  # refused here, before the ranks start a step they could not finish together
+            check_token_ids(sample, self.vocab_size)
+        plans = plan_micro_batches([len(s.token_ids) for s, _ in items], self.ranks.world_size,
+                                   cfg.micro_batch_tokens)  # fmt: skip
+        per_rank: list[tuple[RankPlan, int, FSDPConfig]] = [
+            ([None if mb is None else [items[i] for i in mb] for mb in plan], len(items), cfg) for plan in plans
+        ]
+        self.progress = (0, cfg.ppo_epochs * len(plans[0]))
+        try:
+            passes: list[list[PassResult]] = self.ranks.call("train", per_rank=per_rank, on_progress=self._on_progress)
+        finally:
+            self.progress = None
+        totals = PassTotals()
+        for epoch in zip(*passes, strict=True):  # the ranks' results of one pass
+            stats: dict[str, float] = {}
+            for rank_stats, _, _ in epoch:
+                add_pass_stats(stats, rank_stats)
+            _, grad_norm, stepped = epoch[0]  # global: the same on every rank
+            totals.add(stats, grad_norm, stepped=stepped)
+        micro_batches = sum(mb is not None for plan in plans for mb in plan)
+        return totals.metrics(micro_batches=micro_batches, tokens_trained=tokens_trained, with_ref=self._with_ref)
+
+    def _on_progress(self, done: int, total: int) -> None:
+        self.progress = (done, total)
+
+    def export_weights(self, directory: Path) -> Path:
+        """The policy as a Hugging Face model directory (config, safetensors, tokenizer), gathered by rank 0."""
+        directory = Path(directory)
+        self.ranks.call("export", str(directory))
+        copy_tokenizer(self.model_dir, directory)
+        return directory
+
+    def save(self, directory: Path) -> None:
+        """A checkpoint (servers.checkpoints makes it atomic): the model, the full optimizer state, step, RNGs."""
+        directory = Path(directory)
+        self.ranks.call("save", str(directory), self.step_count, self.config, rng_states())
+        copy_tokenizer(self.model_dir, directory)
+
+    def load(self, directory: Path) -> None:
+        """Restore what `save` wrote (or what `GRPOTrainer.save` wrote) on every rank, and this process's RNG."""
+        state = self.ranks.call("load", str(directory), self.config)[0]
+        self.step_count = state["step_count"]
+        restore_rng_states(state["rng"])
+
+    def close(self) -> None:
+        """Stop the rank processes (the engine stopped). Idempotent."""
+        self.ranks.close()

@@ -1,0 +1,200 @@
+"""One rank of the FSDP2 trainer: its process's main loop and its shard of the policy.
+
+A rank is a process spawned by `servers.trainers.fsdp_ranks.RankGroup`. It joins the torch.distributed group (gloo
+on CPU, nccl on one GPU per rank), loads the policy, shards every decoder layer and then the root with
+`fully_shard` (FSDP2), and then serves commands from the server over its pipe: ("train", plan, S, config),
+("export", dir), ("save", dir, ...), ("load", dir). Each answer is ("ok", result) or ("error", traceback); rank 0
+also sends ("progress", done, total) after every micro-batch.
+
+The GRPO math is the one-process trainer's (`servers.trainers.grpo.micro_batch_loss`); what is sharded-specific:
+
+- **The sum, not the mean, over ranks.** Every rank divides its micro-batches' losses by S, the number of samples
+  of the *whole* step, and the gradient reduction sums the ranks' gradients (divide factor 1) instead of averaging
+  them: the result is dL/dtheta of the one-process trainer, whatever the split.
+- **As many micro-batches on every rank.** Each forward and backward is a collective (parameter all-gather,
+  gradient reduce-scatter), so a rank with fewer micro-batches than its peers runs padding passes whose loss is
+  multiplied by 0 (their gradient is 0 and their metrics are dropped).
+- **One reduction per pass.** Gradients accumulate unreduced over a pass's micro-batches
+  (`set_requires_gradient_sync(False)`) and are reduced in the last backward only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from marl.protocol import GRPOConfig, Sample
+from servers.trainers.fsdp_state import load_checkpoint, save_checkpoint, tied_aliases, write_hf_weights
+from servers.trainers.grpo import apply_optimizer_hparams, micro_batch_loss
+from servers.trainers.micro_batches import collate
+from servers.trainers.policy_model import load_policy_model, resolve_dtype, set_gradient_checkpointing
+from servers.trainers.step_metrics import add_pass_stats
+
+__all__ = ["PassResult", "RankPlan", "RankSpec", "ShardedPolicy", "run_rank"]
+
+log = logging.getLogger(__name__)
+
+#: One rank's micro-batches of a step, each a list of (sample, advantage); None is a padding pass.
+RankPlan = list[list[tuple[Sample, float]] | None]
+#: What one pass on one rank returns: its metric sums, the global gradient norm, whether the optimizer stepped.
+PassResult = tuple[dict[str, float], float, bool]
+
+#: A padding pass trains on this (two tokens, the second "trained", advantage 0), with its loss multiplied by 0.
+_PADDING = [(Sample(episode_id="padding", agent="padding", token_ids=[0, 0], loss_mask=[0, 1], logprobs=[0.0, 0.0],
+                    reward=0.0, policy_version=0, num_calls=1), 0.0)]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank of a group is started with (plain data: it crosses the process boundary)."""
+
+    model_dir: str
+    config: GRPOConfig  # the trainer's section, as at start (the KL reference exists iff kl_coef > 0 then)
+    world_size: int
+    device_type: str  # "cpu" (gloo) or "cuda" (nccl, GPU `rank`)
+    dtype: str | None = None
+    threads: int | None = None  # torch intra-op threads per rank (CPU)
+    timeout_s: float = 600.0  # a collective that waits longer fails (a peer that hangs)
+
+
+def run_rank(rank: int, spec: RankSpec, store_port: int, conn: Connection) -> None:
+    """The process of one rank: join the group, shard the policy, answer commands until told to close."""
+    try:
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
+        dist.init_process_group("nccl" if spec.device_type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))  # fmt: skip
+        report = (lambda done, total: conn.send(("progress", done, total))) if rank == 0 else None
+        policy = ShardedPolicy(rank, spec, report)
+        conn.send(("ok", {"vocab_size": policy.vocab_size}))
+        _serve(policy, conn)
+    except Exception:  # the server reads the traceback; the group is torn down by then
+        _send_quietly(conn, ("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(policy: ShardedPolicy, conn: Connection) -> None:
+    commands: dict[str, Callable[..., Any]] = {
+        "train": policy.train, "export": policy.export, "save": policy.save, "load": policy.load,
+    }  # fmt: skip
+    while True:
+        try:
+            command, args = conn.recv()
+        except EOFError:  # the server is gone
+            return
+        if command == "close":
+            return
+        conn.send(("ok", commands[command](*args)))
+
+
+def _send_quietly(conn: Connection, message: tuple) -> None:
+    try:
+        conn.send(message)
+    except OSError:
+        pass  # the server is gone already
+
+
+class ShardedPolicy:
+    """This rank's shard of the policy (and of the frozen KL reference), its optimizer, and the passes of a step."""
+
+    def __init__(self, rank: int, spec: RankSpec, report: Callable[[int, int], None] | None) -> None:
+        self.rank = rank
+        self.spec = spec
+        self._report = report
+        if spec.device_type == "cuda":
+            torch.cuda.set_device(rank)
+        self.device = torch.device(spec.device_type, rank) if spec.device_type == "cuda" else torch.device("cpu")
+        mesh = init_device_mesh(spec.device_type, (spec.world_size,))
+        dtype = resolve_dtype(spec.dtype)
+        policy = load_policy_model(Path(spec.model_dir), dtype, self.device)
+        self.aliases = tied_aliases(policy)
+        self.policy = _shard(policy, mesh)
+        self.ref: torch.nn.Module | None = None
+        if spec.config.kl_coef > 0:
+            self.ref = _shard(load_policy_model(Path(spec.model_dir), dtype, self.device).requires_grad_(False), mesh)
+        self.vocab_size = self.policy.get_input_embeddings().num_embeddings
+        self.optimizer = self._new_optimizer(spec.config)
+
+    def _new_optimizer(self, config: GRPOConfig) -> torch.optim.Optimizer:
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=config.learning_rate, betas=tuple(config.adam_betas),
+                                 weight_decay=config.weight_decay)  # fmt: skip
+
+    def train(self, plan: RankPlan, num_samples: int, config: GRPOConfig) -> list[PassResult]:
+        """`ppo_epochs` passes over this rank's micro-batches; each pass ends in one (sharded) AdamW step."""
+        apply_optimizer_hparams(self.optimizer, config)
+        set_gradient_checkpointing(self.policy, config.gradient_checkpointing)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        passes: list[PassResult] = []
+        for epoch in range(config.ppo_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            stats = self._accumulate(plan, num_samples, config, done=epoch * len(plan),
+                                     total=config.ppo_epochs * len(plan))  # fmt: skip
+            norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)  # over all ranks' shards
+            grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+            finite = math.isfinite(grad_norm)  # the same on every rank: all step, or none
+            if finite:
+                self.optimizer.step()
+            elif self.rank == 0:
+                log.warning("non-finite gradient norm in epoch %d: update skipped", epoch)
+            self.optimizer.zero_grad(set_to_none=True)
+            passes.append((stats, grad_norm, finite))
+        return passes
+
+    def _accumulate(self, plan: RankPlan, num_samples: int, config: GRPOConfig, *, done: int,
+                    total: int) -> dict[str, float]:  # fmt: skip
+        """Forward + backward of this rank's share of L; the gradients are summed over ranks in the last backward."""
+        stats: dict[str, float] = {}
+        for index, items in enumerate(plan):
+            self.policy.set_requires_gradient_sync(index == len(plan) - 1)
+            mb = collate(items or _PADDING, self.device, self.vocab_size)
+            loss, mb_stats = micro_batch_loss(self.policy, self.ref, mb, config, num_samples)
+            if items is None:
+                loss = loss * 0.0  # a padding pass: the collectives run, the gradient is 0
+            else:
+                add_pass_stats(stats, mb_stats)
+            loss.backward()
+            if self._report is not None:
+                self._report(done + index + 1, total)
+        return stats
+
+    def export(self, directory: str) -> None:
+        write_hf_weights(self.policy, self.aliases, Path(directory))
+
+    def save(self, directory: str, step_count: int, config: GRPOConfig, server_rng: dict[str, Any]) -> None:
+        save_checkpoint(self.policy, self.optimizer, self.aliases, Path(directory), step_count=step_count,
+                        config=config, model_dir=Path(self.spec.model_dir), server_rng=server_rng)  # fmt: skip
+
+    def load(self, directory: str, config: GRPOConfig) -> dict[str, Any] | None:
+        self.optimizer = self._new_optimizer(config)  # the checkpoint's state, or none if it never stepped
+        return load_checkpoint(self.policy, self.optimizer, Path(directory))
+
+
+def _shard(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """FSDP2 on every decoder layer, then the root (embeddings, final norm, head); gradients summed over ranks."""
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # each rank's loss is already its share of L (divided by S)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+    return model
