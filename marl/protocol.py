@@ -208,8 +208,14 @@ class GRPOConfig(_Strict):
                                          " far less memory on long conversations, about a third more compute.")
 
 
+class FSDPConfig(GRPOConfig):
+    """The FSDP2 trainer's section (`train.fsdp`): GRPO's knobs, the policy sharded over `ranks` processes."""
+
+    ranks: Int = Field(2, ge=1, description="Processes the policy is sharded over (one GPU each on CUDA).")
+
+
 #: Trainer name -> the config class of its section in `TrainConfig` (the section's key is the trainer's name).
-TRAINER_SECTIONS: dict[str, type[BaseModel]] = {"grpo": GRPOConfig}
+TRAINER_SECTIONS: dict[str, type[BaseModel]] = {"grpo": GRPOConfig, "fsdp": FSDPConfig}
 
 
 class TrainConfig(_Strict):
@@ -237,9 +243,11 @@ class TrainConfig(_Strict):
     keep_checkpoints: Int = Field(2, ge=1)
     seed: Int = Field(0, ge=0, le=SEED_MAX)
     # The trainer
-    trainer: Literal["grpo"] = Field("grpo", description="Which trainer steps the policy; its knobs are the section"
+    trainer: Literal["grpo", "fsdp"] = Field("grpo", description="Which trainer steps the policy; its knobs are the section"
                                                          " of the same name.")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="The GRPO trainer's settings.")
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="The FSDP2 trainer's settings: GRPO's, sharded"
+                                                                     " over `ranks` processes.")
 
     @model_validator(mode="before")
     @classmethod

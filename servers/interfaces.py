@@ -151,3 +151,6 @@ class Trainer(abc.ABC):
     @abc.abstractmethod
     def load(self, directory: Path) -> None:
         """Restore everything `save` wrote."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the trainer (engine stopped); a trainer with processes of its own stops them. May block."""

@@ -102,11 +102,10 @@ class EngineLifecycle:
         if self._boot_task and not self._boot_task.done():
             self._boot_task.cancel()
         self.generation += 1  # anything still running for the old generation is ignored when it finishes
-        engine = self.engine
+        engine, trainer = self.engine, self.trainer
         self.engine = self.trainer = self.formatter = None
         self.move_to(EngineState.OFFLINE)
-        if engine is not None:
-            await asyncio.to_thread(engine.close)
+        await _close(engine, trainer)
 
     async def _boot(self, generation: int) -> None:
         try:
@@ -120,7 +119,7 @@ class EngineLifecycle:
                 self.move_to(EngineState.OFFLINE)
             return
         if generation != self.generation:  # stopped while booting
-            _close_soon(engine)
+            _close_soon(engine, trainer)
             return
         self.engine, self.trainer, self.policy_version = engine, trainer, trainer.step_count
         self.formatter = formatter
@@ -133,6 +132,7 @@ class EngineLifecycle:
         checkpoint, and return to the pool the samples claimed by steps that checkpoint does not hold."""
         model_dir = await asyncio.to_thread(self.resolve_model, self.model)
         engine = await asyncio.to_thread(self.engine_factory, model_dir)
+        trainer = None
         try:
             formatter = await asyncio.to_thread(ChatFormatter, engine.tokenizer, engine.eos_token_ids)
             trainer = await asyncio.to_thread(self.trainer_factory, model_dir, self.config)
@@ -145,7 +145,7 @@ class EngineLifecycle:
             if released:
                 log.info("returned %d samples claimed by steps after %d to the pool", released, trainer.step_count)
         except BaseException:
-            _close_soon(engine)
+            _close_soon(engine, trainer)
             raise
         return engine, trainer, formatter
 
@@ -170,11 +170,21 @@ class EngineLifecycle:
         """Server shutdown: stop booting, release the engine."""
         if self._boot_task:
             self._boot_task.cancel()
-        if self.engine is not None:
-            await asyncio.to_thread(self.engine.close)
-            self.engine = self.trainer = self.formatter = None
+        engine, trainer = self.engine, self.trainer
+        self.engine = self.trainer = self.formatter = None
+        await _close(engine, trainer)
 
 
-def _close_soon(engine: InferenceEngine) -> None:
-    """Release an engine nobody will use, in a thread, without waiting (error and cancellation paths)."""
-    asyncio.get_running_loop().run_in_executor(None, engine.close)
+async def _close(engine: InferenceEngine | None, trainer: Trainer | None) -> None:
+    """Release an engine and a trainer (a trainer may own processes: an FSDP trainer's ranks)."""
+    for backend in (engine, trainer):
+        if backend is not None:
+            await asyncio.to_thread(backend.close)
+
+
+def _close_soon(engine: InferenceEngine, trainer: Trainer | None = None) -> None:
+    """Release an engine (and trainer) nobody will use, in a thread, without waiting (error and cancellation paths)."""
+    loop = asyncio.get_running_loop()
+    for backend in (engine, trainer):
+        if backend is not None:
+            loop.run_in_executor(None, backend.close)

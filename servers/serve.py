@@ -63,7 +63,13 @@ def _grpo_trainer(model_dir: Path, section, device: str | None) -> Trainer:
 
 
 #: `TrainConfig.trainer` -> how to build that trainer from the model dir, its config section and the device.
-TRAINERS = {"grpo": _grpo_trainer}
+def _fsdp_trainer(model_dir: Path, section, device: str | None) -> Trainer:
+    from servers.trainers.fsdp import FSDPTrainer
+
+    return FSDPTrainer(model_dir, section, device=device)
+
+
+TRAINERS = {"grpo": _grpo_trainer, "fsdp": _fsdp_trainer}
 
 
 def default_trainer_factory(device: str | None) -> TrainerFactory:

@@ -80,7 +80,7 @@ class VLLMEngine(InferenceEngine):
         self._start_timeout_s = start_timeout_s
         self._max_restarts = max_restarts
         self._weights: Path | None = None  # our copy of the latest weights loaded (a restart loads them again)
-        self._lock = threading.Lock()  # one weight sync, restart or close at a time
+        self._lock = threading.Lock()  # one weight sync or restart at a time
         self._ready = threading.Event()  # set while vLLM serves
         self._closing = threading.Event()
         self._down: str | None = None  # why the engine no longer serves (every call fails with it)

@@ -26,9 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from pydantic import Field
 
-from marl.protocol import GRPOConfig, Int, Sample
+from marl.protocol import FSDPConfig, Sample
 from servers.interfaces import TrainBatch, Trainer
 from servers.trainers.checkpoint import copy_tokenizer, restore_rng_states, rng_states
 from servers.trainers.fsdp_ranks import RankFailure, RankGroup
@@ -38,12 +37,6 @@ from servers.trainers.micro_batches import check_token_ids, pack_micro_batches
 from servers.trainers.step_metrics import PassTotals, add_pass_stats
 
 __all__ = ["FSDPConfig", "FSDPTrainer", "RankFailure", "plan_micro_batches"]
-
-
-class FSDPConfig(GRPOConfig):
-    """The FSDP2 trainer's section of a `TrainConfig` (`train.fsdp`): GRPO's knobs, and how many ranks."""
-
-    ranks: Int = Field(2, ge=1, description="Processes the policy is sharded over (one GPU each on CUDA).")
 
 
 def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int) -> list[list[list[int] | None]]:
