@@ -222,10 +222,11 @@ def _add_episode(sub: argparse._SubParsersAction) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marl", description="Multi-agent RL for heterogeneous teams of LLM agents.")
     sub = parser.add_subparsers(dest="command", required=True)
+    from marl.eval.command import add_eval_parser
     from marl.proxy import add_proxy_parser
 
     for add in (_add_serve, _add_status, _add_topology, _add_run, _add_overwatch, _add_plot, _add_episode,
-                add_proxy_parser):
+                add_eval_parser, add_proxy_parser):
         add(sub)
     return parser
 

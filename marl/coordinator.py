@@ -5,12 +5,15 @@ For each game it
    the run's `ServerMonitor` sees it, then leases on all of them at once; if any lease fails, it aborts the others
    and waits again (it never holds a lease on one server while waiting for another);
 2. gives each agent its own player: it describes the agent's `Seat` (a trainable role gets the credentials of its
-   server's lease, tagged with the role; a static role its fixed endpoint; a scripted role the env) and asks the
+   server's lease, tagged with the role; a static role its fixed endpoint, or for a pool of past snapshots (a
+   `past_of` server, `marl/league.py`) the snapshot drawn for this game; a scripted role the env) and asks the
    `player_factory` for an object with `act(observation) -> reply` (default: `default_player`, an OpenAI-SDK
    `LLMAgent` or the env's scripted policy; `marl.agentscope_agents` gives AgentScope agents);
 3. plays the PettingZoo AEC game (the env is a `envs.base.GameEnv`);
 4. commits: checks every lease is still alive, then ends each server's episode with the rewards of the roles that
-   server plays. Any exception before the commit aborts every lease of the game.
+   server plays and the game's provenance (metadata `co_players`: every role's server and policy version). Any
+   exception before the commit aborts every lease of the game.
+A game with no trainable server (every role static or scripted: `marl eval`) leases nothing and commits nothing.
 The result is a `GameRecord` (marl/game_record.py). Which games to play, and replaying failed ones with the same task
 id so GRPO groups line up across servers, is `marl/games.py`'s job.
 
@@ -20,13 +23,14 @@ them, the servers already ended keep their episode (each is individually durable
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import openai
@@ -34,7 +38,7 @@ import openai
 from envs.base import GameEnv
 from marl.agents import LLMAgent, ScriptedAgent
 from marl.client import EpisodeOutput, SwarmClient, SwarmError
-from marl.game_record import GameRecord
+from marl.game_record import CoPlayer, GameRecord
 from marl.monitor import ServerMonitor
 from marl.protocol import AGENT_HEADER, EngineState, EpisodeLease
 
@@ -53,6 +57,14 @@ class GameCancelled(GameFailed):
     """The game was cancelled while it waited for its leases (the run is stopping); it held none."""
 
 
+class SnapshotSource(Protocol):
+    """A pool of static servers on past checkpoints of a trainable server (`marl.league.SnapshotPool`)."""
+
+    def draw(self) -> contextlib.AbstractContextManager[Endpoint]:
+        """A static endpoint on one snapshot (with its `policy_version` and `snapshot_of`), kept serving until the
+        context exits."""
+
+
 @dataclass
 class Endpoint:
     """How the coordinator reaches one server of the topology."""
@@ -65,6 +77,12 @@ class Endpoint:
     max_concurrency: int | None = None
     #: Synced (and the engine started) whenever the server is found OFFLINE, e.g. after a crash and restart.
     train_config: dict | None = None
+    #: A static endpoint on a known checkpoint: its policy version, and the trainable server it is a snapshot of
+    #: (recorded as the game's provenance; None: unknown, e.g. an external model).
+    policy_version: int | None = None
+    snapshot_of: str | None = None
+    #: A `past_of` server: no endpoint of its own; every game draws one of its snapshots.
+    snapshots: SnapshotSource | None = None
 
     @property
     def trainable(self) -> bool:
@@ -167,7 +185,7 @@ class Coordinator:
         self._static_clients = {
             name: openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=2, timeout=600)
             for name, ep in endpoints.items()
-            if not ep.trainable
+            if not ep.trainable and ep.snapshots is None
         }
         self._leases = _HeldLeases(endpoints, self._io)
 
@@ -192,20 +210,9 @@ class Coordinator:
         start = time.monotonic()
         env = self.env_factory()
         env.reset(seed=seed)
-        players: dict[str, Any] = {}
-        turns = 0
-        try:
-            for agent in env.possible_agents:
-                players[agent] = self.player_factory(self._seat(env, agent, leases))
-            for agent in env.agent_iter():
-                observation, _, terminated, truncated, _ = env.last()
-                if terminated or truncated:
-                    env.step(None)
-                    continue
-                env.step(players[agent].act(str(observation)))
-                turns += 1
-        finally:
-            _close(players.values())
+        with contextlib.ExitStack() as drawn:
+            statics = self._draw_statics(env, drawn)
+            turns = self._play_turns(env, leases, statics)
         record = GameRecord(
             task_id=task_id,
             seed=seed,
@@ -220,11 +227,57 @@ class Coordinator:
             winner=env.winner,
             teams={env.role_of(agent): env.team_of(agent) for agent in env.possible_agents},
             time=time.time(),
+            co_players=self._co_players(env, leases, statics),
         )
         env.close()
         return record
 
-    def _seat(self, env: GameEnv, agent: str, leases: dict[str, _Lease]) -> Seat:
+    def _play_turns(self, env: GameEnv, leases: dict[str, _Lease], statics: dict[str, Endpoint]) -> int:
+        """Seat a player for every agent and play the game to its end; returns the turns played."""
+        players: dict[str, Any] = {}
+        turns = 0
+        try:
+            for agent in env.possible_agents:
+                players[agent] = self.player_factory(self._seat(env, agent, leases, statics))
+            for agent in env.agent_iter():
+                observation, _, terminated, truncated, _ = env.last()
+                if terminated or truncated:
+                    env.step(None)
+                    continue
+                env.step(players[agent].act(str(observation)))
+                turns += 1
+        finally:
+            _close(players.values())
+        return turns
+
+    def _draw_statics(self, env: GameEnv, drawn: contextlib.ExitStack) -> dict[str, Endpoint]:
+        """Every static server this game seats -> the endpoint it plays on: its own, or for a pool of snapshots the
+        snapshot drawn for this game (held by `drawn` until the game ends)."""
+        statics = {}
+        for server in {self.role_servers.get(env.role_of(agent)) for agent in env.possible_agents}:
+            endpoint = self.endpoints.get(server) if server is not None else None
+            if endpoint is None or endpoint.trainable:
+                continue
+            statics[server] = endpoint if endpoint.snapshots is None else drawn.enter_context(endpoint.snapshots.draw())
+        return statics
+
+    def _co_players(self, env: GameEnv, leases: dict[str, _Lease],
+                    statics: dict[str, Endpoint]) -> dict[str, CoPlayer]:
+        """Who played each role: its server and the policy version that played (the game's provenance)."""
+        players = {}
+        for role in sorted({env.role_of(agent) for agent in env.possible_agents}):
+            server = self.role_servers[role]
+            if server is None:
+                players[role] = CoPlayer()
+            elif server in leases:
+                players[role] = CoPlayer(server=server, policy_version=leases[server].lease.policy_version)
+            else:
+                endpoint = statics[server]
+                players[role] = CoPlayer(server=server, policy_version=endpoint.policy_version,
+                                         snapshot_of=endpoint.snapshot_of)
+        return players
+
+    def _seat(self, env: GameEnv, agent: str, leases: dict[str, _Lease], statics: dict[str, Endpoint]) -> Seat:
         role = env.role_of(agent)
         if role not in self.role_servers:
             raise GameFailed(f"the env dealt role '{role}' to {agent}, but the topology has no role '{role}'")
@@ -233,14 +286,15 @@ class Coordinator:
                     temperature=self.settings.temperature, env=env)
         if server is None:
             return seat
-        endpoint = self.endpoints[server]
-        if endpoint.trainable:
+        if self.endpoints[server].trainable:
             lease = leases[server].lease
             return replace(seat, base_url=lease.base_url, api_key=lease.api_key, model=lease.model, trainable=True)
+        endpoint = statics[server]
         return replace(seat, base_url=endpoint.base_url, api_key=endpoint.api_key, model=endpoint.model)
 
     def _default_player(self, seat: Seat) -> LLMAgent | ScriptedAgent:
-        shared = None if seat.server is None or seat.trainable else self._static_clients[seat.server]
+        # One shared client per fixed static server; a lease or a drawn snapshot gets its own.
+        shared = None if seat.server is None or seat.trainable else self._static_clients.get(seat.server)
         return default_player(seat, shared)
 
     # --- leasing: all or nothing, never holding one while waiting for another -------------------------------------
@@ -324,7 +378,8 @@ class Coordinator:
         return EpisodeOutput(
             reward=sum(rewards.values()) / len(rewards) if rewards else 0.0,
             agent_rewards=rewards,
-            metadata={"seed": result.seed, "role_rewards": result.role_rewards, "turns": result.turns},
+            metadata={"seed": result.seed, "role_rewards": result.role_rewards, "turns": result.turns,
+                      "co_players": {role: player.model_dump() for role, player in result.co_players.items()}},
         )
 
     # --- leases held ---------------------------------------------------------------------------------------------

@@ -1,9 +1,14 @@
 """`GameRecord`: one finished game, as the coordinator returns it and `marl run` writes it (a line of games.jsonl).
 
 Written by `marl/run.py` (`append_game`); read by `marl/plot.py` (curves, the per-role summary) and
-`bench/run_report.py` (`read_games`). Only `role_rewards` is required: rows written by older versions lack the newer
-fields (`replies`, `winner`, `teams`, ...) and read with the defaults below, which mean "not recorded". Unknown keys
-are ignored, so a newer row still reads here. A line torn by a crash is skipped.
+`bench/run_report.py` (`read_games`), and by `marl eval` (marl/eval/). Only `role_rewards` is required: rows written
+by older versions lack the newer fields (`replies`, `winner`, `teams`, `co_players`, ...) and read with the defaults
+below, which mean "not recorded". Unknown keys are ignored, so a newer row still reads here. A line torn by a crash
+is skipped.
+
+`co_players` is the game's provenance: who played each role, at which policy version. The coordinator also commits
+it with every trainable server's episode (the episode's metadata, key `co_players`), so each server's samples say
+whom they were played against.
 """
 
 from __future__ import annotations
@@ -15,7 +20,17 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-__all__ = ["GameRecord", "append_game", "as_records", "read_games"]
+__all__ = ["CoPlayer", "GameRecord", "append_game", "as_records", "read_games"]
+
+
+class CoPlayer(BaseModel):
+    """Who played one role in one game."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    server: str | None = None  # the topology server (None: the env's scripted policy)
+    policy_version: int | None = None  # the weights that played; None: scripted, or a static model of unknown version
+    snapshot_of: str | None = None  # a past checkpoint of this trainable server played (eval, past_of opponents)
 
 
 class GameRecord(BaseModel):
@@ -34,6 +49,7 @@ class GameRecord(BaseModel):
     winner: str | None = None  # the team that won, if the game has that notion
     teams: dict[str, str] = {}  # role -> its team this game
     time: float | None = None  # unix time the game finished (None: not recorded)
+    co_players: dict[str, CoPlayer] = {}  # role -> who played it (every role of the game)
 
 
 def append_game(file: IO[str], record: GameRecord) -> None:

@@ -4,6 +4,10 @@
                                   game against that server's policy version (what the other roles did matters too)
     servers/<name>/training.png   from the server's metrics.jsonl: reward mean ± std per role, loss, entropy and
                                   grad norm against the training step
+    evals.png                     from evals.jsonl (`run.eval_every`): per role, the greedy win rate and mean
+                                  reward of each evaluated pairing, with 95% intervals, against the training step
+
+`marl eval` writes eval.png (`plot_eval_matrix`): one role's win rate over a matrix of pairings.
 
 `marl run` calls `plot_run` when it ends; run it again any time, also while a run goes on.
 """
@@ -19,7 +23,8 @@ from typing import Any
 
 from marl.game_record import GameRecord, as_records, read_games
 
-__all__ = ["percent", "plot_reward_curves", "plot_run", "plot_training", "summarize_games", "summarize_roles"]
+__all__ = ["percent", "plot_eval_matrix", "plot_evals", "plot_reward_curves", "plot_run", "plot_training",
+           "summarize_games", "summarize_roles"]
 
 
 def plot_run(run_dir: Path) -> list[Path]:
@@ -32,6 +37,7 @@ def plot_run(run_dir: Path) -> list[Path]:
     if (run_dir / "metrics.jsonl").exists():  # a server's own data dir works too
         data_dirs.append(run_dir)
     written += [plot_training(d) for d in data_dirs]
+    written.append(plot_evals(run_dir))
     return [p for p in written if p is not None]
 
 
@@ -149,3 +155,69 @@ def _pace(games: list[GameRecord]) -> dict[str, dict[str, float]]:
         hours = (times[-1] - times[0]) / 3600
         out["all"] = {"games": len(games), "games_per_hour": (len(times) - 1) / hours if hours > 0 else math.nan}
     return out
+
+
+def plot_evals(run_dir: Path) -> Path | None:
+    """evals.png: per role (columns), the win rate and mean reward (rows) of each pairing against the step."""
+    rows = _read_jsonl(Path(run_dir) / "evals.jsonl") if (Path(run_dir) / "evals.jsonl").exists() else []
+    if not rows:
+        return None
+    roles = sorted({role for row in rows for role in row["roles"]})
+    pairings = list(dict.fromkeys(row["pairing"] for row in rows))
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, len(roles), figsize=(4.5 * len(roles), 6), squeeze=False)
+    for column, role in enumerate(roles):
+        for pairing in pairings:
+            points = sorted((row["step"], row["roles"][role]) for row in rows
+                            if row["pairing"] == pairing and role in row["roles"])
+            for ax, (mean, low, high) in zip(axes[:, column], (("win_rate", "win_low", "win_high"),
+                                                               ("mean_reward", "reward_low", "reward_high"))):
+                x = [step for step, _ in points]
+                ax.plot(x, [_nan(stats[mean]) for _, stats in points], marker="o", label=pairing)
+                ax.fill_between(x, [_nan(stats[low]) for _, stats in points],
+                                [_nan(stats[high]) for _, stats in points], alpha=0.15)
+        axes[0, column].set_title(f"{role}: greedy win rate")
+        axes[1, column].set_title(f"{role}: mean reward")
+        for ax in axes[:, column]:
+            ax.set_xlabel("training step")
+            ax.legend(fontsize="small")
+    return _save(fig, Path(run_dir) / "evals.png")
+
+
+def plot_eval_matrix(cells: list[tuple[dict[str, str], Any]], role: str, path: Path) -> Path:
+    """A heatmap of `role`'s win rate over pairings: `cells` are (role -> checkpoint label, the role's stats with
+    `win_rate`, `win_low`, `win_high`) per pairing. Two roles that vary: rows × columns; otherwise one row."""
+    varying = [r for r in dict.fromkeys(r for labels, _ in cells for r in labels)
+               if len({labels.get(r) for labels, _ in cells}) > 1]
+    if len(varying) == 2:
+        row_role, column_role = varying
+        row_names = list(dict.fromkeys(labels[row_role] for labels, _ in cells))
+        column_names = list(dict.fromkeys(labels[column_role] for labels, _ in cells))
+        place = {(labels[row_role], labels[column_role]): stats for labels, stats in cells}
+        grid = [[place.get((r, c)) for c in column_names] for r in row_names]
+        ylabel, xlabel = row_role, column_role
+    else:
+        row_names, ylabel, xlabel = [""], "", " ".join(varying) or "pairing"
+        column_names = [" ".join(labels[r] for r in varying) or str(i) for i, (labels, _) in enumerate(cells)]
+        grid = [[stats for _, stats in cells]]
+    values = [[_nan(getattr(stats, "win_rate", math.nan)) for stats in row] for row in grid]
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(1.6 * len(column_names) + 2, 1.1 * len(row_names) + 1.8))
+    image = ax.imshow(values, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    for i, row in enumerate(grid):
+        for j, stats in enumerate(row):
+            if stats is not None:
+                ax.text(j, i, f"{stats.win_rate:.2f}\n[{stats.win_low:.2f}, {stats.win_high:.2f}]", ha="center",
+                        va="center", fontsize=8, color="white" if stats.win_rate < 0.6 else "black")
+    ax.set_xticks(range(len(column_names)), column_names)
+    ax.set_yticks(range(len(row_names)), row_names)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{role}: win rate (95% interval)")
+    fig.colorbar(image, ax=ax)
+    return _save(fig, Path(path))
+
+
+def _nan(value: float | None) -> float:
+    """JSON's null (a NaN written by `marl eval`) back to NaN, which matplotlib leaves out."""
+    return math.nan if value is None else value

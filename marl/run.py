@@ -2,12 +2,13 @@
 
 The run directory (`run.run_dir`, default `runs/<name>`) gets:
   topology.yaml             the resolved topology (overrides applied)
-  logs/<server>.log         output of every local server
+  logs/<server>.log         output of every local server (logs/<past_of server>/ and logs/eval/: one per snapshot)
   servers/<server>/         each local server's data dir: ledger, checkpoints, metrics.jsonl (one line per step)
   games.jsonl               one `GameRecord` per finished game: task, rewards per role, policy versions, invalid
                             actions, replies, the winner (for games with teams)
   reward_curves.png         mean reward per role against each trainable server's policy version (`marl plot`)
   servers.json              where the local servers listen, for `marl overwatch TOPOLOGY.yaml` (owner-only)
+  evals.jsonl, evals.png    with `run.eval_every`: greedy games between checkpoints as training goes (marl/eval/)
 
 The run stops after `run.games` games (exactly that many are played and recorded), once every trainable server took
 `run.max_steps` training steps, or when it gives up: a game that failed `run.max_failures` times in a row, a local
@@ -17,7 +18,8 @@ servers this run started.
 
 Who does what: `marl.launch` starts and supervises the local servers, `marl.monitor.ServerMonitor` watches every
 trainable server (lease gating, revival, the live table), `marl.coordinator` plays one game, `marl.games` schedules
-them; this module wires them together and shows the live table and the summary.
+them; `marl.league` serves the snapshots of past_of servers, `marl.eval.periodic` evaluates checkpoints every
+`run.eval_every` steps; this module wires them together and shows the live table and the summary.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ from rich.text import Text
 
 from marl.client import SwarmClient
 from marl.coordinator import Coordinator, Endpoint, GameSettings
+from marl.eval.periodic import PeriodicEval
 from marl.game_record import GameRecord, append_game
 from marl.games import FailedAttempt, play_games, tasks
 from marl.launch import SERVERS_FILE, ServerProcess, Supervisor
+from marl.league import SnapshotPool, snapshot_pools
 from marl.monitor import ServerMonitor, ServerView
 from marl.plot import percent, plot_run, summarize_games
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, ServerStatus
@@ -156,6 +160,8 @@ class _Session:
         self.max_failures = self.spec.run.max_failures
         self.board = _Board(run_dir / "games.jsonl", self.spec.run.games)
         self.processes: dict[str, ServerProcess] = {}
+        self.pools: dict[str, SnapshotPool] = {}
+        self.evals: PeriodicEval | None = None
         self.supervisor: Supervisor | None = None
         self.monitor: ServerMonitor | None = None
         self.coordinator: Coordinator | None = None
@@ -164,7 +170,8 @@ class _Session:
 
     def start(self) -> None:
         token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
-        endpoints = _start_servers(self.topology, self.run_dir, token, self.processes, self.console)
+        self.pools = snapshot_pools(self.topology, self.run_dir, token, seed=self.spec.run.seed)
+        endpoints = _start_servers(self.topology, self.run_dir, token, self.processes, self.pools, self.console)
         self.supervisor = Supervisor(self.processes, report=lambda line: self.console.log(Text(line, style="red")))
         self.supervisor.start()
         self.monitor = ServerMonitor({name: endpoints[name] for name in self.topology.trainable_servers()},
@@ -179,6 +186,8 @@ class _Session:
             linked_servers=self.topology.linked_servers(),
             monitor=self.monitor,
         )
+        if run.eval_every is not None:
+            self.evals = PeriodicEval(self.topology, self.run_dir, token, report=self.console.log).start()
 
     def play(self, started: float) -> None:
         run = self.spec.run
@@ -215,6 +224,8 @@ class _Session:
     def shut_down(self) -> None:
         if self.supervisor is not None:
             self.supervisor.close()  # first: a server stopped below has not died
+        if self.evals is not None:
+            self.evals.close()
         if self.coordinator is not None:
             aborted = self.coordinator.abort_all()
             if aborted:
@@ -223,8 +234,9 @@ class _Session:
         if self.monitor is not None:
             self.monitor.close()
         self.board.close()
-        with ThreadPoolExecutor(len(self.processes) or 1) as stopping:  # together: each may drain in-flight calls
-            list(stopping.map(ServerProcess.stop, self.processes.values()))
+        stops = [*(proc.stop for proc in self.processes.values()), *(pool.close for pool in self.pools.values())]
+        with ThreadPoolExecutor(len(stops) or 1) as stopping:  # together: each may drain in-flight calls
+            list(stopping.map(lambda stop: stop(), stops))
         if self.processes:
             self.console.print(f"stopped {len(self.processes)} local servers")
 
@@ -273,9 +285,10 @@ def _restore_sigterm(previous: dict | None) -> None:
 
 
 def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dict[str, ServerProcess],
-                   console: Console) -> dict[str, Endpoint]:
-    """Start the local servers (into `processes`, so a failure here still stops them), connect to every server,
-    sync the trainable ones' configs and start their engines; returns how the coordinator reaches each."""
+                   pools: dict[str, SnapshotPool], console: Console) -> dict[str, Endpoint]:
+    """Start the local servers (into `processes`, so a failure here still stops them) and the first snapshots of
+    every past_of server (`pools`), connect to every server, sync the trainable ones' configs and start their
+    engines; returns how the coordinator reaches each."""
     spec = topology.spec
     for name in topology.local_servers():
         server = spec.servers[name]
@@ -288,11 +301,14 @@ def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dic
     for proc in processes.values():
         proc.wait_healthy()
     _write_servers_file(run_dir, processes, token)
-    endpoints = {name: _endpoint(topology, name, processes, token) for name in spec.servers}
+    endpoints = {name: _endpoint(topology, name, processes, pools, token) for name in spec.servers}
 
     def boot(name: str) -> None:
         endpoint = endpoints[name]
-        if endpoint.trainable:
+        if name in pools:
+            pool = pools[name].start()
+            console.print(f"past_of server {name} serves snapshots {pool.versions()} of {pool.spec.server}")
+        elif endpoint.trainable:
             endpoint.client.auto_sync_train_config_and_start_engine(endpoint.train_config)
         elif name in processes:  # a local static server loads its model at start-up
             with SwarmClient(processes[name].url, admin_token=token, max_wait_s=3600) as client:
@@ -304,9 +320,13 @@ def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dic
     return endpoints
 
 
-def _endpoint(topology: Topology, name: str, processes: dict[str, ServerProcess], token: str) -> Endpoint:
-    """How the coordinator reaches server `name`: a swarm client (trainable) or an OpenAI-compatible URL."""
+def _endpoint(topology: Topology, name: str, processes: dict[str, ServerProcess], pools: dict[str, SnapshotPool],
+              token: str) -> Endpoint:
+    """How the coordinator reaches server `name`: a swarm client (trainable), an OpenAI-compatible URL, or a pool
+    of snapshots (past_of)."""
     server, run = topology.spec.servers[name], topology.spec.run
+    if server.kind == ServerKind.PAST_SNAPSHOTS:
+        return Endpoint(name, snapshots=pools[name])
     if server.kind == ServerKind.LOCAL_TRAINABLE:
         client = SwarmClient(processes[name].url, admin_token=token, max_wait_s=3600)
     elif server.kind == ServerKind.REMOTE_SWARM:

@@ -8,7 +8,8 @@ from rich.tree import Tree
 from marl.topology import ServerKind, Topology
 
 _KIND_STYLES = {ServerKind.LOCAL_TRAINABLE: "green", ServerKind.LOCAL_STATIC: "blue",
-                ServerKind.REMOTE_SWARM: "magenta", ServerKind.EXTERNAL_OPENAI: "yellow"}
+                ServerKind.REMOTE_SWARM: "magenta", ServerKind.EXTERNAL_OPENAI: "yellow",
+                ServerKind.PAST_SNAPSHOTS: "cyan"}
 _SERVER_KEYS = ("url", "swarm_url", "device", "port", "prefix_cache_gb", "api_key_env", "admin_token_env")
 
 
@@ -47,6 +48,8 @@ def _add_servers(root: Tree, topology: Topology) -> None:
         line = Text.assemble((name, "bold"), "  ", (s.kind.value, _KIND_STYLES[s.kind]))
         if s.model:
             line.append(f"  model={s.model}")
+        if s.past_of:
+            line.append(f"  past_of={s.past_of.server} pool={s.past_of.pool} k={s.past_of.k}")
         for key in _SERVER_KEYS:
             value = getattr(s, key)
             if value is not None:
@@ -84,5 +87,6 @@ def _add_run(root: Tree, topology: Topology) -> None:
               "max_steps": run.max_steps if run.max_steps is not None else "-",
               "repeats": run.repeats, "concurrency": run.concurrency,
               "per_server_concurrency": run.per_server_concurrency or "-",
-              "lease_timeout_s": run.lease_timeout_s, "seed": run.seed, "run_dir": run.run_dir}
+              "lease_timeout_s": run.lease_timeout_s, "seed": run.seed, "run_dir": run.run_dir,
+              "eval_every": run.eval_every or "-"}
     root.add(Text.assemble(("run  ", "bold"), "  ".join(f"{k}={v}" for k, v in values.items())))

@@ -138,7 +138,19 @@ def show_episode(data_dir: Path, episode_id: str | None = None, *, model: str | 
     finally:
         ledger.close()
     console.print(describe(row), soft_wrap=True)
+    if players := row.metadata.get("co_players"):
+        console.print("played with: " + co_players_text(players), soft_wrap=True)
     for i, sample in enumerate(samples, 1):
         console.print(render_sample(sample, tokenizer, i, len(samples)), soft_wrap=True)
         if tokens:
             console.print(token_table(sample, tokenizer))
+
+
+def co_players_text(players: dict) -> str:
+    """Who played each role of the episode's game (the coordinator's provenance): server, version, snapshot."""
+    def one(role: str, p: dict) -> str:
+        version = f" v{p['policy_version']}" if p.get("policy_version") is not None else ""
+        snapshot = f" (snapshot of {p['snapshot_of']})" if p.get("snapshot_of") else ""
+        return f"{role}={p.get('server') or 'scripted'}{version}{snapshot}"
+
+    return ", ".join(one(role, p) for role, p in sorted(players.items()))

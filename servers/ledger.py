@@ -25,7 +25,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -108,6 +108,7 @@ class EpisodeRow:
     ended_at: float
     num_samples: int
     consumed_step: int | None  # None: still in the pool; -1: dropped as stale
+    metadata: dict = field(default_factory=dict)  # what the client sent at end (co-players, seed, ...)
 
 
 class Ledger:
@@ -232,15 +233,15 @@ class Ledger:
     def episodes(self, limit: int = 20, episode_id: str | None = None) -> list[EpisodeRow]:
         """The latest ended episodes, newest first (or the one whose id starts with `episode_id`)."""
         query = ("SELECT e.episode_id, e.job, e.task_id, e.reward, e.agent_rewards, e.num_calls, e.ended_at,"
-                 " COUNT(s.id), MIN(s.consumed_step) FROM episodes e LEFT JOIN samples s USING (episode_id)")
+                 " COUNT(s.id), MIN(s.consumed_step), e.metadata FROM episodes e LEFT JOIN samples s USING (episode_id)")
         if episode_id is not None:
             rows = self.db.execute(query + " WHERE e.episode_id LIKE ? GROUP BY e.episode_id LIMIT ?",
                                    (episode_id.replace("%", "") + "%", limit)).fetchall()
         else:
             rows = self.db.execute(query + " GROUP BY e.episode_id ORDER BY e.ended_at DESC LIMIT ?",
                                    (limit,)).fetchall()
-        return [EpisodeRow(r[0], r[1], r[2], r[3], json.loads(r[4]) if r[4] else {}, r[5], r[6], r[7], r[8])
-                for r in rows]
+        return [EpisodeRow(r[0], r[1], r[2], r[3], json.loads(r[4]) if r[4] else {}, r[5], r[6], r[7], r[8],
+                           json.loads(r[9]) if r[9] else {}) for r in rows]
 
     @contextlib.contextmanager
     def transaction(self):

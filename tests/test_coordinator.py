@@ -239,3 +239,65 @@ def test_a_server_that_keeps_failing_to_boot_is_given_up_by_the_monitor(tiny_mod
         monitor.close()
         assert monitor.fatal is not None and "server a" in monitor.fatal and "no trainer for you" in monitor.fatal
         assert monitor.state("a") == "OFFLINE"  # and it is left alone
+
+
+# --- provenance: who played each role, on every sample ---------------------------------------------------------
+
+
+def episode_rows(data_dir) -> dict[str, tuple[dict, int]]:
+    """episode id -> (its metadata, the policy version of its samples) in a server's ledger."""
+    import json
+    import sqlite3
+
+    db = sqlite3.connect(data_dir / "ledger.sqlite")
+    try:
+        rows = db.execute("SELECT e.episode_id, e.metadata, MIN(s.policy_version), MAX(s.policy_version)"
+                          " FROM episodes e JOIN samples s USING (episode_id) GROUP BY e.episode_id").fetchall()
+    finally:
+        db.close()
+    assert all(low == high for _, _, low, high in rows)  # one policy per episode
+    return {episode: (json.loads(metadata), version) for episode, metadata, version, _ in rows}
+
+
+def test_every_episode_records_the_versions_of_its_co_players(tiny_model, tmp_path):
+    with LocalServer(tiny_model, tmp_path / "a") as a, LocalServer(tiny_model, tmp_path / "b") as b:
+        # a trains after every game group, b every other group: their versions drift apart during the games
+        coordinator = Coordinator(
+            env_factory=lambda: SignallingGame(num_items=3), role_servers=ROLES,
+            endpoints={"speaker_model": trainable("speaker_model", a.url, batch_size=1),
+                       "listener_model": trainable("listener_model", b.url, batch_size=2)},
+            settings=SETTINGS)
+        stats = play(coordinator, games=10, concurrency=2)
+        coordinator.close()
+    assert stats.failed == 0 and len({r.policy_versions["speaker_model"] for r in stats.results}) > 1
+    speaker_rows, listener_rows = episode_rows(tmp_path / "a"), episode_rows(tmp_path / "b")
+    for record in stats.results:
+        meta_a, version_a = speaker_rows[record.episodes["speaker_model"]]
+        meta_b, version_b = listener_rows[record.episodes["listener_model"]]
+        played = {"speaker": {"server": "speaker_model", "policy_version": version_a, "snapshot_of": None},
+                  "listener": {"server": "listener_model", "policy_version": version_b, "snapshot_of": None}}
+        assert meta_a["co_players"] == meta_b["co_players"] == played  # what each sample was played against
+        assert {role: p.model_dump() for role, p in record.co_players.items()} == played  # and games.jsonl keeps it
+        assert (version_a, version_b) == (record.policy_versions["speaker_model"],
+                                          record.policy_versions["listener_model"])
+
+
+def test_a_game_with_only_static_servers_leases_nothing(tiny_model, tmp_path):
+    with LocalServer(tiny_model, tmp_path / "c", static=True) as c:
+        with admin_http(c.url) as http:
+            wait_state(http, "STATIC")
+        frozen = Endpoint("frozen", base_url=c.url + "/v1", model="tiny", policy_version=7, snapshot_of="speaker_model")
+        coordinator = Coordinator(env_factory=lambda: SignallingGame(num_items=3),
+                                  role_servers={"speaker": "frozen", "listener": None},
+                                  endpoints={"frozen": frozen}, settings=GameSettings(max_tokens=6, temperature=0.0))
+        assert coordinator.linked == []
+        stats = play(coordinator, games=3, repeats=1)
+        coordinator.close()
+    assert stats.games == 3 and stats.failed == 0
+    for record in stats.results:
+        assert record.episodes == {} and record.policy_versions == {}
+        assert record.co_players["speaker"].model_dump() == {"server": "frozen", "policy_version": 7,
+                                                             "snapshot_of": "speaker_model"}
+        assert record.co_players["listener"].model_dump() == {"server": None, "policy_version": None,
+                                                              "snapshot_of": None}
+        assert record.replies["speaker"] >= 1  # the static model did play

@@ -233,7 +233,10 @@ def test_episode_viewer_shows_the_mask_boundaries_of_a_merged_sample(local_serve
                                                  extra_body={"return_token_ids": True})
             replies.append(out.choices[0])
             messages.append({"role": "assistant", "content": out.choices[0].message.content})
-        http.post(f"/episodes/{lease['episode_id']}/end", json={"client_id": "c", "task_id": "t", "reward": 0.25})
+        co_players = {"answerer": {"server": "tiny", "policy_version": 0},  # as the coordinator records them
+                      "rival": {"server": "past", "policy_version": 3, "snapshot_of": "tiny"}}
+        http.post(f"/episodes/{lease['episode_id']}/end", json={"client_id": "c", "task_id": "t", "reward": 0.25,
+                                                                "metadata": {"co_players": co_players}})
         sample = srv.server.ledger.samples_of(lease["episode_id"])[0]
 
     trained = [(a, b) for a, b, m in spans(sample.loss_mask) if m]
@@ -248,6 +251,7 @@ def test_episode_viewer_shows_the_mask_boundaries_of_a_merged_sample(local_serve
     show_episode(data_dir, lease["episode_id"][:10], console=console, tokens=True)
     out = console.export_text()
     assert f"{lease['episode_id']}" in out and "reward" in out and "3 spans" in out
+    assert "played with: answerer=tiny v0, rival=past v3 (snapshot of tiny)" in out
     body = out.split("3 spans)\n", 1)[1]
     assert body.count(OPEN) == 3 and body.count(CLOSE) == 3
     shown = re.findall(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), body, flags=re.S)

@@ -190,3 +190,53 @@ def test_a_local_server_that_dies_is_restarted_and_the_run_completes(tiny_model,
     steps = [json.loads(line)["step"] for line in
              (run_dir / "servers" / "listener_model" / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] >= 3  # it came back and trained on
+
+
+def test_marl_run_with_a_league_of_past_selves_and_evaluations_every_k_steps(tiny_model, tmp_path):
+    spec = {
+        "name": "tiny-league",
+        "servers": {"learner": {"model": str(tiny_model), "trainable": True, "device": "cpu",
+                                "train": {"job": "tiny", "batch_size": 1, "num_repeat": 2, "save_freq": 1,
+                                          "keep_checkpoints": 50}},
+                    "past_learner": {"past_of": {"server": "learner", "pool": "latest", "k": 2}, "device": "cpu"}},
+        "roles": {"speaker": {"server": "learner"}, "listener": {"server": "past_learner"}},
+        "env": {"class": "envs.signalling:SignallingGame", "args": {"num_items": 3}},
+        "run": {"max_steps": 1000, "concurrency": 2, "max_tokens": 6, "eval_every": 2, "eval_games": 2,
+                "run_dir": str(tmp_path / "run")},
+    }
+    (tmp_path / "league.yaml").write_text(yaml.safe_dump(spec))
+    proc = subprocess.Popen([sys.executable, "-m", "marl.cli", "run", str(tmp_path / "league.yaml")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "COLUMNS": "200"})
+    run_dir = tmp_path / "run"
+
+    def evaluated_and_played_a_past_self() -> bool:
+        evals = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines()] \
+            if (run_dir / "evals.jsonl").exists() else []
+        pasts = [g.co_players["listener"].policy_version for g in read_games(run_dir / "games.jsonl")]
+        later = {row["pairing"] for row in evals if row["step"] > 0}  # both pairings of an evaluation past step 0
+        return {"latest", "learner latest"} <= later and any(v >= 1 for v in pasts)
+
+    deadline = time.monotonic() + 300
+    while not evaluated_and_played_a_past_self():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("no whole evaluation past step 0, or no game against a past checkpoint:\n"
+                                 + proc.communicate()[0])
+        time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 130, output
+    assert "past_of server past_learner serves snapshots [0] of learner" in output
+    for game in read_games(run_dir / "games.jsonl"):
+        past = game.co_players["listener"]
+        assert (past.server, past.snapshot_of) == ("past_learner", "learner")
+        assert past.policy_version <= game.policy_versions["learner"]  # a past self, never a future one
+    rows = [json.loads(line) for line in (run_dir / "evals.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 0 and rows[0]["pairing"] == "latest" and rows[0]["games"] == 2
+    later = [row for row in rows if row["step"] > 0]
+    assert all(row["seats"]["listener"] == "initial" for row in later if row["pairing"] == "learner latest")
+    assert set(rows[0]["roles"]) == {"speaker", "listener"} and "win_low" in rows[0]["roles"]["listener"]
+    assert "eval at step 0, latest: win rate" in output
+    with Image.open(run_dir / "evals.png") as image:
+        assert image.size[0] > 300

@@ -333,6 +333,24 @@ CASES = {
                                     "roles.witch.server": "big", "servers.small": _DEL, "servers.remote_7b": _DEL},
                                    "run.max_steps", ["no server is trainable"]),
     "bad role name": ({"roles.bad name": {"scripted": True}}, "roles.bad name", ["letters, digits"]),
+    "past_of unknown server": ({"servers.past": {"past_of": {"server": "smal"}}, "roles.guard.server": "past"},
+                               "servers.past.past_of.server", ["unknown server 'smal'", "did you mean 'small'"]),
+    "past_of a remote server": ({"servers.past": {"past_of": {"server": "remote_7b"}}, "roles.guard.server": "past"},
+                                "servers.past.past_of.server", ["servers.remote_7b is a remote swarm server",
+                                                                "checkpoints that a local trainable server"]),
+    "past_of with a model": ({"servers.past": {"past_of": {"server": "small"}, "model": "x"},
+                              "roles.guard.server": "past"}, "servers.past.model",
+                             ["does not apply to a past_of server", "checkpoints of servers.small"]),
+    "trainable past_of": ({"servers.past": {"past_of": {"server": "small"}, "trainable": True},
+                           "roles.guard.server": "past"}, "servers.past.trainable", ["plays frozen checkpoints"]),
+    "past_of with a port": ({"servers.past": {"past_of": {"server": "small"}, "port": 9000},
+                             "roles.guard.server": "past"}, "servers.past.port", ["one process per snapshot"]),
+    "past_of bad pool": ({"servers.past": {"past_of": {"server": "small", "pool": "recent"}},
+                          "roles.guard.server": "past"}, "servers.past.past_of.pool", ["'latest' or 'uniform'"]),
+    "eval_every of a remote server": ({"run.eval_every": 2}, "run.eval_every",
+                                      ["servers.remote_7b is a remote swarm server"]),
+    "eval_every without checkpoints": ({"run.eval_every": 2, "servers.small.train.save_freq": 0}, "run.eval_every",
+                                       ["servers.small.train.save_freq is 0"]),
 }
 
 
@@ -349,6 +367,21 @@ def test_validation_error_names_its_key(base, case):
     for fragment in fragments:
         assert fragment in problem.message, f"{case}: {fragment!r} not in {problem.message!r}"
     assert f"{key}: " in str(err)
+
+
+def test_a_league_of_past_selves_in_the_graph(base):
+    base["servers"]["past"] = {"past_of": {"server": "small", "pool": "uniform", "k": 2}, "device": "cpu"}
+    base["roles"]["guard"]["server"] = "past"
+    topo = Topology.from_dict(base)
+    assert topo.spec.servers["past"].kind is ServerKind.PAST_SNAPSHOTS and topo.spec.servers["past"].is_local
+    assert list(topo.past_of_servers()) == ["past"] and topo.past_of_servers()["past"].k == 2
+    assert "past" not in topo.local_servers() and "past" not in topo.static_endpoints()
+    assert topo.graph.edges["server:past", "server:small"]["kind"] == "past_of"
+    assert topo.players()["guard"] == "past" and topo.linked_servers() == ["small", "remote_7b"]
+    base["servers"]["small"]["train"]["save_freq"] = 0
+    warnings = Topology.from_dict(base).warnings
+    assert any(w.key == "servers.past.past_of.server" and "always plays its initial model" in w.message
+               for w in warnings)
 
 
 def test_unused_static_server_is_a_warning(base):

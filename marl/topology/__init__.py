@@ -4,7 +4,7 @@ A topology is one YAML file (see `topologies/`). It is loaded with omegaconf (so
 `${oc.env:VAR,default}` interpolations work, and `key=value` dotlist overrides from the command line are merged on
 top), validated into pydantic models, checked for consistency and against the env, and turned into a networkx graph:
 
-    role ──played_by──► server          role ──member_of──► team
+    role ──played_by──► server          role ──member_of──► team          server ──past_of──► server
 
     topo = Topology.load("topologies/signalling-cpu.yaml", ["run.max_steps=5"])
     topo.players()                       # {'speaker': 'speaker_model', 'listener': 'listener_model'}
@@ -36,9 +36,9 @@ from envs.base import RoleInfo
 from .graph import Topology
 from .importing import import_class, import_env_factory
 from .problems import Problem, TopologyError
-from .spec import EnvSpec, RoleSpec, RunSpec, ServerKind, ServerSpec, TopologySpec
+from .spec import EnvSpec, PastOfSpec, RoleSpec, RunSpec, ServerKind, ServerSpec, TopologySpec
 
 __all__ = [
-    "EnvSpec", "Problem", "RoleInfo", "RoleSpec", "RunSpec", "ServerKind", "ServerSpec", "Topology", "TopologyError",
-    "TopologySpec", "import_class", "import_env_factory",
+    "EnvSpec", "PastOfSpec", "Problem", "RoleInfo", "RoleSpec", "RunSpec", "ServerKind", "ServerSpec", "Topology",
+    "TopologyError", "TopologySpec", "import_class", "import_env_factory",
 ]

@@ -7,6 +7,10 @@ Decisions (also in the messages):
 - `run.repeats` (games played per task id) must equal every trainable server's `train.num_repeat` (its GRPO group
   size); left out, it is taken from them (they must then agree), or 1 when nothing is trainable.
 - `run.run_dir` defaults to `runs/<name>`.
+- A `past_of` server plays the checkpoints a local trainable server writes into the run directory: its `server`
+  must be one (a remote swarm server keeps its checkpoints on its own machine). One that never checkpoints
+  (`save_freq: 0`) leaves only the initial model to play: a warning.
+- `run.eval_every` evaluates checkpoints too: every trainable server must be local and save checkpoints.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 
 from .locate import Locator
 from .problems import Problem, did_you_mean
-from .spec import NAME_RE, NAME_RULE, TopologySpec
+from .spec import NAME_RE, NAME_RULE, ServerKind, TopologySpec
 
 
 class Findings:
@@ -38,7 +42,7 @@ class Findings:
 def check_spec(spec: TopologySpec, findings: Findings) -> None:
     """Run every check; fills in the defaults of `run.repeats` and `run.run_dir`."""
     for check in (check_names, check_role_players, check_unused_servers, check_repeats, check_stop,
-                  check_urls):
+                  check_urls, check_past_of, check_eval_every):
         check(spec, findings)
     if spec.run.run_dir is None:
         spec.run.run_dir = Path("runs") / spec.name
@@ -131,3 +135,44 @@ def check_urls(spec: TopologySpec, findings: Findings) -> None:
         if server.swarm_url is not None and server.swarm_url.rstrip("/").endswith("/v1"):
             findings.warn(["servers", name, "swarm_url"], "swarm_url is the server's root URL, not its OpenAI base"
                                                           " URL: drop /v1")
+
+
+def check_past_of(spec: TopologySpec, findings: Findings) -> None:
+    """A past_of server names a local trainable server, whose checkpoints it plays."""
+    for name, server in spec.servers.items():
+        if server.past_of is None:
+            continue
+        source = server.past_of.server
+        where = ["servers", name, "past_of", "server"]
+        if source not in spec.servers:
+            findings.bad(where, f"unknown server {source!r}; known servers: {_known_servers(spec)}"
+                                f"{did_you_mean(source, spec.servers)}")
+            continue
+        kind = spec.servers[source].kind
+        if kind is not ServerKind.LOCAL_TRAINABLE:
+            findings.bad(where, f"servers.{source} is a {kind.value} server: past_of plays the checkpoints that a"
+                                " local trainable server (model: + trainable: true) writes into the run directory")
+        elif spec.servers[source].train.save_freq == 0:
+            findings.warn(where, f"servers.{source}.train.save_freq is 0: it never saves a checkpoint, so this"
+                                 " server always plays its initial model")
+
+
+def check_eval_every(spec: TopologySpec, findings: Findings) -> None:
+    """run.eval_every plays checkpoints: every trainable server must be local and save them."""
+    every = spec.run.eval_every
+    if every is None:
+        return
+    trainable = {name: s for name, s in spec.servers.items() if s.trainable}
+    if not trainable:
+        findings.bad(["run", "eval_every"], "no server is trainable: there are no checkpoints to evaluate; remove it")
+    for name, server in trainable.items():
+        if server.kind is not ServerKind.LOCAL_TRAINABLE:
+            findings.bad(["run", "eval_every"], f"servers.{name} is a remote swarm server: evaluations play the"
+                                                " checkpoints local trainable servers write into the run directory")
+        elif server.train.save_freq == 0:
+            findings.bad(["run", "eval_every"], f"servers.{name}.train.save_freq is 0: it saves no checkpoints to"
+                                                f" evaluate; set it to a divisor of {every}")
+        elif every % server.train.save_freq:
+            findings.warn(["run", "eval_every"], f"{every} is not a multiple of servers.{name}.train.save_freq"
+                                                 f" ({server.train.save_freq}): each evaluation plays the newest"
+                                                 " checkpoint at that point")

@@ -1,6 +1,6 @@
 """`Topology`: a checked topology as a graph of roles, servers and teams, and the queries `marl run` asks of it.
 
-    role ──played_by──► server          role ──member_of──► team
+    role ──played_by──► server          role ──member_of──► team          server ──past_of──► server
 
 Role nodes carry the resolved `count` and `team`: the env's (`dealt_roles()`) when the env was checked at load,
 else the YAML's (count 1 and team = the role's name when left out).
@@ -20,7 +20,7 @@ from envs.base import RoleInfo
 from .importing import import_env_factory
 from .load import read_dict, read_file
 from .problems import Problem, TopologyError
-from .spec import ServerKind, TopologySpec
+from .spec import PastOfSpec, ServerKind, TopologySpec
 
 
 class Topology:
@@ -29,7 +29,8 @@ class Topology:
     Graph nodes are "role:NAME", "server:NAME" and "team:NAME" (see `node`), each with attributes `kind` ("role",
     "server", "team") and `name`; role nodes also carry `count`, `scripted`, `team`; server nodes `server_kind`
     (a `ServerKind`), `trainable`, `model`. Edges: role → server (`kind="played_by"`), role → team
-    (`kind="member_of"`). Scripted roles have no `played_by` edge. Lists come in file order.
+    (`kind="member_of"`), a past_of server → the trainable server whose checkpoints it plays (`kind="past_of"`).
+    Scripted roles have no `played_by` edge. Lists come in file order.
     """
 
     def __init__(self, spec: TopologySpec, *, source: Path | None = None, overrides: Sequence[str] = (),
@@ -85,6 +86,9 @@ class Topology:
         for name, s in self.spec.servers.items():
             g.add_node(self.node("server", name), kind="server", name=name, server_kind=s.kind,
                        trainable=s.trainable, model=s.model)
+        for name, s in self.spec.servers.items():
+            if s.past_of is not None:
+                g.add_edge(self.node("server", name), self.node("server", s.past_of.server), kind="past_of")
         for name, r in self.spec.roles.items():
             info = self._dealt[name]
             role, team = self.node("role", name), self.node("team", info.team)
@@ -172,8 +176,13 @@ class Topology:
         return [n for n, s in self.spec.servers.items() if s.trainable]
 
     def local_servers(self) -> list[str]:
-        """Servers `marl run` starts itself (`marl serve`, with `--static` unless trainable)."""
-        return [n for n, s in self.spec.servers.items() if s.is_local]
+        """Servers `marl run` starts itself as one `marl serve` each (with `--static` unless trainable); past_of
+        servers, started one process per snapshot by `marl.league`, are `past_of_servers()`."""
+        return [n for n, s in self.spec.servers.items() if s.is_local and s.past_of is None]
+
+    def past_of_servers(self) -> dict[str, PastOfSpec]:
+        """Servers that play past checkpoints of a trainable server -> which (see marl/league.py)."""
+        return {n: s.past_of for n, s in self.spec.servers.items() if s.past_of is not None}
 
     def remote_servers(self) -> list[str]:
         """Servers someone else runs: remote swarm servers and external OpenAI endpoints."""

@@ -1,11 +1,14 @@
 """The spec: what a topology YAML says, as typed pydantic models, with the rules that concern one object at a time.
 
-Servers come in four kinds (`ServerSpec.kind`), told apart by which keys are set:
+Servers come in five kinds (`ServerSpec.kind`), told apart by which keys are set:
 
     model:               + trainable: true   local trainable   `marl run` starts `marl serve --model MODEL`
     model:               + trainable: false  local static      `marl run` starts `marl serve --model MODEL --static`
     swarm_url:           + trainable: true   remote swarm      a swarm server someone else started
     url: + model:                            external OpenAI   a fixed OpenAI-compatible endpoint (e.g. vLLM)
+    past_of: {server: S}                     past snapshots    `marl run` serves past checkpoints of the local
+                                                               trainable server S statically (marl/league.py);
+                                                               each game draws one: a league of S's past selves
 
 A rule about one server, role, env or run section is a validator here; it reports at the key it is about (e.g.
 `servers.big.device`) through `_raise_rules`, so one object's problems are all reported at once. Rules that relate
@@ -18,7 +21,7 @@ import enum
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -57,6 +60,18 @@ class ServerKind(str, enum.Enum):
     LOCAL_STATIC = "local static"
     REMOTE_SWARM = "remote swarm"
     EXTERNAL_OPENAI = "external OpenAI"
+    PAST_SNAPSHOTS = "past snapshots"
+
+
+class PastOfSpec(_Spec):
+    """Which past checkpoints of a trainable server a `past_of` server plays (see marl/league.py)."""
+
+    server: str = Field(description="The local trainable server whose checkpoints are played.")
+    pool: Literal["latest", "uniform"] = Field("latest", description="latest: the k newest snapshots; uniform: k"
+                                               " snapshots drawn uniformly from every one seen so far (a reservoir"
+                                               " sample, updated as checkpoints appear). The initial model counts.")
+    k: int = Field(3, ge=1, description="Snapshots served at once, one static server each; every game draws one"
+                                        " of them uniformly.")
 
 
 class ServerSpec(_Spec):
@@ -78,9 +93,14 @@ class ServerSpec(_Spec):
     admin_token_env: str | None = Field(None, description="Remote swarm: environment variable holding the admin token.")
     # trainable servers
     train: TrainConfig | None = Field(None, description="Trainable: the config synced to the server.")
+    # a league of past selves
+    past_of: PastOfSpec | None = Field(None, description="Past snapshots: serve past checkpoints of a local"
+                                                         " trainable server, e.g. past_of: {server: learner}.")
 
     @property
     def kind(self) -> ServerKind:
+        if self.past_of is not None:
+            return ServerKind.PAST_SNAPSHOTS
         if self.swarm_url is not None:
             return ServerKind.REMOTE_SWARM
         if self.url is not None:
@@ -89,7 +109,8 @@ class ServerSpec(_Spec):
 
     @property
     def is_local(self) -> bool:
-        return self.kind in (ServerKind.LOCAL_TRAINABLE, ServerKind.LOCAL_STATIC)
+        """Runs on this machine, started by `marl run` (past snapshots too: one `marl serve --static` per snapshot)."""
+        return self.kind in (ServerKind.LOCAL_TRAINABLE, ServerKind.LOCAL_STATIC, ServerKind.PAST_SNAPSHOTS)
 
     @model_validator(mode="after")
     def _rules(self) -> ServerSpec:
@@ -97,18 +118,22 @@ class ServerSpec(_Spec):
         if kind_rules:  # its kind cannot be told: the other rules would only guess
             _raise_rules(self, kind_rules)
         _raise_rules(self, [*_placement_rules(self), *_external_rules(self), *_swarm_rules(self),
-                            *_train_rules(self)])
+                            *_past_of_rules(self), *_train_rules(self)])
         return self
 
 
 def _kind_rules(s: ServerSpec) -> list[Rule]:
+    if s.past_of is not None:
+        return [((key,), f"{key} does not apply to a past_of server: it serves the checkpoints of"
+                         f" servers.{s.past_of.server} (and its model for the initial snapshot): remove {key}")
+                for key in ("model", "url", "swarm_url") if getattr(s, key) is not None]
     if s.url is not None and s.swarm_url is not None:
         return [((), "both url (an external OpenAI endpoint) and swarm_url (a remote swarm server) are set: keep"
                      " swarm_url for a swarm server you train, url for a fixed OpenAI-compatible endpoint")]
     if s.model is None and s.url is None and s.swarm_url is None:
         return [((), "says neither what nor where the model is: give model: (a local server that `marl run` starts,"
-                     " e.g. model: smollm2-135m), url: + model: (an external OpenAI endpoint), or swarm_url: (a"
-                     " remote swarm server)")]
+                     " e.g. model: smollm2-135m), url: + model: (an external OpenAI endpoint), swarm_url: (a"
+                     " remote swarm server), or past_of: (past checkpoints of a trainable server)")]
     return []
 
 
@@ -160,8 +185,20 @@ def _swarm_rules(s: ServerSpec) -> list[Rule]:
     return rules
 
 
+def _past_of_rules(s: ServerSpec) -> list[Rule]:
+    if s.kind is not ServerKind.PAST_SNAPSHOTS:
+        return []
+    rules: list[Rule] = []
+    if s.trainable:
+        rules.append((("trainable",), "a past_of server plays frozen checkpoints: remove trainable: (the server it"
+                                      f" is a past of, servers.{s.past_of.server}, is the one that trains)"))
+    if s.port is not None:
+        rules.append((("port",), "a past_of server runs one process per snapshot, each on a free port: remove port"))
+    return rules
+
+
 def _train_rules(s: ServerSpec) -> list[Rule]:
-    if s.trainable and s.train is None and s.kind is not ServerKind.EXTERNAL_OPENAI:
+    if s.trainable and s.train is None and s.kind not in (ServerKind.EXTERNAL_OPENAI, ServerKind.PAST_SNAPSHOTS):
         return [(("train",), "a trainable server needs its training config: add train: (a TrainConfig), e.g."
                              " train: {job: my-job, batch_size: 4, num_repeat: 4, learning_rate: 2.0e-5};"
                              " or set trainable: false")]
@@ -238,6 +275,10 @@ class RunSpec(_Spec):
     max_failures: int = Field(5, ge=1, description="A game that fails this many times in a row ends the run (exit 1,"
                               " with its last failure); a failed game is replayed with the same task id. Also how"
                               " often a server that keeps stopping with an error is revived.")
+    eval_every: int | None = Field(None, ge=1, description="Every this many training steps (and at step 0), play"
+                                   " eval_games greedy games between checkpoints, in the background, into"
+                                   " evals.jsonl (None: off). Needs checkpoints at those steps.")
+    eval_games: int = Field(8, ge=1, description="Games per pairing of each run.eval_every evaluation.")
 
     @model_validator(mode="after")
     def _stops(self) -> RunSpec:

@@ -1,0 +1,117 @@
+"""`run.eval_every: K`: while `marl run` trains, greedy games between checkpoints every K steps, into evals.jsonl.
+
+When the run starts (step 0) and each time every trainable server has a checkpoint at or past the next multiple of
+K (the evaluation's step: the oldest of their newest checkpoints), a background thread plays `run.eval_games`
+greedy games (temperature 0, the run's seed: the same games every time) per pairing, on static servers of their own
+(training goes on meanwhile):
+- `latest`: every checkpointed role on its server's newest checkpoint (the initial models at step 0);
+- `<server> latest` (past step 0, unless the server plays every checkpointed role): that server's roles on its
+  newest checkpoint, every other checkpointed role on its initial model: did this model improve, partners fixed?
+A past_of role counts as its trainable server's: `latest` is then self-play of the newest checkpoint, and
+`<server> latest` the newest against the initial model.
+
+Each pairing is one line of evals.jsonl: {"step", "time", "pairing", "seats": role -> checkpoint label, "versions":
+role -> version, "roles": role -> `RoleStats` (JSON)}; `marl plot` draws evals.png from it. A checkpoint pruned
+before its server loaded it (`train.keep_checkpoints`) fails that evaluation, which is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from marl.eval.pairings import EvalFailed, EvalSettings, Pairing, checkpointed_roles, fleet_devices, play_pairing
+from marl.eval.stats import summarize
+from marl.game_record import GameRecord
+from marl.snapshots import INITIAL, LATEST, SnapshotError, StaticFleet, checkpoint_source, checkpoints_of, \
+    resolve_snapshot
+from marl.topology import Topology
+
+log = logging.getLogger("marl.eval")
+
+EVALS_FILE = "evals.jsonl"
+
+
+class PeriodicEval:
+    def __init__(self, topology: Topology, run_dir: Path, token: str, *,
+                 report: Callable[[str], None] = log.info, poll_s: float = 5.0):
+        run = topology.spec.run
+        assert run.eval_every is not None, "run.eval_every is not set"
+        self.topology, self.run_dir, self.every = topology, Path(run_dir), run.eval_every
+        self.report, self.poll_s = report, poll_s
+        self.trainable = topology.trainable_servers()
+        self.settings = EvalSettings(games=run.eval_games, seed=run.seed, temperature=0.0,
+                                     concurrency=min(4, run.eval_games), max_tokens=run.max_tokens,
+                                     max_failures=run.max_failures, lease_timeout_s=run.lease_timeout_s)
+        # One fleet for the whole run: the initial models stay up; older checkpoints make room for newer ones.
+        self.fleet = StaticFleet(self.run_dir / "logs" / "eval", token=token, devices=fleet_devices(topology),
+                                 max_servers=2 * len(self.trainable))
+        self.evaluated: list[int] = []  # the steps evaluated, in order
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="periodic-eval", daemon=True)
+
+    def start(self) -> PeriodicEval:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop: an evaluation in progress gives up (its servers are stopped, booting or not; its games end)."""
+        self._stop.set()
+        self.fleet.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout=60)
+
+    def reached(self) -> int:
+        """The step every trainable server has a checkpoint of (its newest; 0 before any)."""
+        return min((max(checkpoints_of(self.run_dir, s), default=0) for s in self.trainable), default=0)
+
+    def _loop(self) -> None:
+        due = 0
+        while not self._stop.is_set():
+            reached = self.reached()
+            if reached >= due:
+                self._evaluate(reached)
+                due = (reached // self.every + 1) * self.every
+            self._stop.wait(self.poll_s)
+
+    def pairings(self, step: int) -> dict[str, Pairing]:
+        """The pairings of the evaluation at `step` (see the module docstring)."""
+        topology, roles = self.topology, checkpointed_roles(self.topology)
+        latest = {s: resolve_snapshot(topology, self.run_dir, s, LATEST) for s in self.trainable}
+        initial = {s: resolve_snapshot(topology, self.run_dir, s, INITIAL) for s in self.trainable}
+        source = {role: checkpoint_source(topology, topology.server_of(role)) for role in roles}
+        pairings = {"latest": Pairing({role: latest[source[role]] for role in roles})}
+        for server in self.trainable if step > 0 else ():
+            if all(topology.server_of(role) == server for role in roles):
+                continue  # it plays every checkpointed role: the same pairing as `latest`
+            pairings[f"{server} latest"] = Pairing({role: latest[server] if topology.server_of(role) == server
+                                                    else initial[source[role]] for role in roles})
+        return pairings
+
+    def _evaluate(self, step: int) -> None:
+        try:
+            for label, pairing in self.pairings(step).items():
+                games = play_pairing(self.topology, pairing, self.fleet, self.settings, should_stop=self._stop.is_set)
+                if self._stop.is_set():
+                    return
+                self._append(step, label, pairing, games)
+        except (EvalFailed, RuntimeError, SnapshotError) as exc:
+            if not self._stop.is_set():  # else: the run is ending, which is why
+                self.report(f"evaluation at step {step} failed: {exc}")
+            return
+        self.evaluated.append(step)
+
+    def _append(self, step: int, label: str, pairing: Pairing, games: list[GameRecord]) -> None:
+        stats = summarize(games)
+        row = {"step": step, "time": time.time(), "pairing": label, "games": len(games),
+               "seats": {role: s.label for role, s in pairing.seats.items()},
+               "versions": {role: s.version for role, s in pairing.seats.items()},
+               "roles": {role: s.as_json() for role, s in stats.items()}}
+        with open(self.run_dir / EVALS_FILE, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        wins = ", ".join(f"{role} {s.win_rate:.2f} [{s.win_low:.2f}, {s.win_high:.2f}]" for role, s in stats.items())
+        self.report(f"eval at step {step}, {label}: win rate {wins}")
