@@ -10,26 +10,28 @@ For each game it
    `player_factory` for an object with `act(observation) -> reply` (default: `default_player`, an OpenAI-SDK
    `LLMAgent` or the env's scripted policy; `marl.agentscope_agents` gives AgentScope agents);
 3. plays the PettingZoo AEC game (the env is a `envs.base.GameEnv`);
-4. commits: checks every lease is still alive, then ends each server's episode with the rewards of the roles that
-   server plays and the game's provenance (metadata `co_players`: every role's server and policy version). Any
-   exception before the commit aborts every lease of the game.
+4. commits each server's episode with the rewards of the roles that server plays and the game's provenance
+   (metadata `co_players`: every role's server and policy version): with one linked server, `end` (atomic by
+   itself); with several, a two-phase commit (`marl.two_phase`: prepare everywhere, the decision written to the
+   decision log, commit everywhere), so every server gets its episode or none does. Any exception before the commit
+   aborts every lease of the game.
 A game with no trainable server (every role static or scripted: `marl eval`) leases nothing and commits nothing.
 The result is a `GameRecord` (marl/game_record.py). Which games to play, and replaying failed ones with the same task
 id so GRPO groups line up across servers, is `marl/games.py`'s job.
-
-Residual risk, documented rather than hidden: the commit is a sequence of end calls; if a server dies between two of
-them, the servers already ended keep their episode (each is individually durable). The window is one round trip.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
@@ -38,9 +40,11 @@ import openai
 from envs.base import GameEnv
 from marl.agents import LLMAgent, ScriptedAgent
 from marl.client import EpisodeOutput, SwarmClient, SwarmError
+from marl.decision_log import DecisionLog
 from marl.game_record import CoPlayer, GameRecord
 from marl.monitor import ServerMonitor
 from marl.protocol import AGENT_HEADER, EngineState, EpisodeLease
+from marl.two_phase import Part, commit_game
 
 log = logging.getLogger("marl.coordinator")
 
@@ -158,13 +162,15 @@ class Coordinator:
         player_factory: Callable[[Seat], Any] | None = None,
         linked_servers: Sequence[str] | None = None,
         monitor: ServerMonitor | None = None,
+        decisions: DecisionLog | None = None,
     ):
         """`role_servers` maps each role to the server that plays it (None: scripted by the env): `marl run` passes
         `Topology.players()`.
 
         `linked_servers`: the servers every game leases on (`Topology.linked_servers()`); default:
         `linked_servers_of` a fresh env. `monitor`: the run's `ServerMonitor`, watching every linked server (default:
-        one of its own, which reads on demand).
+        one of its own, which reads on demand). `decisions`: the durable log of the two-phase commits of games that
+        link several servers (`marl run` keeps it in the run dir; default: one of its own in a temporary directory).
         `player_factory(seat)` builds the player of each agent at each game: an object with `act(observation: str)
         -> str` (and optionally `close()`, called when the game ends). Default: `default_player`.
         """
@@ -188,6 +194,8 @@ class Coordinator:
             if not ep.trainable and ep.snapshots is None
         }
         self._leases = _HeldLeases(endpoints, self._io)
+        self._scratch = tempfile.TemporaryDirectory(prefix="marl-decisions-") if decisions is None else None
+        self.decisions = decisions or DecisionLog(Path(self._scratch.name) / "decisions.sqlite")
 
     # --- one game ------------------------------------------------------------------------------------------------
 
@@ -350,28 +358,28 @@ class Coordinator:
     # --- commit ----------------------------------------------------------------------------------------------------
 
     def _commit(self, task_id: str, leases: dict[str, _Lease], result: GameRecord) -> None:
-        # Phase 1: every lease still alive? (renew also resets its idle clock before the end calls)
-        checks = {name: self._io.submit(self.endpoints[name].client.renew_episode, lease.episode_id, timeout=10)
-                  for name, lease in leases.items()}
-        for name, future in checks.items():
+        """Every linked server gets its episode with the rewards of the roles it plays, or none does.
+
+        One server: `end` is atomic and idempotent by itself. Several: a two-phase commit (`marl.two_phase`):
+        prepare everywhere, the decision written to the log, then commit everywhere; a server that misses the
+        commit gets it from the log (re-drive, or the server's own deadline)."""
+        outputs = {name: self._output(name, result) for name in leases}
+        if len(leases) == 1:
+            (name, lease), = leases.items()
             try:
-                future.result()
+                self.endpoints[name].client.end_episode(task_id, lease.episode_id, outputs[name], timeout=60)
             except (SwarmError, httpx.HTTPError) as exc:
-                raise GameFailed(f"game {task_id}: lease on {name} was lost before the commit: {exc}") from exc
-        # Phase 2: end everywhere, each server with the rewards of the roles it plays.
-        ends = {name: self._io.submit(self.endpoints[name].client.end_episode, task_id, lease.episode_id,
-                                      self._output(name, result), timeout=60)
-                for name, lease in leases.items()}
-        failed = {}
-        for name, future in ends.items():
-            try:
-                future.result()
-            except (SwarmError, httpx.HTTPError) as exc:
-                failed[name] = exc
-            else:
-                self._leases.forget(leases[name])
-        if failed:
-            raise GameFailed(f"game {task_id}: end failed on {', '.join(failed)}: {next(iter(failed.values()))}")
+                raise GameFailed(f"game {task_id}: end failed on {name}: {exc}") from exc
+            self._leases.forget(lease)
+            return
+        parts = {name: Part(self.endpoints[name].client, task_id, lease.episode_id, outputs[name])
+                 for name, lease in leases.items()}
+        outcome = commit_game(self.decisions, f"{task_id}-{uuid.uuid4().hex[:12]}", parts)  # one id per attempt
+        for lease in leases.values():
+            self._leases.forget(lease)  # prepared (key dead), committed or aborted: nothing left to abort or renew
+        if not outcome.committed:
+            errors = "; ".join(f"{name}: {exc}" for name, exc in outcome.prepare_errors.items())
+            raise GameFailed(f"game {task_id}: not committed on any server ({errors})")
 
     def _output(self, server: str, result: GameRecord) -> EpisodeOutput:
         rewards = {role: r for role, r in result.role_rewards.items() if self.role_servers.get(role) == server}
@@ -396,6 +404,9 @@ class Coordinator:
         if self._own_monitor:
             self.monitor.close()
         self._io.shutdown(wait=False, cancel_futures=True)
+        if self._scratch is not None:
+            self.decisions.close()
+            self._scratch.cleanup()
 
 
 @dataclass
@@ -428,7 +439,11 @@ class _HeldLeases:
             self._open.pop((held.server, held.episode_id), None)
 
     def abort(self, leases: Iterable[_Lease]) -> None:
+        """Abort the leases still held (one already ended, prepared or aborted is left alone)."""
         for held in list(leases):
+            with self._lock:
+                if (held.server, held.episode_id) not in self._open:
+                    continue
             try:
                 self.endpoints[held.server].client.abort_episode(held.episode_id, timeout=10)
             except (SwarmError, httpx.HTTPError) as exc:  # the server is gone: its lease dies with it (or expires)

@@ -8,6 +8,7 @@ The run directory (`run.run_dir`, default `runs/<name>`) gets:
                             actions, replies, the winner (for games with teams)
   reward_curves.png         mean reward per role against each trainable server's policy version (`marl plot`)
   servers.json              where the local servers listen, for `marl overwatch TOPOLOGY.yaml` (owner-only)
+  decisions.sqlite          the two-phase commit decisions of games across several servers (`marl.decision_log`)
   evals.jsonl, evals.png    with `run.eval_every`: greedy games between checkpoints as training goes (marl/eval/)
 
 The run stops after `run.games` games (exactly that many are played and recorded), once every trainable server took
@@ -44,6 +45,7 @@ from rich.text import Text
 
 from marl.client import SwarmClient
 from marl.coordinator import Coordinator, Endpoint, GameSettings
+from marl.decision_log import DecisionLog
 from marl.eval.periodic import PeriodicEval
 from marl.game_record import GameRecord, append_game
 from marl.games import FailedAttempt, play_games, tasks
@@ -53,6 +55,7 @@ from marl.monitor import ServerMonitor, ServerView
 from marl.plot import percent, plot_run, summarize_games
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, ServerStatus
 from marl.topology import ServerKind, Topology
+from marl.two_phase import redrive
 
 log = logging.getLogger("marl.run")
 
@@ -165,15 +168,18 @@ class _Session:
         self.supervisor: Supervisor | None = None
         self.monitor: ServerMonitor | None = None
         self.coordinator: Coordinator | None = None
+        self.decisions: DecisionLog | None = None  # the two-phase commits of games across several servers
         self.error: str | None = None  # a game that kept failing
         self.interrupted = False
 
     def start(self) -> None:
         token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
+        self.decisions = DecisionLog(self.run_dir / "decisions.sqlite")
         self.pools = snapshot_pools(self.topology, self.run_dir, token, seed=self.spec.run.seed)
         endpoints = _start_servers(self.topology, self.run_dir, token, self.processes, self.pools, self.console)
         self.supervisor = Supervisor(self.processes, report=lambda line: self.console.log(Text(line, style="red")))
         self.supervisor.start()
+        self._finish_earlier_commits(endpoints, token)
         self.monitor = ServerMonitor({name: endpoints[name] for name in self.topology.trainable_servers()},
                                      max_revivals=self.max_failures, on_step=self._step_done).start()
         run = self.spec.run
@@ -185,6 +191,7 @@ class _Session:
                                   temperature=run.temperature),
             linked_servers=self.topology.linked_servers(),
             monitor=self.monitor,
+            decisions=self.decisions,
         )
         if run.eval_every is not None:
             self.evals = PeriodicEval(self.topology, self.run_dir, token, report=self.console.log).start()
@@ -221,6 +228,19 @@ class _Session:
         self.console.log(f"{server}: step {status.policy_version} done; {self.board.games} games;"
                          f" recent reward {json.dumps(rewards)}")
 
+    def _finish_earlier_commits(self, endpoints: dict[str, Endpoint], token: str) -> None:
+        """A run that stopped inside a game's two-phase commit: apply its logged decision on every server of the
+        game that can be reached (the others resolve it from the log at their prepared episode's deadline)."""
+        tokens = {}
+        for name in self.topology.trainable_servers():
+            server = self.spec.servers[name]
+            remote = server.kind == ServerKind.REMOTE_SWARM
+            tokens[endpoints[name].client.url] = os.environ.get(server.admin_token_env or "") if remote else token
+        for game_id, outcome in redrive(self.decisions, tokens).items():
+            left = f"; {', '.join(outcome.pending)} will resolve it from the log" if outcome.pending else ""
+            self.console.print(f"finished the commit of game {game_id} from an earlier run: {outcome.decision.value}"
+                               + left)
+
     def shut_down(self) -> None:
         if self.supervisor is not None:
             self.supervisor.close()  # first: a server stopped below has not died
@@ -234,6 +254,8 @@ class _Session:
         if self.monitor is not None:
             self.monitor.close()
         self.board.close()
+        if self.decisions is not None:
+            self.decisions.close()
         stops = [*(proc.stop for proc in self.processes.values()), *(pool.close for pool in self.pools.values())]
         with ThreadPoolExecutor(len(stops) or 1) as stopping:  # together: each may drain in-flight calls
             list(stopping.map(lambda stop: stop(), stops))
