@@ -168,6 +168,21 @@ class ErrorCode(enum.StrEnum):
     HTTP_ERROR = "http_error"  # another HTTP-level refusal
 
 
+def error_type_of(code: ErrorCode) -> ErrorType:
+    """The OpenAI error type that goes with a code (who is at fault): one table for every server and the proxy."""
+    return _ERROR_TYPE_OF_CODE.get(code, ErrorType.INVALID_REQUEST)
+
+
+_ERROR_TYPE_OF_CODE = {
+    ErrorCode.UNAUTHORIZED: ErrorType.AUTHENTICATION,
+    ErrorCode.INVALID_API_KEY: ErrorType.AUTHENTICATION,
+    ErrorCode.NOT_LEASE_HOLDER: ErrorType.PERMISSION,
+    ErrorCode.ENGINE_ERROR: ErrorType.SERVER,
+    ErrorCode.INTERNAL_ERROR: ErrorType.SERVER,
+    ErrorCode.LEDGER_UNAVAILABLE: ErrorType.SERVER,
+}
+
+
 class ErrorInfo(BaseModel):
     """OpenAI-shaped error (`{"error": {...}}`), plus what a client needs to decide whether to retry."""
 

@@ -12,18 +12,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
-from marl.protocol import EngineState, ErrorCode, ErrorInfo, ErrorResponse, ErrorType
-
-#: The OpenAI error type of the codes that are not plain invalid requests.
-_TYPE_OF_CODE = {
-    ErrorCode.UNAUTHORIZED: ErrorType.AUTHENTICATION,
-    ErrorCode.INVALID_API_KEY: ErrorType.AUTHENTICATION,
-    ErrorCode.NOT_LEASE_HOLDER: ErrorType.PERMISSION,
-    ErrorCode.ENGINE_ERROR: ErrorType.SERVER,
-    ErrorCode.INTERNAL_ERROR: ErrorType.SERVER,
-    ErrorCode.LEDGER_UNAVAILABLE: ErrorType.SERVER,
-}
-
+from marl.protocol import EngineState, ErrorCode, ErrorInfo, ErrorResponse, ErrorType, error_type_of
 
 @dataclass
 class Refusal(Exception):
@@ -42,7 +31,7 @@ class Refusal(Exception):
         if not isinstance(self.code, ErrorCode):
             raise TypeError(f"a Refusal's code must be an ErrorCode, not {self.code!r}")
         if self.type is None:
-            self.type = _TYPE_OF_CODE.get(self.code, ErrorType.INVALID_REQUEST)
+            self.type = error_type_of(self.code)
 
     def __str__(self) -> str:
         return self.message

@@ -9,17 +9,7 @@ from __future__ import annotations
 import httpx
 from pydantic import ValidationError
 
-from marl.protocol import EngineState, ErrorCode, ErrorInfo, ErrorResponse, ErrorType
-
-#: The OpenAI error type of the codes that are not plain invalid requests (as the swarm server types them).
-_TYPE_OF_CODE = {
-    ErrorCode.UNAUTHORIZED: ErrorType.AUTHENTICATION,
-    ErrorCode.INVALID_API_KEY: ErrorType.AUTHENTICATION,
-    ErrorCode.NOT_LEASE_HOLDER: ErrorType.PERMISSION,
-    ErrorCode.ENGINE_ERROR: ErrorType.SERVER,
-    ErrorCode.INTERNAL_ERROR: ErrorType.SERVER,
-}
-
+from marl.protocol import EngineState, ErrorCode, ErrorInfo, ErrorResponse, error_type_of
 
 class ProxyError(Exception):
     """The app gets HTTP `status` with this error instead of a completion."""
@@ -31,8 +21,7 @@ class ProxyError(Exception):
         self.retry_after_s, self.state, self.param = retry_after_s, state, param
 
     def info(self) -> ErrorInfo:
-        kind = _TYPE_OF_CODE.get(self.code, ErrorType.INVALID_REQUEST)
-        return ErrorInfo(message=self.message, type=kind.value, code=self.code.value, param=self.param,
+        return ErrorInfo(message=self.message, type=error_type_of(self.code).value, code=self.code.value, param=self.param,
                          state=self.state, retry_after_s=self.retry_after_s)
 
 
