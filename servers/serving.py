@@ -155,7 +155,7 @@ class ChatCall:
             async for _ in self._chunks():
                 pass
         except Exception as exc:
-            raise _generation_failed(exc) from exc
+            raise self._failed(exc) from exc
         message, finish = self._message()
         token_ids = self.body.return_token_ids
         return p.ChatCompletionResponse(
@@ -163,6 +163,12 @@ class ChatCall:
             choices=[p.Choice(message=message, finish_reason=finish, logprobs=self._logprobs(),
                               token_ids=self.ids if token_ids else None)],
             usage=self._usage(), prompt_token_ids=self.prompt_ids if token_ids else None)
+
+    def _failed(self, exc: Exception) -> Refusal:
+        """A failed generation, kept in the server's error log too: `last_error` then says why (a dead engine)."""
+        refusal = _generation_failed(exc)
+        self.service.telemetry.errors.report(refusal.message)
+        return refusal
 
     async def stream(self) -> AsyncIterator[str]:
         yield self._sse(p.DeltaMessage(role="assistant", content=""))
@@ -173,7 +179,7 @@ class ChatCall:
                 if text:
                     yield self._sse(p.DeltaMessage(content=text))
         except Exception as exc:  # the status line is sent already: report in-band, as OpenAI does
-            yield f"data: {json.dumps({'error': _generation_failed(exc).info().model_dump(mode='json')})}\n\n"
+            yield f"data: {json.dumps({'error': self._failed(exc).info().model_dump(mode='json')})}\n\n"
             return
         if self.body.tools:
             message, finish = self._message()

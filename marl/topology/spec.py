@@ -85,6 +85,8 @@ class ServerSpec(_Spec):
     port: int | None = Field(None, ge=1, le=65535, description="Local: fixed port (default: a free one).")
     prefix_cache_gb: float | None = Field(None, ge=0, description="Local: memory for the keys/values of finished "
                                           "calls that the next turn of a conversation reuses (default 2; 0: off).")
+    engine: Literal["torch", "vllm"] | None = Field(None, description="Local: the inference engine: torch (default)"
+                                                    " or vllm (a subprocess in its own virtualenv: make vllm).")
     # external OpenAI endpoint
     url: str | None = Field(None, description="External: OpenAI base URL, e.g. http://host:8000/v1.")
     api_key_env: str | None = Field(None, description="External: environment variable holding the API key.")
@@ -144,7 +146,7 @@ def _placement_rules(s: ServerSpec) -> list[Rule]:
         which = "url" if s.kind is ServerKind.EXTERNAL_OPENAI else "swarm_url"
         rules += [((key,), f"{key} only applies to a local server that `marl run` starts, but this server is remote"
                            f" ({which}: is set): remove {key}, or remove {which} to run it locally")
-                  for key in ("device", "port", "prefix_cache_gb") if getattr(s, key) is not None]
+                  for key in ("device", "port", "prefix_cache_gb", "engine") if getattr(s, key) is not None]
     else:
         rules += [((key,), f"{key} only applies to remote servers (url: or swarm_url:); `marl run` makes its own"
                            " tokens for the servers it starts: remove it")

@@ -47,6 +47,7 @@ from transformers import AutoModelForCausalLM
 
 from servers.engines.batch_runner import BatchRunner, EngineStats
 from servers.engines.cpu_matmul import use_weight_major_matmul_if_faster
+from servers.engines.model_limits import context_length, eos_token_ids
 from servers.engines.prefix_cache import PrefixCache
 from servers.engines.request import Request, new_request
 from servers.engines.running_batch import RunningBatch
@@ -91,10 +92,11 @@ class TorchEngine(InferenceEngine):
         #: Whether decode steps use the CPU matmul variant that is faster for few rows (timed at start-up).
         self.weight_major_matmul = self.device.type == "cpu" and use_weight_major_matmul_if_faster(self.model)
         config = self.model.config.get_text_config()
-        self.context_length = _context_length(config, self.tokenizer)
+        self.context_length = context_length(config, self.tokenizer)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         #: Read when a request is made: it stops at the ids that were current then.
-        self.eos_token_ids = _eos_ids(self.model, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(getattr(self.model, "generation_config", None), self.model.config,
+                                           self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else min(self.eos_token_ids, default=0)
 
@@ -318,15 +320,6 @@ def _pop_prefill_group(waiting: deque[Request], slots: int) -> list[Request]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _context_length(config: Any, tokenizer: Any) -> int:
-    """Longest prompt + completion: the model's position limit, or the tokenizer's if that is lower."""
-    length = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
-    tokenizer_limit = getattr(tokenizer, "model_max_length", None)
-    if isinstance(tokenizer_limit, int) and 0 < tokenizer_limit < length:
-        length = tokenizer_limit  # "sensible": GGUF/legacy tokenizers report 1e30 for "no limit"
-    return length
-
-
 def _checked_updates(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Any]]) -> list[tuple[Any, Any]]:
     """(model tensor, new value) pairs, once every name and shape is known good (ValueError otherwise)."""
     targets = dict(model.named_parameters(remove_duplicate=False))
@@ -351,25 +344,3 @@ def _kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 2 * config.num_hidden_layers * kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
-
-
-def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    """Token ids that end a generation: the generation config's (else the model config's), plus the tokenizer's.
-
-    Chat checkpoints name the end-of-turn token in one place or the other; stopping at either is what a chat
-    server wants.
-    """
-    ids: set[int] = set()
-    generation_config = getattr(model, "generation_config", None)
-    for source in (generation_config, model.config if not _ids_of(generation_config) else None, tokenizer):
-        ids.update(_ids_of(source))
-    return frozenset(ids)
-
-
-def _ids_of(source: Any) -> set[int]:
-    value = getattr(source, "eos_token_id", None) if source is not None else None
-    if isinstance(value, int):
-        return {value}
-    if isinstance(value, (list, tuple)):
-        return {int(v) for v in value}
-    return set()

@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 
 from servers.engines.model_limits import context_length, eos_token_ids
-from servers.engines.vllm_http import completion_body, stream_completion, sync_weights
+from servers.engines.vllm_http import completion_body, generate_one_token, stream_completion, sync_weights
 from servers.engines.vllm_process import VLLMLaunch, VLLMProcess
 from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams
 from servers.models import load_tokenizer
@@ -77,6 +77,8 @@ class VLLMEngine(InferenceEngine):
         self._own_work_dir = work_dir is None  # a temporary one is removed on close
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="marl-vllm-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.work_dir.glob("weights-*"):  # left by an engine whose process was killed outright
+            shutil.rmtree(stale, ignore_errors=True)
         self._start_timeout_s = start_timeout_s
         self._max_restarts = max_restarts
         self._weights: Path | None = None  # our copy of the latest weights loaded (a restart loads them again)
@@ -160,6 +162,8 @@ class VLLMEngine(InferenceEngine):
             self._watcher.join(timeout=30)
         if self._own_work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
+        elif self._weights is not None:
+            shutil.rmtree(self._weights, ignore_errors=True)  # the log stays
 
     # ---------------------------------------------------------------- requests
 
@@ -212,13 +216,18 @@ class VLLMEngine(InferenceEngine):
     # ---------------------------------------------------------------- the subprocess
 
     def _start(self) -> VLLMProcess:
-        """Start vLLM, wait until it serves, and load the latest weights into it (if any were loaded)."""
+        """Start vLLM, wait until it serves, load the latest weights into it (if any were loaded) and check that it
+        generates."""
         process = VLLMProcess(self._launch, self.work_dir / "vllm.log")
         self._process = process
         try:
             process.wait_ready(self._start_timeout_s, cancelled=self._closing.is_set)
             if self._weights is not None:
                 sync_weights(process.url, self._weights)
+            try:
+                generate_one_token(process.url)
+            except RuntimeError as exc:
+                raise RuntimeError(f"vLLM started but cannot generate: {exc}; {process.describe_log()}") from exc
         except BaseException:
             process.stop()
             raise

@@ -20,7 +20,7 @@ import httpx
 
 from servers.interfaces import GenerationChunk, SamplingParams
 
-__all__ = ["completion_body", "stream_completion", "sync_weights"]
+__all__ = ["completion_body", "generate_one_token", "stream_completion", "sync_weights"]
 
 #: (prompt tokens, of which served from vLLM's prefix cache), once per finished generation.
 UsageSink = Callable[[int, int], None]
@@ -85,6 +85,13 @@ def _chunk(event: dict[str, Any]) -> GenerationChunk | None:
         return None
     return GenerationChunk(token_ids=[int(t) for t in ids], logprobs=[float(lp) for lp in logprobs],
                            finish_reason=finish)
+
+
+def generate_one_token(url: str, timeout_s: float = 300.0) -> None:
+    """A one-token generation: raises when vLLM started but cannot run the model (e.g. a head size its CPU attention
+    lacks only fails at the first forward pass), and warms it up (the first request is seconds slower)."""
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
+        _checked(http.post("/v1/completions", json={"prompt": [0], "max_tokens": 1}))
 
 
 def sync_weights(url: str, weights_dir: Path, timeout_s: float = 600.0) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,6 +34,8 @@ VLLM_PYTHON_ENV = "MARL_VLLM_PYTHON"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _ENGINES_DIR = Path(__file__).resolve().parent
 WORKER_EXTENSION = "vllm_worker_ext.WeightReload"
+# The last line of a Python traceback ("RuntimeError: ..."), printed as is or through vLLM's logger at ERROR level.
+_ERROR_LINE = re.compile(r"^\w+(Error|Exception): | ERROR .*\b\w+(Error|Exception): ")
 
 # Run by vLLM's python before it becomes vLLM (exec): ask Linux to SIGTERM it when the thread that started it ends,
 # so that a swarm server killed outright does not leave a vLLM (and its ~3 GB) behind. argv: parent pid, vLLM argv.
@@ -157,12 +160,15 @@ class VLLMProcess:
             os.killpg(self._popen.pid, sig)
 
     def describe_log(self, lines: int = 25) -> str:
-        """The last lines of its log, for error messages."""
+        """The first error in its log (the root cause: what follows is often other processes failing in turn) and
+        the log's last lines, for error messages."""
         try:
-            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+            log = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return f"no log at {self.log_path}"
-        return f"the last lines of {self.log_path}:\n" + "\n".join(tail)
+        first_error = next((line for line in log if _ERROR_LINE.search(line)), None)
+        cause = f"first error: {first_error.strip()}\n" if first_error else ""
+        return f"{cause}the last lines of {self.log_path}:\n" + "\n".join(log[-lines:])
 
 
 def _free_port() -> int:
