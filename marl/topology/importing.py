@@ -39,14 +39,22 @@ def import_class(path: str) -> type:
     return obj
 
 
-def _import_object(path: str) -> Any:
+def import_path_problem(path: str) -> str | None:
+    """What is wrong with `path` as "module:name" (None: nothing), with a guess for a dotted "module.name"."""
     module_name, sep, qualname = path.partition(":")
-    if not sep or not module_name or not qualname:
-        guess = ""
-        if not sep and "." in path:
-            head, _, tail = path.rpartition(".")
-            guess = f"; did you mean '{head}:{tail}'?"
-        raise ImportError(f"{path!r} is not an import path 'module:Class' or 'module:factory'{guess}")
+    if sep and module_name and qualname:
+        return None
+    guess = ""
+    if not sep and "." in path:
+        head, _, tail = path.rpartition(".")
+        guess = f"; did you mean '{head}:{tail}'?"
+    return f"{path!r} is not an import path 'module:Class' or 'module:factory'{guess}"
+
+
+def _import_object(path: str) -> Any:
+    if problem := import_path_problem(path):
+        raise ImportError(problem)
+    module_name, _, qualname = path.partition(":")
     obj: Any = _import_module(module_name)
     for part in qualname.split("."):
         if not hasattr(obj, part):

@@ -28,6 +28,8 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from marl.protocol import TrainConfig
 
+from .importing import import_path_problem
+
 #: Names of servers, roles and teams: they become agent tags, directory names and dotlist keys (so no dots).
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]*$")
 NAME_RULE = "names may contain letters, digits, '_' and '-' (no dots or spaces)"
@@ -245,13 +247,8 @@ class EnvSpec(_Spec):
     @field_validator("class_path")
     @classmethod
     def _import_path(cls, path: str) -> str:
-        module, sep, qualname = path.partition(":")
-        if not sep or not module or not qualname:
-            guess = ""
-            if not sep and "." in path:
-                head, _, tail = path.rpartition(".")
-                guess = f"; did you mean '{head}:{tail}'?"
-            raise rule_error(f"{path!r} is not an import path 'module:Class' or 'module:factory'{guess}")
+        if problem := import_path_problem(path):
+            raise rule_error(problem)
         return path
 
     @property
