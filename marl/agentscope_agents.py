@@ -51,7 +51,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("marl.agentscope_agents needs AgentScope: pip install -e '.[agentscope]'") from exc
 
-from marl.coordinator import Seat, default_player
+from marl.game_table import Seat, default_player
 from marl.protocol import AGENT_HEADER
 
 __all__ = ["AgentScopePlayer", "Fallback", "agentscope_players", "role_model"]

@@ -4,12 +4,11 @@ For each game it
 1. waits until every server the game links (the trainable servers that play a role the env deals) is ROLLING, as
    the run's `ServerMonitor` sees it, then leases on all of them at once; if any lease fails, it aborts the others
    and waits again (it never holds a lease on one server while waiting for another);
-2. gives each agent its own player: it describes the agent's `Seat` (a trainable role gets the credentials of its
-   server's lease, tagged with the role; a static role its fixed endpoint, or for a pool of past snapshots (a
-   `past_of` server, `marl/league.py`) the snapshot drawn for this game; a scripted role the env) and asks the
-   `player_factory` for an object with `act(observation) -> reply` (default: `default_player`, an OpenAI-SDK
-   `LLMAgent` or the env's scripted policy; `marl.agentscope_agents` gives AgentScope agents);
-3. plays the PettingZoo AEC game (the env is a `envs.base.GameEnv`);
+2. draws the static endpoints the game seats (for a pool of past snapshots, a `past_of` server, the snapshot this
+   game plays against);
+3. plays the game on those leases and endpoints with its `GameTable` (marl/game_table.py): a player for every
+   agent's `Seat`, the PettingZoo AEC game to its end, its `GameRecord`; a `runner` may play it elsewhere
+   (`run.ray.spread_games`: a Ray task, marl/ray_cluster.py);
 4. commits each server's episode with the rewards of the roles that server plays and the game's provenance
    (metadata `co_players`: every role's server and policy version): with one linked server, `end` (atomic by
    itself); with several, a two-phase commit (`marl.two_phase`: prepare everywhere, the decision written to the
@@ -23,6 +22,7 @@ id so GRPO groups line up across servers, is `marl/games.py`'s job.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import tempfile
 import threading
@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,23 +38,22 @@ import httpx
 import openai
 
 from envs.base import GameEnv
-from marl.agents import LLMAgent, ScriptedAgent
 from marl.client import EpisodeOutput, SwarmClient, SwarmError
 from marl.decision_log import DecisionLog
-from marl.game_record import CoPlayer, GameRecord
+from marl.game_record import GameRecord
+from marl.game_table import GameFailed, GameSettings, GameTable, Seat
 from marl.monitor import ServerMonitor
-from marl.protocol import AGENT_HEADER, EngineState, EpisodeLease
+from marl.protocol import EngineState, EpisodeLease
 from marl.two_phase import Part, commit_game
+
+__all__ = ["Coordinator", "Endpoint", "GameCancelled", "GameFailed", "GameRunner", "GameSettings", "GameTable",
+           "SnapshotSource", "linked_servers_of"]
 
 log = logging.getLogger("marl.coordinator")
 
 _LEASE_ATTEMPT_S = 2.0
 _KEEPALIVE_POLL_S = 0.25  # how often the coordinator looks for leases due for renewal
 _NEVER = threading.Event()  # the `cancel` of a game nobody cancels
-
-
-class GameFailed(Exception):
-    """A game could not be played or committed; all of its leases were aborted (or had already ended)."""
 
 
 class GameCancelled(GameFailed):
@@ -93,43 +92,6 @@ class Endpoint:
         return self.client is not None
 
 
-@dataclass(frozen=True)
-class Seat:
-    """One env agent's seat at one game: what a `player_factory` gets to build the player of that agent."""
-
-    agent: str  # the env agent, e.g. "player_3"
-    role: str  # the role it plays this game; its calls carry it as their agent tag (see `agent_tag`)
-    server: str | None  # the topology server playing the role; None: scripted by the env
-    system_prompt: str = ""
-    base_url: str | None = None  # OpenAI-compatible: the lease's endpoint (trainable) or the static server's
-    api_key: str = "none"
-    model: str | None = None
-    trainable: bool = False  # True: base_url/api_key belong to this game's lease, valid only while it lives
-    max_tokens: int = 64
-    temperature: float = 1.0
-    env: Any = field(default=None, repr=False, compare=False)  # the game's env, for scripted play
-
-    @property
-    def agent_tag(self) -> str:
-        """What the server records the seat's calls under (the `X-Marl-Agent` header): the role."""
-        return self.role
-
-
-def default_player(seat: Seat, client: openai.OpenAI | None = None) -> LLMAgent | ScriptedAgent:
-    """The env's scripted policy for a scripted seat, else an `LLMAgent` on the seat's endpoint.
-
-    `client` is an OpenAI client to reuse (the coordinator shares one per static server); default: a new one for the
-    seat's endpoint, without retries on a lease (a retried call could be recorded twice).
-    """
-    if seat.server is None:
-        return ScriptedAgent(seat.env, seat.agent)
-    if client is None:
-        client = openai.OpenAI(base_url=seat.base_url, api_key=seat.api_key, max_retries=0 if seat.trainable else 2,
-                               timeout=600, default_headers={AGENT_HEADER: seat.agent_tag})
-    return LLMAgent(client, seat.model, system_prompt=seat.system_prompt, max_tokens=seat.max_tokens,
-                    temperature=seat.temperature, agent_tag=seat.agent_tag)
-
-
 def linked_servers_of(env: GameEnv, role_servers: Mapping[str, str | None],
                       endpoints: Mapping[str, Endpoint]) -> list[str]:
     """The trainable servers that play a role `env` deals: every game leases on each of them.
@@ -144,11 +106,9 @@ def linked_servers_of(env: GameEnv, role_servers: Mapping[str, str | None],
                    if role in dealt and server is not None and endpoints[server].trainable})
 
 
-@dataclass
-class GameSettings:
-    max_tokens: int = 64
-    temperature: float = 1.0
-    lease_timeout_s: float = 60.0  # give up leasing a game after this long (the game is then retried)
+#: How a coordinator plays a game once leased: `(table, task_id, seed, leases, statics) -> GameRecord`. Default: here
+#: (`GameTable.play`); `marl.ray_cluster` plays it as a Ray task on any node of a cluster.
+GameRunner = Callable[[GameTable, str, int, "dict[str, _Lease]", "dict[str, Endpoint]"], GameRecord]
 
 
 class Coordinator:
@@ -163,6 +123,7 @@ class Coordinator:
         linked_servers: Sequence[str] | None = None,
         monitor: ServerMonitor | None = None,
         decisions: DecisionLog | None = None,
+        runner: GameRunner | None = None,
     ):
         """`role_servers` maps each role to the server that plays it (None: scripted by the env): `marl run` passes
         `Topology.players()`.
@@ -172,13 +133,14 @@ class Coordinator:
         one of its own, which reads on demand). `decisions`: the durable log of the two-phase commits of games that
         link several servers (`marl run` keeps it in the run dir; default: one of its own in a temporary directory).
         `player_factory(seat)` builds the player of each agent at each game: an object with `act(observation: str)
-        -> str` (and optionally `close()`, called when the game ends). Default: `default_player`.
+        -> str` (and optionally `close()`, called when the game ends). Default: `default_player`. `runner`: where
+        each game is played once its leases are held (default: in the calling thread); leasing and committing stay
+        here either way.
         """
-        self.env_factory = env_factory
-        self.role_servers = dict(role_servers)
+        self.table = GameTable(env_factory, role_servers, settings or GameSettings(), player_factory)
+        self.role_servers, self.settings = self.table.role_servers, self.table.settings
         self.endpoints = endpoints
-        self.settings = settings or GameSettings()
-        self.player_factory = player_factory or self._default_player
+        self.runner = runner or self._play_here
         if linked_servers is None:
             linked_servers = linked_servers_of(env_factory(), role_servers, endpoints)
         self.linked = list(linked_servers)
@@ -188,11 +150,8 @@ class Coordinator:
             name: threading.BoundedSemaphore(ep.max_concurrency) for name, ep in endpoints.items() if ep.max_concurrency
         }
         self._io = ThreadPoolExecutor(max(4, 2 * len(endpoints)), thread_name_prefix="coordinator-io")
-        self._static_clients = {
-            name: openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=2, timeout=600)
-            for name, ep in endpoints.items()
-            if not ep.trainable and ep.snapshots is None
-        }
+        self._static_clients: dict[str, openai.OpenAI] = {}  # base URL -> the client of a fixed static endpoint
+        self._static_clients_lock = threading.Lock()
         self._leases = _HeldLeases(endpoints, self._io)
         self._scratch = tempfile.TemporaryDirectory(prefix="marl-decisions-") if decisions is None else None
         self.decisions = decisions or DecisionLog(Path(self._scratch.name) / "decisions.sqlite")
@@ -205,7 +164,8 @@ class Coordinator:
         with self._concurrency_slots():
             leases = self._lease_all(cancel)
             try:
-                result = self._play(task_id, seed, leases)
+                with contextlib.ExitStack() as drawn:
+                    result = self.runner(self.table, task_id, seed, leases, self._draw_statics(drawn))
                 self._commit(task_id, leases, result)
                 return result
             except BaseException as exc:
@@ -214,96 +174,40 @@ class Coordinator:
                     raise
                 raise GameFailed(f"game {task_id} failed: {exc!r}") from exc
 
-    def _play(self, task_id: str, seed: int, leases: dict[str, _Lease]) -> GameRecord:
-        start = time.monotonic()
-        env = self.env_factory()
-        env.reset(seed=seed)
-        with contextlib.ExitStack() as drawn:
-            statics = self._draw_statics(env, drawn)
-            turns = self._play_turns(env, leases, statics)
-        record = GameRecord(
-            task_id=task_id,
-            seed=seed,
-            agent_rewards={agent: float(r) for agent, r in env.outcome().items()},
-            role_rewards={role: float(r) for role, r in env.outcome_by_role().items()},
-            episodes={name: lease.episode_id for name, lease in leases.items()},
-            policy_versions={name: lease.lease.policy_version for name, lease in leases.items()},
-            invalid_actions=env.invalid_actions_by_role,
-            replies=env.replies_by_role,
-            seconds=time.monotonic() - start,
-            turns=turns,
-            winner=env.winner,
-            teams={env.role_of(agent): env.team_of(agent) for agent in env.possible_agents},
-            time=time.time(),
-            co_players=self._co_players(env, leases, statics),
-        )
-        env.close()
-        return record
+    def _play_here(self, table: GameTable, task_id: str, seed: int, leases: dict[str, _Lease],
+                   statics: dict[str, Endpoint]) -> GameRecord:
+        return table.play(task_id, seed, leases, statics, self._shared_client)
 
-    def _play_turns(self, env: GameEnv, leases: dict[str, _Lease], statics: dict[str, Endpoint]) -> int:
-        """Seat a player for every agent and play the game to its end; returns the turns played."""
-        players: dict[str, Any] = {}
-        turns = 0
-        try:
-            for agent in env.possible_agents:
-                players[agent] = self.player_factory(self._seat(env, agent, leases, statics))
-            for agent in env.agent_iter():
-                observation, _, terminated, truncated, _ = env.last()
-                if terminated or truncated:
-                    env.step(None)
-                    continue
-                env.step(players[agent].act(str(observation)))
-                turns += 1
-        finally:
-            _close(players.values())
-        return turns
+    @functools.cached_property
+    def _seated_statics(self) -> list[str]:
+        """The static servers every game seats: those playing a role the env deals (each game deals every one)."""
+        statics = {server for server in self.role_servers.values()
+                   if server in self.endpoints and not self.endpoints[server].trainable}
+        if not statics:  # no env to build
+            return []
+        dealt = self.table.env_factory().dealt_roles()
+        return sorted({self.role_servers[role] for role in dealt if self.role_servers.get(role) in statics})
 
-    def _draw_statics(self, env: GameEnv, drawn: contextlib.ExitStack) -> dict[str, Endpoint]:
-        """Every static server this game seats -> the endpoint it plays on: its own, or for a pool of snapshots the
+    def _draw_statics(self, drawn: contextlib.ExitStack) -> dict[str, Endpoint]:
+        """Every static server a game seats -> the endpoint it plays on: its own, or for a pool of snapshots the
         snapshot drawn for this game (held by `drawn` until the game ends)."""
         statics = {}
-        for server in {self.role_servers.get(env.role_of(agent)) for agent in env.possible_agents}:
-            endpoint = self.endpoints.get(server) if server is not None else None
-            if endpoint is None or endpoint.trainable:
-                continue
+        for server in self._seated_statics:
+            endpoint = self.endpoints[server]
             statics[server] = endpoint if endpoint.snapshots is None else drawn.enter_context(endpoint.snapshots.draw())
         return statics
 
-    def _co_players(self, env: GameEnv, leases: dict[str, _Lease],
-                    statics: dict[str, Endpoint]) -> dict[str, CoPlayer]:
-        """Who played each role: its server and the policy version that played (the game's provenance)."""
-        players = {}
-        for role in sorted({env.role_of(agent) for agent in env.possible_agents}):
-            server = self.role_servers[role]
-            if server is None:
-                players[role] = CoPlayer()
-            elif server in leases:
-                players[role] = CoPlayer(server=server, policy_version=leases[server].lease.policy_version)
-            else:
-                endpoint = statics[server]
-                players[role] = CoPlayer(server=server, policy_version=endpoint.policy_version,
-                                         snapshot_of=endpoint.snapshot_of)
-        return players
+    def _shared_client(self, seat: Seat) -> openai.OpenAI | None:
+        """One client per fixed static endpoint, shared by its seats; a drawn snapshot's seats get their own. Keyed
+        by URL: a server that moved (a Ray actor restarted elsewhere) gets a client for its new URL."""
+        if self.endpoints[seat.server].snapshots is not None:
+            return None
+        with self._static_clients_lock:
+            if seat.base_url not in self._static_clients:
+                self._static_clients[seat.base_url] = openai.OpenAI(base_url=seat.base_url, api_key=seat.api_key,
+                                                                    max_retries=2, timeout=600)
+            return self._static_clients[seat.base_url]
 
-    def _seat(self, env: GameEnv, agent: str, leases: dict[str, _Lease], statics: dict[str, Endpoint]) -> Seat:
-        role = env.role_of(agent)
-        if role not in self.role_servers:
-            raise GameFailed(f"the env dealt role '{role}' to {agent}, but the topology has no role '{role}'")
-        server = self.role_servers[role]
-        seat = Seat(agent, role, server, system_prompt=env.system_prompt(agent), max_tokens=self.settings.max_tokens,
-                    temperature=self.settings.temperature, env=env)
-        if server is None:
-            return seat
-        if self.endpoints[server].trainable:
-            lease = leases[server].lease
-            return replace(seat, base_url=lease.base_url, api_key=lease.api_key, model=lease.model, trainable=True)
-        endpoint = statics[server]
-        return replace(seat, base_url=endpoint.base_url, api_key=endpoint.api_key, model=endpoint.model)
-
-    def _default_player(self, seat: Seat) -> LLMAgent | ScriptedAgent:
-        # One shared client per fixed static server; a lease or a drawn snapshot gets its own.
-        shared = None if seat.server is None or seat.trainable else self._static_clients.get(seat.server)
-        return default_player(seat, shared)
 
     # --- leasing: all or nothing, never holding one while waiting for another -------------------------------------
 
@@ -488,17 +392,6 @@ class _HeldLeases:
             self.endpoints[lease.server].client.renew_episode(lease.episode_id, timeout=10)
         except (SwarmError, httpx.HTTPError) as exc:  # gone or ended meanwhile: the game finds out by itself
             log.debug("could not renew %s on %s: %s", lease.episode_id, lease.server, exc)
-
-
-def _close(players: Iterable[Any]) -> None:
-    """Close every player that can be closed (a player's `close()` is optional)."""
-    for player in players:
-        close = getattr(player, "close", None)
-        if close is not None:
-            try:
-                close()
-            except Exception as exc:  # noqa: BLE001 - a player that cannot clean up must not fail the game
-                log.warning("could not close player %r: %s", player, exc)
 
 
 def _says_wait(exc: Exception) -> bool:

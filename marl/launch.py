@@ -5,6 +5,7 @@ Used by `marl run` and the tests.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -30,20 +31,36 @@ MAX_RESTARTS = 3
 log = logging.getLogger("marl.launch")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
+# Looked up before any fork: the child of a threaded process must not load libraries.
+_PRCTL = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None) if sys.platform == "linux" else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Run in the child before exec (Linux): SIGKILL it when the thread that started it dies, however it dies."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class ServerProcess:
-    """One `marl serve` subprocess; its output goes to `log_path`."""
+    """One `marl serve` subprocess; its output goes to `log_path`.
+
+    `host`: the interface it listens on (default: loopback only). `die_with_parent`: on Linux, the server is killed
+    when the thread that started it dies (a Ray actor's, marl/ray_cluster.py: a restarted actor must never find the
+    old server still on its data dir); that thread must live as long as the server.
+    """
 
     def __init__(self, *, model: str, admin_token: str, data_dir: Path, log_path: Path, static: bool = False,
                  device: str | None = None, served_name: str | None = None, port: int | None = None,
-                 prefix_cache_gb: float | None = None, engine: str = "torch"):
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+                 prefix_cache_gb: float | None = None, engine: str = "torch", host: str = "127.0.0.1",
+                 die_with_parent: bool = False):
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
         # The token goes by environment, not argv: argv is readable by every user (`ps`), and a token that
         # starts with "-" would read as an option.
@@ -60,6 +77,9 @@ class ServerProcess:
             self.args += ["--prefix-cache-gb", str(prefix_cache_gb)]
         if engine != "torch":
             self.args += ["--engine", engine]
+        if host != "127.0.0.1":
+            self.args += ["--host", host]
+        self.die_with_parent = die_with_parent and _PRCTL is not None
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
 
@@ -83,7 +103,8 @@ class ServerProcess:
             # Own process group: Ctrl-C in the terminal reaches `marl run`, which then stops servers in order.
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                          env={**_ALLOCATOR_ENV, **os.environ, "PYTHONUNBUFFERED": "1",
-                                              "MARL_ADMIN_TOKEN": self.admin_token})
+                                              "MARL_ADMIN_TOKEN": self.admin_token},
+                                         preexec_fn=_die_with_parent if self.die_with_parent else None)
         return self
 
     def wait_healthy(self, timeout: float = 120) -> None:

@@ -21,6 +21,11 @@ Who does what: `marl.launch` starts and supervises the local servers, `marl.moni
 trainable server (lease gating, revival, the live table), `marl.coordinator` plays one game, `marl.games` schedules
 them; `marl.league` serves the snapshots of past_of servers, `marl.eval.periodic` evaluates checkpoints every
 `run.eval_every` steps; this module wires them together and shows the live table and the summary.
+
+With `run.ray` (docs/ray.md), `marl.ray_cluster` starts and supervises the local servers instead, as Ray actors, and
+with `run.ray.spread_games` plays each game as a Ray task. A server actor that Ray restarted may listen on a new URL:
+`_Session._server_restarted` points its endpoint (which the monitor and the coordinator read at every use) and
+servers.json at it.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ import signal
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from rich.console import Console
@@ -54,8 +61,11 @@ from marl.league import SnapshotPool, snapshot_pools
 from marl.monitor import ServerMonitor, ServerView
 from marl.plot import percent, plot_run, summarize_games
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, ServerStatus
-from marl.topology import ServerKind, Topology
+from marl.topology import ServerKind, ServerSpec, Topology
 from marl.two_phase import redrive
+
+if TYPE_CHECKING:  # imported at run time only with run.ray: a run without it never imports ray
+    from marl.ray_cluster import RayCluster, RayServer, RaySupervisor
 
 log = logging.getLogger("marl.run")
 
@@ -162,10 +172,13 @@ class _Session:
         self.topology, self.spec, self.run_dir, self.console = topology, topology.spec, run_dir, console
         self.max_failures = self.spec.run.max_failures
         self.board = _Board(run_dir / "games.jsonl", self.spec.run.games)
-        self.processes: dict[str, ServerProcess] = {}
+        self.token = ""  # the admin token of the local servers
+        self.processes: dict[str, ServerProcess | RayServer] = {}
+        self.endpoints: dict[str, Endpoint] = {}
         self.pools: dict[str, SnapshotPool] = {}
         self.evals: PeriodicEval | None = None
-        self.supervisor: Supervisor | None = None
+        self.cluster: RayCluster | None = None  # with run.ray
+        self.supervisor: Supervisor | RaySupervisor | None = None
         self.monitor: ServerMonitor | None = None
         self.coordinator: Coordinator | None = None
         self.decisions: DecisionLog | None = None  # the two-phase commits of games across several servers
@@ -173,11 +186,17 @@ class _Session:
         self.interrupted = False
 
     def start(self) -> None:
-        token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
+        token = self.token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
         self.decisions = DecisionLog(self.run_dir / "decisions.sqlite")
         self.pools = snapshot_pools(self.topology, self.run_dir, token, seed=self.spec.run.seed)
-        endpoints = _start_servers(self.topology, self.run_dir, token, self.processes, self.pools, self.console)
-        self.supervisor = Supervisor(self.processes, report=lambda line: self.console.log(Text(line, style="red")))
+        if self.spec.run.ray is not None:
+            from marl.ray_cluster import RayCluster
+
+            self.cluster = RayCluster(self.spec.run.ray, self.spec.name, report=self.console.print)
+        endpoints = self.endpoints = _start_servers(self.topology, self.run_dir, token, self.processes, self.pools,
+                                                    self.console, self._launch)
+        self.supervisor = (self.cluster.supervisor(report=self._report_death, on_restart=self._server_restarted)
+                           if self.cluster else Supervisor(self.processes, report=self._report_death))
         self.supervisor.start()
         self._finish_earlier_commits(endpoints, token)
         self.monitor = ServerMonitor({name: endpoints[name] for name in self.topology.trainable_servers()},
@@ -192,9 +211,31 @@ class _Session:
             linked_servers=self.topology.linked_servers(),
             monitor=self.monitor,
             decisions=self.decisions,
+            runner=self.cluster.play if self.cluster and run.ray.spread_games else None,
         )
         if run.eval_every is not None:
             self.evals = PeriodicEval(self.topology, self.run_dir, token, report=self.console.log).start()
+
+    def _launch(self, name: str, server: ServerSpec) -> ServerProcess | RayServer:
+        """Start local server `name`: a `marl serve` process here, or with run.ray a Ray actor that runs one."""
+        options = dict(model=server.model, admin_token=self.token, data_dir=self.run_dir / "servers" / name,
+                       log_path=self.run_dir / "logs" / f"{name}.log", static=not server.trainable,
+                       device=server.device, port=server.port, prefix_cache_gb=server.prefix_cache_gb,
+                       engine=server.engine or "torch")
+        if self.cluster is not None:
+            return self.cluster.launch(name, options, server.resources)
+        process = ServerProcess(**options).start()
+        self.console.print(f"started {server.kind.value} server {name} ({server.model}) on {process.url}")
+        return process
+
+    def _report_death(self, line: str) -> None:
+        self.console.log(Text(line, style="red"))
+
+    def _server_restarted(self, name: str) -> None:
+        """Ray restarted server `name`'s actor, maybe on another node or port: point its endpoint and servers.json
+        at its URL now (the monitor then finds it OFFLINE and starts its engine)."""
+        _repoint(self.endpoints[name], self.processes[name].url, self.token)
+        _write_servers_file(self.run_dir, self.processes, self.token)
 
     def play(self, started: float) -> None:
         run = self.spec.run
@@ -261,6 +302,8 @@ class _Session:
             list(stopping.map(lambda stop: stop(), stops))
         if self.processes:
             self.console.print(f"stopped {len(self.processes)} local servers")
+        if self.cluster is not None:
+            self.cluster.close()
 
     def summary(self, seconds: float) -> RunSummary:
         versions = self.monitor.versions() if self.monitor else {}
@@ -306,20 +349,15 @@ def _restore_sigterm(previous: dict | None) -> None:
         signal.signal(signum, handler)
 
 
-def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dict[str, ServerProcess],
-                   pools: dict[str, SnapshotPool], console: Console) -> dict[str, Endpoint]:
-    """Start the local servers (into `processes`, so a failure here still stops them) and the first snapshots of
-    every past_of server (`pools`), connect to every server, sync the trainable ones' configs and start their
-    engines; returns how the coordinator reaches each."""
+def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dict[str, ServerProcess | RayServer],
+                   pools: dict[str, SnapshotPool], console: Console,
+                   launch: Callable[[str, ServerSpec], ServerProcess | RayServer]) -> dict[str, Endpoint]:
+    """Start the local servers with `launch` (into `processes`, so a failure here still stops them) and the first
+    snapshots of every past_of server (`pools`), connect to every server, sync the trainable ones' configs and start
+    their engines; returns how the coordinator reaches each."""
     spec = topology.spec
     for name in topology.local_servers():
-        server = spec.servers[name]
-        processes[name] = ServerProcess(
-            model=server.model, admin_token=token, data_dir=run_dir / "servers" / name,
-            log_path=run_dir / "logs" / f"{name}.log", static=not server.trainable, device=server.device,
-            port=server.port, prefix_cache_gb=server.prefix_cache_gb, engine=server.engine or "torch",
-        ).start()
-        console.print(f"started {server.kind.value} server {name} ({server.model}) on {processes[name].url}")
+        processes[name] = launch(name, spec.servers[name])
     for proc in processes.values():
         proc.wait_healthy()
     _write_servers_file(run_dir, processes, token)
@@ -342,8 +380,8 @@ def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dic
     return endpoints
 
 
-def _endpoint(topology: Topology, name: str, processes: dict[str, ServerProcess], pools: dict[str, SnapshotPool],
-              token: str) -> Endpoint:
+def _endpoint(topology: Topology, name: str, processes: dict[str, ServerProcess | RayServer],
+              pools: dict[str, SnapshotPool], token: str) -> Endpoint:
     """How the coordinator reaches server `name`: a swarm client (trainable), an OpenAI-compatible URL, or a pool
     of snapshots (past_of)."""
     server, run = topology.spec.servers[name], topology.spec.run
@@ -363,10 +401,27 @@ def _endpoint(topology: Topology, name: str, processes: dict[str, ServerProcess]
                     train_config=server.train.model_dump())
 
 
-def _write_servers_file(run_dir: Path, processes: dict[str, ServerProcess], token: str) -> None:
-    """Where the local servers listen, for `marl overwatch TOPOLOGY.yaml`; owner-only, it holds the admin token."""
+def _repoint(endpoint: Endpoint, url: str, token: str) -> None:
+    """Point a local server's endpoint at its new `url`; the monitor and the coordinator read `client` and `base_url`
+    at every use, so the next read goes there."""
+    if endpoint.client is None:  # a static server
+        endpoint.base_url = url + "/v1"
+    else:  # the old client is left open: other threads may still hold it, and its connections died with the server
+        endpoint.client = SwarmClient(url, admin_token=token, max_wait_s=3600)
+
+
+def _write_servers_file(run_dir: Path, processes: dict[str, ServerProcess | RayServer], token: str) -> None:
+    """Where the local servers listen, for `marl overwatch TOPOLOGY.yaml`; owner-only, it holds the admin token.
+    A Ray server actor also says where it runs (node, actor name)."""
+    servers = {}
+    for name, proc in processes.items():
+        servers[name] = {"url": proc.url, "admin_token": token}
+        if not isinstance(proc, ServerProcess):
+            servers[name].update(proc.placement())
     path = run_dir / SERVERS_FILE
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    tmp = path.with_name(SERVERS_FILE + ".tmp")  # replaced whole: a reader never sees half a file
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({name: {"url": proc.url, "admin_token": token} for name, proc in processes.items()}, f, indent=2)
+        json.dump(servers, f, indent=2)
+    tmp.replace(path)

@@ -23,7 +23,7 @@ from marl.agentscope_agents import (
     agentscope_players,
     role_model,
 )
-from marl.coordinator import Seat
+from marl.game_table import Seat
 from servers.tiny_model import build_tiny_model
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agentscope_werewolves.py"

@@ -21,7 +21,7 @@ import enum
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
@@ -89,6 +89,10 @@ class ServerSpec(_Spec):
                                           "calls that the next turn of a conversation reuses (default 2; 0: off).")
     engine: Literal["torch", "vllm"] | None = Field(None, description="Local: the inference engine: torch (default)"
                                                     " or vllm (a subprocess in its own virtualenv: make vllm).")
+    resources: dict[str, Annotated[float, Field(ge=0)]] | None = Field(
+        None, description="Local, with run.ray: what the server's Ray actor asks of a node: CPU (default 1), GPU,"
+                          " memory (bytes) or any custom resource, e.g. {GPU: 1} or {node_b: 1} (docs/ray.md)."
+                          " Without run.ray it is not used.")
     # external OpenAI endpoint
     url: str | None = Field(None, description="External: OpenAI base URL, e.g. http://host:8000/v1.")
     api_key_env: str | None = Field(None, description="External: environment variable holding the API key.")
@@ -148,7 +152,8 @@ def _placement_rules(s: ServerSpec) -> list[Rule]:
         which = "url" if s.kind is ServerKind.EXTERNAL_OPENAI else "swarm_url"
         rules += [((key,), f"{key} only applies to a local server that `marl run` starts, but this server is remote"
                            f" ({which}: is set): remove {key}, or remove {which} to run it locally")
-                  for key in ("device", "port", "prefix_cache_gb", "engine") if getattr(s, key) is not None]
+                  for key in ("device", "port", "prefix_cache_gb", "engine", "resources")
+                  if getattr(s, key) is not None]
     else:
         rules += [((key,), f"{key} only applies to remote servers (url: or swarm_url:); `marl run` makes its own"
                            " tokens for the servers it starts: remove it")
@@ -198,6 +203,9 @@ def _past_of_rules(s: ServerSpec) -> list[Rule]:
                                       f" is a past of, servers.{s.past_of.server}, is the one that trains)"))
     if s.port is not None:
         rules.append((("port",), "a past_of server runs one process per snapshot, each on a free port: remove port"))
+    if s.resources is not None:
+        rules.append((("resources",), "a past_of server's snapshots run on the machine of `marl run`, not as Ray"
+                                      " actors: remove resources"))
     return rules
 
 
@@ -260,6 +268,24 @@ class EnvSpec(_Spec):
         return self.class_path.partition(":")[2]
 
 
+class RaySpec(_Spec):
+    """Run the local servers as Ray actors, and optionally the games as Ray tasks (docs/ray.md)."""
+
+    address: str = Field(description="local: a private Ray instance that this run starts and stops; auto: the"
+                         " cluster this machine joined (`ray start`); ray://HOST:PORT: a Ray client connection;"
+                         " HOST:PORT: a cluster's head (GCS) address.")
+    spread_games: bool = Field(False, description="Play each game as a Ray task on any node instead of in a thread"
+                               " of `marl run` (leases and commits stay with `marl run`).")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, address: str) -> str:
+        if address in ("local", "auto") or re.match(r"^(ray://)?[^/\s:]+:\d+$", address):
+            return address
+        raise rule_error(f"{address!r} is not a Ray address: local (a private instance), auto (the cluster of"
+                         " this machine), ray://HOST:PORT (Ray client) or HOST:PORT (a cluster's head)")
+
+
 class RunSpec(_Spec):
     games: int | None = Field(None, ge=1, description="Total games (None: until max_steps).")
     max_steps: int | None = Field(None, ge=1, description="Stop once every trainable server took this many steps.")
@@ -278,6 +304,7 @@ class RunSpec(_Spec):
                                    " eval_games greedy games between checkpoints, in the background, into"
                                    " evals.jsonl (None: off). Needs checkpoints at those steps.")
     eval_games: int = Field(8, ge=1, description="Games per pairing of each run.eval_every evaluation.")
+    ray: RaySpec | None = Field(None, description="Run on a Ray cluster (None: everything on this machine).")
 
     @model_validator(mode="after")
     def _stops(self) -> RunSpec:

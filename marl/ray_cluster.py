@@ -1,0 +1,260 @@
+"""Ray: with `run.ray`, `marl run` runs each local server as a Ray actor, and with `run.ray.spread_games` each game as
+a Ray task. Every use of Ray lives here; `marl.run` imports this module only when the topology sets `run.ray`, so a
+run without it never imports ray (docs/ray.md).
+
+- `RayCluster(spec, run_name)` joins Ray at `run.ray.address`: `local` starts a private instance that `close()` stops;
+  `auto`, `HOST:PORT` and `ray://HOST:PORT` join a cluster someone else runs, which `close()` only leaves.
+- `RayCluster.launch(name, options, resources)` makes one `_ServerActor`, placed by the server's `resources` (CPU
+  defaults to 1) and named `<run id>.<server>` in the namespace `marl`. On its node the actor runs `marl serve` as a
+  subprocess (`marl.launch.ServerProcess`, listening on the node's IP, killed with the actor however it dies) on the
+  run's data dir for that server, with the run's admin token.
+- Deaths: when its `marl serve` dies, the actor exits; Ray restarts a dead actor (`max_restarts=MAX_RESTARTS`) on a node
+  that has its resources, and the new actor starts `marl serve` again on the same data dir, so the server resumes from
+  its ledger and checkpoints, as `marl.launch.Supervisor` does locally. `RaySupervisor` sees each new incarnation,
+  reports it and calls `on_restart(name)`: the run then points the server's endpoint at its new URL. Once Ray gives up
+  on an actor (restarts spent, or a server that could not start) `fatal` says which server and why.
+- `RayCluster.play` is the coordinator's `GameRunner` for `run.ray.spread_games`: the game (env and players) runs as a
+  Ray task on any node, spread over the nodes; leasing, lease renewal and the commit stay with `marl run`.
+- `close()` stops the servers, kills the actors this run made and calls `ray.shutdown()`. Never `ray stop`: no Ray
+  process that this run did not start is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError, RayTaskError
+
+from marl.coordinator import Endpoint
+from marl.game_table import GameFailed, GameTable
+from marl.game_record import GameRecord
+from marl.launch import MAX_RESTARTS, ServerProcess
+from marl.topology import Problem, TopologyError
+from marl.topology.spec import RaySpec
+
+log = logging.getLogger("marl.ray_cluster")
+
+NAMESPACE = "marl"
+_START_TIMEOUT_S = 600.0  # placing an actor (a node may have to free its resources) and starting its server
+_STOP_TIMEOUT_S = 30.0
+_WATCH_S = 1.0  # how often an actor checks its server process
+
+
+@ray.remote
+class _ServerActor:
+    """One `marl serve` on the node Ray placed this actor on; it lives and dies with its server process."""
+
+    def __init__(self, options: dict[str, Any]):
+        self.process = ServerProcess(host=ray.util.get_node_ip_address(), die_with_parent=True, **options).start()
+        self.process.wait_healthy()
+        self.incarnation = uuid.uuid4().hex  # new at every (re)start: how the driver tells a restart
+        self.stopping = False
+        threading.Thread(target=self._watch, name="watch-server", daemon=True).start()
+
+    def where(self) -> dict[str, str]:
+        return {"url": self.process.url, "node_id": ray.get_runtime_context().get_node_id(),
+                "incarnation": self.incarnation}
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.process.stop()
+
+    def _watch(self) -> None:
+        """A dead server takes its actor with it: exiting with an error is what makes Ray restart the actor."""
+        while not self.stopping:
+            if self.process.exit_code() is not None:
+                with open(self.process.log_path, "a") as log_file:
+                    log_file.write(f"marl serve {self.process.describe_exit()}; its Ray actor exits for Ray to"
+                                   " restart it\n")
+                os._exit(1)
+            time.sleep(_WATCH_S)
+
+
+@ray.remote(num_cpus=0, max_retries=0, scheduling_strategy="SPREAD")
+def _play_game(table: GameTable, task_id: str, seed: int, leases: dict, statics: dict[str, Endpoint]) -> GameRecord:
+    # Never retried by Ray: a replay would add calls to leases that already have some; marl.games replays a failed
+    # game itself, on new leases.
+    try:
+        return table.play(task_id, seed, leases, statics)
+    except Exception as exc:  # noqa: BLE001 - sent back as a message: not every exception can be pickled
+        raise GameFailed(f"game {task_id} failed on Ray node {ray.util.get_node_ip_address()}: {exc!r}") from None
+
+
+class RayServer:
+    """`marl run`'s handle on one server actor: the URL and node of its current incarnation."""
+
+    def __init__(self, name: str, actor: ray.actor.ActorHandle, actor_name: str, log_path: Path,
+                 report: Callable[[str], None]):
+        self.name, self.actor, self.actor_name, self.log_path, self.report = name, actor, actor_name, log_path, report
+        self.url = self.node_id = self.incarnation = ""
+        self.restarts = 0
+        self._asking: ray.ObjectRef | None = None  # a `where` call not answered yet
+
+    def wait_healthy(self, timeout: float = _START_TIMEOUT_S) -> None:
+        try:
+            self.update(ray.get(self.actor.where.remote(), timeout=timeout))
+            self.report(f"server {self.name} is up on {self.url} (Ray node {self.node_id[:12]})")
+        except GetTimeoutError:
+            raise RuntimeError(f"server {self.name} did not start within {timeout:g}s: no node had its resources"
+                               f" free, or its server is slow to start (see {self.log_path}; `ray status`)") from None
+        except RayActorError as exc:
+            raise RuntimeError(f"server {self.name} could not start: {_last_line(exc)}; see {self.log_path}") from None
+
+    def update(self, where: dict[str, str]) -> None:
+        self.url, self.node_id, self.incarnation = where["url"], where["node_id"], where["incarnation"]
+
+    def poll(self) -> dict[str, str] | None:
+        """Where the actor is now, if it has answered since the last poll (never blocks). Raises `RayActorError`:
+        `ActorDiedError` once Ray gave up on it, another while it restarts."""
+        if self._asking is None:
+            self._asking = self.actor.where.remote()
+        ready, _ = ray.wait([self._asking], timeout=0)
+        if not ready:
+            return None
+        asked, self._asking = self._asking, None
+        return ray.get(asked)
+
+    def placement(self) -> dict[str, str]:
+        """What servers.json says of it besides its URL (so that a user or a test can find its actor)."""
+        return {"ray_node_id": self.node_id, "ray_actor": self.actor_name, "ray_namespace": NAMESPACE}
+
+    def stop(self) -> None:
+        """Stop its server (SIGTERM: it drains and saves), then kill the actor for good."""
+        try:
+            ray.get(self.actor.stop.remote(), timeout=_STOP_TIMEOUT_S)
+        except RayError as exc:  # dead or restarting: its server went (or goes) with it
+            log.info("could not stop server %s through its actor: %s", self.name, _last_line(exc))
+        ray.kill(self.actor, no_restart=True)
+
+
+class RaySupervisor:
+    """Watches the server actors: reports every restart Ray made and hands it to `on_restart(name)` (the server's
+    URL may have changed); `fatal` says which server Ray gave up on. Same interface as `marl.launch.Supervisor`."""
+
+    def __init__(self, servers: Mapping[str, RayServer], *, report: Callable[[str], None],
+                 on_restart: Callable[[str], None], poll_s: float = 1.0):
+        self.servers, self.report, self.on_restart, self.poll_s = servers, report, on_restart, poll_s
+        self.fatal: str | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="ray-supervisor", daemon=True)
+
+    def start(self) -> RaySupervisor:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.poll_s)
+
+    def check(self) -> None:
+        """One pass over the actors."""
+        for name, server in self.servers.items():
+            if self.fatal:
+                return
+            try:
+                where = server.poll()
+            except ActorDiedError as exc:
+                self.fatal = (f"server {name}: Ray gave up on its actor after {server.restarts} restarts"
+                              f" ({_last_line(exc)}); see {server.log_path}")
+                continue
+            except RayActorError:  # restarting
+                continue
+            if where is None or where["incarnation"] == server.incarnation:
+                continue
+            server.restarts += 1
+            server.update(where)
+            self.report(f"server {name} died and Ray restarted it ({server.restarts}/{MAX_RESTARTS}) on node"
+                        f" {server.node_id[:12]}, now on {server.url}; log: {server.log_path}")
+            self.on_restart(name)
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self.poll_s):
+            self.check()
+
+
+class RayCluster:
+    """This run's connection to Ray, the server actors it made, and the game runner of `run.ray.spread_games`."""
+
+    def __init__(self, spec: RaySpec, run_name: str, *, report: Callable[[str], None]):
+        """Join Ray at `spec.address`; `report(line)` tells the user where each server runs."""
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Worker output stays out of the live table: each server logs to its own file.
+        options: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False}
+        if spec.address == "local":
+            options["include_dashboard"] = False
+        sigterm = signal.getsignal(signal.SIGTERM)
+        ray.init(address=spec.address, **options)
+        if threading.current_thread() is threading.main_thread():
+            # ray.init makes SIGTERM exit at once; `marl run`'s handler tears the run down first.
+            signal.signal(signal.SIGTERM, sigterm)
+        self.report = report
+        self.run_id = f"{run_name}-{uuid.uuid4().hex[:8]}"
+        self.servers: dict[str, RayServer] = {}
+
+    def launch(self, name: str, options: dict[str, Any], resources: Mapping[str, float] | None) -> RayServer:
+        """Make the actor of server `name` (`options`: `ServerProcess`'s); it starts its server in the background
+        (`RayServer.wait_healthy` waits for it). Raises `TopologyError` if no node of the cluster has `resources`."""
+        wanted = {"CPU": 1.0, **(resources or {})}
+        _check_placeable(name, wanted)
+        options = {**options, "data_dir": Path(options["data_dir"]).resolve(),
+                   "log_path": Path(options["log_path"]).resolve()}
+        if Path(options["model"]).exists():  # a local directory: the same path on the node (a shared filesystem)
+            options["model"] = str(Path(options["model"]).resolve())
+        actor_name = f"{self.run_id}.{name}"
+        custom = {key: amount for key, amount in wanted.items() if key not in ("CPU", "GPU", "memory")}
+        actor = _ServerActor.options(
+            name=actor_name, max_restarts=MAX_RESTARTS, max_task_retries=0, num_cpus=wanted["CPU"],
+            num_gpus=wanted.get("GPU", 0), memory=wanted.get("memory"), resources=custom,
+        ).remote(options)
+        self.report(f"started Ray actor {actor_name} for server {name} ({options['model']}), asking for"
+                    f" {_amounts(wanted)}")
+        self.servers[name] = RayServer(name, actor, actor_name, options["log_path"], self.report)
+        return self.servers[name]
+
+    def supervisor(self, *, report: Callable[[str], None], on_restart: Callable[[str], None]) -> RaySupervisor:
+        return RaySupervisor(self.servers, report=report, on_restart=on_restart)
+
+    @staticmethod
+    def play(table: GameTable, task_id: str, seed: int, leases: dict, statics: dict[str, Endpoint]) -> GameRecord:
+        """A `marl.coordinator.GameRunner`: play the game as a Ray task on any node and wait for its record."""
+        try:
+            return ray.get(_play_game.remote(table, task_id, seed, leases, statics))
+        except RayTaskError as exc:  # its text is the whole remote traceback: keep the failure's own message
+            if isinstance(exc.cause, GameFailed):
+                raise exc.cause from None
+            raise GameFailed(f"game {task_id} failed in a Ray task: {_last_line(exc)}") from None
+
+    def close(self) -> None:
+        """Leave Ray, and stop the instance if this run started it (`local`). The actors this run made, if still
+        alive (`RayServer.stop` kills them first), die with the connection: they belong to this driver."""
+        ray.shutdown()
+
+
+def _check_placeable(name: str, wanted: Mapping[str, float]) -> None:
+    """Fail now, naming the key, rather than wait forever for a node that does not exist."""
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    if any(all(node.get(key, 0.0) >= amount for key, amount in wanted.items()) for node in nodes):
+        return
+    have = sorted({key for node in nodes for key in node if not key.startswith("node:")})
+    message = (f"no node of the Ray cluster has {_amounts(wanted)} (the {len(nodes)} nodes have: {', '.join(have)});"
+               " give it resources that one node has, or add such a node (ray start --resources=...)")
+    raise TopologyError([Problem(f"servers.{name}.resources", message)])
+
+
+def _amounts(resources: Mapping[str, float]) -> str:
+    return ", ".join(f"{key}: {amount:g}" for key, amount in resources.items())
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__

@@ -1,0 +1,317 @@
+"""`marl run` on Ray (marl/ray_cluster.py): server actors placed by their resources on a real 2-node cluster (two Ray
+nodes on this machine, `ray.cluster_utils.Cluster`), a killed actor restarted on its data dir, games as Ray tasks,
+teardown that leaves the cluster up; the spec keys; and a run without `run.ray` never importing ray.
+
+One cluster for all of them (it takes seconds to start); every process of it, and every `marl run` joining it,
+runs with RAY_AUTH_MODE=disabled (Ray turns token authentication on for clusters it starts) and without usage stats.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from marl.coordinator import GameFailed
+from marl.game_record import read_games
+from marl.topology import Topology, TopologyError
+
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed (the test extra)")
+
+RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+TRAIN = {"job": "tiny", "batch_size": 1, "num_repeat": 2, "save_freq": 0}
+TOPOLOGY = {
+    "name": "tiny-ray",
+    "servers": {
+        "speaker_model": {"trainable": True, "device": "cpu", "train": TRAIN, "resources": {"node_a": 1}},
+        "listener_model": {"trainable": True, "device": "cpu", "train": TRAIN, "resources": {"node_b": 1}},
+    },
+    "roles": {"speaker": {"server": "speaker_model"}, "listener": {"server": "listener_model"}},
+    "env": {"class": "envs.signalling:SignallingGame", "args": {"num_items": 3}},
+    "run": {"max_steps": 1, "repeats": 2, "concurrency": 2, "max_tokens": 6},
+}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Two Ray nodes on this machine: the head has resource node_a, the other node_b. Started once (this module is
+    its only user, so it stops when the module's tests are done, not at the end of the whole session). This process
+    is a driver too (to find and kill actors); the fixture stops only the nodes it started."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    sigterm = signal.getsignal(signal.SIGTERM)  # ray.init replaces it
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in RAY_ENV.items():
+            env.setenv(key, value)
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1},
+                                                                "include_dashboard": False})
+        try:
+            cluster.add_node(num_cpus=2, resources={"node_b": 1})
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, log_to_driver=False)
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            signal.signal(signal.SIGTERM, sigterm)
+
+
+def write_topology(tmp_path: Path, tiny_model: Path, **run) -> Path:
+    spec = json.loads(json.dumps(TOPOLOGY))
+    for server in spec["servers"].values():
+        server["model"] = str(tiny_model)
+    spec["run"].update(run_dir=str(tmp_path / "run"), **run)
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def start_run(path: Path, *overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "marl.cli", "run", str(path), *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **RAY_ENV, "COLUMNS": "200"})
+
+
+def wait_for(proc: subprocess.Popen, condition, what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{what} did not happen:\n{proc.communicate()[0]}")
+        time.sleep(0.2)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        raise AssertionError(f"marl run did not finish:\n{proc.communicate(timeout=60)[0]}") from None
+
+
+def games_played(run_dir: Path) -> int:
+    path = run_dir / "games.jsonl"
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def servers_file(run_dir: Path) -> dict:
+    return json.loads((run_dir / "servers.json").read_text())
+
+
+def node_with(resource: str) -> str:
+    import ray
+
+    return next(node["NodeID"] for node in ray.nodes() if node["Alive"] and resource in node["Resources"])
+
+
+def assert_torn_down(servers: dict) -> None:
+    """The run's actors are gone (the cluster learns it within moments); the cluster's own nodes are all still up."""
+    import ray
+
+    def gone(entry: dict) -> bool:
+        try:
+            ray.get_actor(entry["ray_actor"], namespace=entry["ray_namespace"])
+        except ValueError:  # no such actor
+            return True
+        return False
+
+    deadline = time.monotonic() + 30
+    while not all(gone(entry) for entry in servers.values()):
+        assert time.monotonic() < deadline, f"actors of the run still alive: {servers}"
+        time.sleep(0.2)
+    assert [node["Alive"] for node in ray.nodes()].count(True) == 2
+
+
+def assert_complete_records(run_dir: Path, steps: int) -> None:
+    games = read_games(run_dir / "games.jsonl")
+    assert len(games) >= 2 * steps
+    for game in games:
+        assert set(game.role_rewards) == {"speaker", "listener"}
+        assert set(game.episodes) == set(game.policy_versions) == {"speaker_model", "listener_model"}
+    for server in ("speaker_model", "listener_model"):
+        metrics = (run_dir / "servers" / server / "metrics.jsonl").read_text().splitlines()
+        assert json.loads(metrics[-1])["step"] >= steps
+
+
+@needs_ray
+def test_servers_are_placed_by_their_resources_and_games_run_as_ray_tasks(ray_cluster, tiny_model, tmp_path):
+    path = write_topology(tmp_path, tiny_model)
+    proc = start_run(path, f"run.ray.address={ray_cluster.address}", "run.ray.spread_games=true")
+    output = finish(proc)
+    assert proc.returncode == 0, output
+    run_dir = tmp_path / "run"
+    servers = servers_file(run_dir)
+    assert servers["speaker_model"]["ray_node_id"] == node_with("node_a")
+    assert servers["listener_model"]["ray_node_id"] == node_with("node_b")
+    assert "server speaker_model is up on http://" in output and "stopped 2 local servers" in output
+    assert_complete_records(run_dir, steps=1)
+    assert_torn_down(servers)
+
+
+@needs_ray
+def test_a_spread_game_is_played_in_a_ray_worker_and_recorded_here(ray_cluster):
+    from envs.signalling import SignallingGame
+    from marl.agents import ScriptedAgent
+    from marl.coordinator import Coordinator
+    from marl.ray_cluster import RayCluster
+
+    here = os.getpid()
+
+    def player(seat):  # sent to the worker with the game (a closure: pickled by value)
+        if os.getpid() == here:
+            raise RuntimeError("the game was played in the driver's process")
+        return ScriptedAgent(seat.env, seat.agent)
+
+    coordinator = Coordinator(env_factory=functools.partial(SignallingGame, num_items=3),
+                              role_servers={"speaker": None, "listener": None}, endpoints={}, player_factory=player,
+                              runner=RayCluster.play)
+    broken = Coordinator(env_factory=functools.partial(SignallingGame, num_items=3), role_servers={"speaker": None},
+                         endpoints={}, runner=RayCluster.play, linked_servers=[])
+    try:
+        record = coordinator.play_game("spread-0", 7)
+        assert record.task_id == "spread-0" and set(record.role_rewards) == {"speaker", "listener"}
+        assert record.turns == 2 and record.role_rewards["listener"] == 1.0  # the scripted listener picks right
+        with pytest.raises(GameFailed, match=r"^game spread-1 failed on Ray node .*has no role 'listener'"):
+            broken.play_game("spread-1", 7)  # the worker's error comes back as one line, not a remote traceback
+    finally:
+        coordinator.close()
+        broken.close()
+
+
+@needs_ray
+def test_a_killed_server_actor_is_restarted_on_its_data_dir_and_the_run_completes(ray_cluster, tiny_model, tmp_path):
+    import ray
+
+    path = write_topology(tmp_path, tiny_model)
+    proc = start_run(path, f"run.ray.address={ray_cluster.address}", "run.max_steps=2")
+    run_dir = tmp_path / "run"
+    wait_for(proc, lambda: games_played(run_dir) >= 1, "a first game")
+    before = servers_file(run_dir)["listener_model"]
+    ray.kill(ray.get_actor(before["ray_actor"], namespace=before["ray_namespace"]), no_restart=False)
+    output = finish(proc)
+    assert proc.returncode == 0, output
+    assert "server listener_model died and Ray restarted it (1/3)" in output
+    after = servers_file(run_dir)["listener_model"]
+    assert after["ray_node_id"] == before["ray_node_id"] == node_with("node_b")  # the only node with node_b
+    assert f"now on {after['url']}" in output  # its URL now (a new port, most likely), reported and recorded
+    assert_complete_records(run_dir, steps=2)
+    assert_torn_down(servers_file(run_dir))
+
+
+@needs_ray
+def test_sigterm_stops_the_run_and_its_actors_and_leaves_the_cluster_up(ray_cluster, tiny_model, tmp_path):
+    path = write_topology(tmp_path, tiny_model)
+    proc = start_run(path, f"run.ray.address={ray_cluster.address}", "run.max_steps=1000")
+    run_dir = tmp_path / "run"
+    wait_for(proc, lambda: games_played(run_dir) >= 1, "a first game")
+    servers = servers_file(run_dir)
+    proc.send_signal(signal.SIGTERM)
+    output = finish(proc, timeout=120)
+    assert proc.returncode == 130, output
+    assert "stopped 2 local servers" in output
+    assert_torn_down(servers)
+
+
+class _FakeServer:
+    """A `RayServer` whose `poll` answers from a script: a `where` dict, None (no answer yet) or an exception."""
+
+    def __init__(self, *answers):
+        self.answers, self.restarts, self.log_path = list(answers), 0, Path("logs/s.log")
+        self.url = self.node_id = self.incarnation = ""
+
+    def poll(self):
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def update(self, where):
+        self.url, self.node_id, self.incarnation = where["url"], where["node_id"], where["incarnation"]
+
+
+@needs_ray
+def test_the_ray_supervisor_reports_each_new_incarnation_and_gives_up_with_ray():
+    from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+    from marl.ray_cluster import RaySupervisor
+
+    first, second = ({"url": f"http://10.0.0.{i}:1", "node_id": f"node{i}", "incarnation": f"i{i}"} for i in (1, 2))
+    server = _FakeServer(first, None, ActorUnavailableError("restarting", None), second, second, ActorDiedError())
+    server.update(first)
+    lines, restarted = [], []
+    supervisor = RaySupervisor({"s": server}, report=lines.append, on_restart=restarted.append)
+    for _ in range(3):
+        supervisor.check()
+    assert restarted == [] and lines == [] and supervisor.fatal is None  # same actor, no answer yet, restarting
+    supervisor.check()
+    assert restarted == ["s"] and server.url == "http://10.0.0.2:1" and server.restarts == 1
+    assert lines == ["server s died and Ray restarted it (1/3) on node node2, now on http://10.0.0.2:1; log:"
+                     " logs/s.log"]
+    supervisor.check()  # the same incarnation again: nothing new
+    supervisor.check()
+    assert restarted == ["s"] and supervisor.fatal.startswith("server s: Ray gave up on its actor after 1 restarts")
+
+
+SCRIPTED = {
+    "name": "scripted",
+    "roles": {"speaker": {"scripted": True}, "listener": {"scripted": True}},
+    "env": {"class": "envs.signalling:SignallingGame", "args": {"num_items": 3}},
+    "run": {"games": 2},
+}
+
+
+def test_a_run_without_run_ray_never_imports_ray(tmp_path):
+    spec = {**SCRIPTED, "run": {**SCRIPTED["run"], "run_dir": str(tmp_path / "run")}}
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(spec))
+    script = ("import sys; import marl.run; assert 'ray' not in sys.modules, 'import';"
+              f" summary = marl.run.run({str(tmp_path / 't.yaml')!r}); assert summary.games == 2, summary;"
+              " assert 'ray' not in sys.modules, 'run'; print('no ray')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "no ray" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("override, key, fragment", [
+    (["run.ray.spread_games=true"], "run.ray.address", "missing"),
+    (["run.ray.address=http://head:6379"], "run.ray.address", "is not a Ray address"),
+    (["run.ray.address=auto", "servers.remote.resources={GPU: 1}"], "servers.remote.resources",
+     "only applies to a local server"),
+    (["run.ray.address=auto", "servers.past.resources={CPU: 1}"], "servers.past.resources",
+     "run on the machine of `marl run`"),
+    (["run.ray.address=auto", "servers.learner.resources={CPU: -1}"], "servers.learner.resources.CPU",
+     "greater than or equal to 0"),
+])
+def test_ray_keys_are_checked_at_their_key(override, key, fragment):
+    spec = {
+        "name": "keys",
+        "servers": {"learner": {"model": "m", "trainable": True, "train": TRAIN},
+                    "remote": {"swarm_url": "http://gpu:1", "trainable": True, "train": TRAIN},
+                    "past": {"past_of": {"server": "learner"}}},
+        "roles": {"speaker": {"server": "learner"}, "listener": {"server": "remote"}, "other": {"server": "past"}},
+        "env": {"class": "envs.signalling:SignallingGame"},
+        "run": {"max_steps": 1},
+    }
+    with pytest.raises(TopologyError) as error:
+        Topology.from_dict(spec, override, check_env=False)
+    message = str(error.value)
+    assert key in message and fragment in message, message
+
+
+@pytest.mark.parametrize("address", ["local", "auto", "ray://head:10001", "10.0.0.5:6379"])
+def test_ray_addresses_and_resources_that_load(address):
+    spec = {**SCRIPTED, "servers": {"big": {"model": "m", "resources": {"GPU": 1, "CPU": 4, "node_b": 0.5}}},
+            "roles": {"speaker": {"server": "big"}, "listener": {"scripted": True}}}
+    topology = Topology.from_dict(spec, [f"run.ray.address={address}"], check_env=False)
+    assert topology.spec.run.ray.address == address and topology.spec.run.ray.spread_games is False
+    assert topology.spec.servers["big"].resources == {"GPU": 1, "CPU": 4, "node_b": 0.5}
+    assert Topology.from_dict(spec, check_env=False).spec.run.ray is None  # resources alone: no Ray
