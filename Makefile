@@ -1,4 +1,5 @@
-# One command each: `make demo` runs the main job, `make test` runs the tests. Both set up .venv on first use.
+# One command each: `make demo` runs the main job, `make test` runs the tests. Both set up .venv on first use
+# (`make test` also .venv-vllm, for the vLLM engine's tests).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,7 +17,8 @@ $(BIN)/marl: pyproject.toml
 
 setup: $(BIN)/marl
 
-test: setup
+# The tests include the vLLM engine's: its environment is built on first use (make vllm, about 2.5 min).
+test: setup vllm
 	$(BIN)/python -m pytest -q
 
 test-slow: setup

@@ -1,0 +1,54 @@
+"""`marl run` with the production backends on this CPU: a local server whose engine is vLLM (`engine: vllm`) and
+whose trainer is FSDP2 over 2 ranks (`trainer: fsdp`), as topologies/signalling-gpu.yaml runs them on a GPU box.
+
+Needs the vLLM environment (`make vllm`, or $MARL_VLLM_PYTHON); skipped without it. Its own file, so that the vLLM
+of tests/test_vllm_engine.py's module fixture is stopped before this one starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from marl.game_record import read_games
+from servers.engines.vllm_process import VLLM_PYTHON_ENV, vllm_python
+from servers.tiny_model import build_tiny_model
+
+pytestmark = [
+    pytest.mark.skipif(not vllm_python().exists(),
+                       reason=f"no vLLM environment at {vllm_python()} (`make vllm`, or set ${VLLM_PYTHON_ENV})"),
+    pytest.mark.timeout(900),
+]
+
+
+def test_marl_run_trains_through_vllm_and_a_two_rank_fsdp_trainer(tmp_path):
+    # head_dim 32: vLLM's CPU attention supports 32 and up
+    model = build_tiny_model(tmp_path / "tiny", hidden_size=64, num_heads=2)
+    topology = {
+        "name": "tiny-backends",
+        "servers": {"speaker_model": {
+            "model": str(model), "trainable": True, "device": "cpu", "engine": "vllm",
+            "train": {"job": "tiny", "batch_size": 1, "num_repeat": 2, "save_freq": 1, "trainer": "fsdp",
+                      "fsdp": {"ranks": 2, "learning_rate": 1e-4}}}},
+        "roles": {"speaker": {"server": "speaker_model"}, "listener": {"scripted": True}},
+        "env": {"class": "envs.signalling:SignallingGame", "args": {"num_items": 3, "naming_bonus": 0.5}},
+        "run": {"max_steps": 2, "repeats": 2, "concurrency": 2, "max_tokens": 8, "run_dir": str(tmp_path / "run")},
+    }
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump(topology))
+    result = subprocess.run([sys.executable, "-m", "marl.cli", "run", str(path)], capture_output=True, text=True,
+                            timeout=840, env={**os.environ, "COLUMNS": "120"})
+    run_dir = tmp_path / "run"
+    log = (run_dir / "logs" / "speaker_model.log").read_text()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:] + log[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "servers" / "speaker_model" / "metrics.jsonl").open()]
+    assert [s["step"] for s in steps] == [1, 2]
+    # games of step 2 were played on the weights of step 1, loaded into the running vLLM
+    assert {g.policy_versions["speaker_model"] for g in read_games(run_dir / "games.jsonl")} >= {0, 1}
+    assert (run_dir / "servers" / "speaker_model" / "vllm" / "vllm.log").exists()
+    assert (run_dir / "servers" / "speaker_model" / "checkpoints" / "step_000002").is_dir()
