@@ -14,8 +14,8 @@ target and no other item. A 135M model rarely names anything at first, and the l
 messages that carry the target; the bonus gets that loop going. The game's outcome (the listener's pick) is unchanged.
 
 The same seed gives the same items, target and shuffled orders, so GRPO repeats of a task play the same game.
-Fallbacks (after `max_invalid_retries` invalid replies): the speaker says nothing; a guesser picks nothing, which
-loses (reward 0.0).
+Fallbacks (after `max_invalid_retries` invalid replies in a row, default 2; 0 gives one try): the speaker says
+nothing; a guesser picks nothing, which loses (reward 0.0).
 """
 
 from __future__ import annotations
@@ -40,13 +40,16 @@ class SignallingGame(TextAECEnv):
     choice_prompt = "Reply with the number or the name of your choice."
 
     def __init__(self, num_items: int = 3, items: tuple[str, ...] = ITEMS, observers: int = 0,
-                 naming_bonus: float = 0.0, render_mode: str | None = None):
+                 naming_bonus: float = 0.0, max_invalid_retries: int = 2, render_mode: str | None = None):
         if not 2 <= num_items <= len(items):
             raise ValueError(f"num_items must be between 2 and {len(items)} (the number of items); got {num_items}")
         if observers < 0:
             raise ValueError(f"observers must be 0 or more; got {observers}")
         if naming_bonus < 0:
             raise ValueError(f"naming_bonus must be 0 or more; got {naming_bonus}")
+        if max_invalid_retries < 0:
+            raise ValueError(f"max_invalid_retries must be 0 or more; got {max_invalid_retries}")
+        self.max_invalid_retries = max_invalid_retries
         self.naming_bonus = float(naming_bonus)
         self.guessers = ["listener"] + [f"observer_{i}" for i in range(observers)]
         self.possible_agents = ["speaker", *self.guessers]

@@ -171,7 +171,7 @@ def _add_topology(sub: argparse._SubParsersAction) -> None:
     show.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. run.max_steps=5")
     show.add_argument("--no-env-check", action="store_true",
                       help="do not import and construct env.class, nor check roles: against the roles it deals")
-    show.set_defaults(func=_topology_show)
+    show.set_defaults(func=_topology_show, trailing="overrides")
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -181,7 +181,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                                      " run.max_steps. Ctrl-C aborts open leases and stops what it started.")
     run.add_argument("file", help="topology YAML, e.g. topologies/signalling-cpu.yaml")
     run.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. run.max_steps=5")
-    run.set_defaults(func=_run)
+    run.set_defaults(func=_run, trailing="overrides")
 
 
 def _add_overwatch(sub: argparse._SubParsersAction) -> None:
@@ -235,8 +235,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse a command line. `key=value` arguments may also follow options (`marl eval F --games 8 listener=5`):
+    argparse stops filling a trailing positional list at the first option, so the rest join that list here."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    trailing = getattr(args, "trailing", None)
+    if extra and (trailing is None or any(arg.startswith("-") or "=" not in arg for arg in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        getattr(args, trailing).extend(extra)
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         args.func(args)
     except KeyboardInterrupt:

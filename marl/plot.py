@@ -7,7 +7,8 @@
     evals.png                     from evals.jsonl (`run.eval_every`): per role, the greedy win rate and mean
                                   reward of each evaluated pairing, with 95% intervals, against the training step
 
-`marl eval` writes eval.png (`plot_eval_matrix`): one role's win rate over a matrix of pairings.
+`marl eval` writes eval.png (`plot_eval_matrix`): each role's win rate over a matrix of pairings; `marl plot RUN_DIR`
+draws it again from RUN_DIR/eval/eval.json (`replot_eval_matrix`).
 
 `marl run` calls `plot_run` when it ends; run it again any time, also while a run goes on.
 """
@@ -17,14 +18,15 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from marl.game_record import GameRecord, as_records, read_games
 
 __all__ = ["percent", "plot_eval_matrix", "plot_evals", "plot_reward_curves", "plot_run", "plot_training",
-           "summarize_games", "summarize_roles"]
+           "replot_eval_matrix", "summarize_games", "summarize_roles"]
 
 
 def plot_run(run_dir: Path) -> list[Path]:
@@ -38,6 +40,7 @@ def plot_run(run_dir: Path) -> list[Path]:
         data_dirs.append(run_dir)
     written += [plot_training(d) for d in data_dirs]
     written.append(plot_evals(run_dir))
+    written.append(replot_eval_matrix(run_dir / "eval"))
     return [p for p in written if p is not None]
 
 
@@ -184,38 +187,62 @@ def plot_evals(run_dir: Path) -> Path | None:
     return _save(fig, Path(run_dir) / "evals.png")
 
 
-def plot_eval_matrix(cells: list[tuple[dict[str, str], Any]], role: str, path: Path) -> Path:
-    """A heatmap of `role`'s win rate over pairings: `cells` are (role -> checkpoint label, the role's stats with
-    `win_rate`, `win_low`, `win_high`) per pairing. Two roles that vary: rows × columns; otherwise one row."""
-    varying = [r for r in dict.fromkeys(r for labels, _ in cells for r in labels)
-               if len({labels.get(r) for labels, _ in cells}) > 1]
+def plot_eval_matrix(cells: list[tuple[dict[str, str], Mapping[str, Any]]], roles: Sequence[str],
+                     path: Path) -> Path:
+    """Heatmaps of each of `roles`' win rate over pairings, side by side: `cells` are (role -> checkpoint label,
+    role -> its stats with `win_rate`, `win_low`, `win_high`) per pairing. Two roles that vary: rows × columns;
+    otherwise one row."""
+    row_names, column_names, ylabel, xlabel, place = _matrix_layout([labels for labels, _ in cells])
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(roles), squeeze=False,
+                             figsize=(len(roles) * (1.6 * len(column_names) + 2), 1.1 * len(row_names) + 1.8))
+    for ax, role in zip(axes[0], roles):
+        grid = [[cells[place[(r, c)]][1].get(role) if (r, c) in place else None for c in column_names]
+                for r in row_names]
+        image = ax.imshow([[_nan(getattr(stats, "win_rate", math.nan)) for stats in row] for row in grid],
+                          vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        for i, row in enumerate(grid):
+            for j, stats in enumerate(row):
+                if stats is not None:
+                    ax.text(j, i, f"{stats.win_rate:.2f}\n[{stats.win_low:.2f}, {stats.win_high:.2f}]",
+                            ha="center", va="center", fontsize=8, color="white" if stats.win_rate < 0.6 else "black")
+        ax.set_xticks(range(len(column_names)), column_names)
+        ax.set_yticks(range(len(row_names)), row_names)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{role}: win rate (95% interval)")
+        fig.colorbar(image, ax=ax)
+    return _save(fig, Path(path))
+
+
+def replot_eval_matrix(eval_dir: Path) -> Path | None:
+    """Draw `eval_dir`/eval.png again from the eval.json `marl eval` wrote there (every evaluated role); None when
+    there is no eval.json or it has fewer than two pairings."""
+    path = Path(eval_dir) / "eval.json"
+    if not path.exists():
+        return None
+    pairings = json.loads(path.read_text())["pairings"]
+    if len(pairings) < 2:
+        return None
+    cells = [({role: seat["label"] for role, seat in p["seats"].items()},
+              {role: SimpleNamespace(**{k: _nan(v) for k, v in stats.items()}) for role, stats in p["roles"].items()})
+             for p in pairings]
+    return plot_eval_matrix(cells, list(pairings[0]["seats"]), path.with_name("eval.png"))
+
+
+def _matrix_layout(labels: list[dict[str, str]]):
+    """Rows, columns, axis labels and (row, column) -> pairing index for pairings' checkpoint labels: the two roles
+    whose checkpoint varies span rows × columns; otherwise the pairings form one row."""
+    varying = [r for r in dict.fromkeys(r for pairing in labels for r in pairing)
+               if len({pairing.get(r) for pairing in labels}) > 1]
     if len(varying) == 2:
         row_role, column_role = varying
-        row_names = list(dict.fromkeys(labels[row_role] for labels, _ in cells))
-        column_names = list(dict.fromkeys(labels[column_role] for labels, _ in cells))
-        place = {(labels[row_role], labels[column_role]): stats for labels, stats in cells}
-        grid = [[place.get((r, c)) for c in column_names] for r in row_names]
-        ylabel, xlabel = row_role, column_role
-    else:
-        row_names, ylabel, xlabel = [""], "", " ".join(varying) or "pairing"
-        column_names = [" ".join(labels[r] for r in varying) or str(i) for i, (labels, _) in enumerate(cells)]
-        grid = [[stats for _, stats in cells]]
-    values = [[_nan(getattr(stats, "win_rate", math.nan)) for stats in row] for row in grid]
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(1.6 * len(column_names) + 2, 1.1 * len(row_names) + 1.8))
-    image = ax.imshow(values, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-    for i, row in enumerate(grid):
-        for j, stats in enumerate(row):
-            if stats is not None:
-                ax.text(j, i, f"{stats.win_rate:.2f}\n[{stats.win_low:.2f}, {stats.win_high:.2f}]", ha="center",
-                        va="center", fontsize=8, color="white" if stats.win_rate < 0.6 else "black")
-    ax.set_xticks(range(len(column_names)), column_names)
-    ax.set_yticks(range(len(row_names)), row_names)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_title(f"{role}: win rate (95% interval)")
-    fig.colorbar(image, ax=ax)
-    return _save(fig, Path(path))
+        rows = list(dict.fromkeys(pairing[row_role] for pairing in labels))
+        columns = list(dict.fromkeys(pairing[column_role] for pairing in labels))
+        place = {(pairing[row_role], pairing[column_role]): i for i, pairing in enumerate(labels)}
+        return rows, columns, row_role, column_role, place
+    columns = [" ".join(pairing[r] for r in varying) or str(i) for i, pairing in enumerate(labels)]
+    return [""], columns, "", " ".join(varying) or "pairing", {("", c): i for i, c in enumerate(columns)}
 
 
 def _nan(value: float | None) -> float:

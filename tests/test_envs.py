@@ -214,6 +214,18 @@ def test_signalling_rewards_and_parsing():
     assert "You win." in env.observe("listener") and "1 of 1 picked the target" in env.observe("speaker")
 
 
+def test_signalling_with_no_retries_one_invalid_reply_loses():
+    env = SignallingGame(max_invalid_retries=0)
+    env.reset(seed=3)
+    env.step(env.target)
+    env.step("I am not sure")  # names no item: with no retries the listener falls back at once and picks nothing
+    assert all(env.terminations.values()) and env.choice == ""
+    assert env.outcome() == {"speaker": 0.0, "listener": 0.0}
+    assert env.invalid_actions_by_role["listener"] == 1 and env.fallbacks_by_role["listener"] == 1
+    with pytest.raises(ValueError, match="max_invalid_retries"):
+        SignallingGame(max_invalid_retries=-1)
+
+
 def test_signalling_observers_are_extra_listeners():
     env = SignallingGame(observers=2)
     assert env.possible_agents == ["speaker", "listener", "observer_0", "observer_1"]

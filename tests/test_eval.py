@@ -15,6 +15,7 @@ from marl.eval.command import main, split_arguments
 from marl.eval.pairings import plan_pairings
 from marl.eval.stats import mean_interval, role_stats, role_won, t_value, wilson_interval
 from marl.game_record import GameRecord
+from marl.plot import replot_eval_matrix
 from marl.snapshots import SnapshotError, checkpoints_of, resolve_snapshot
 from marl.topology import Topology
 
@@ -147,8 +148,13 @@ def test_eval_plays_every_pairing_on_the_same_seeds(tiny_model, tmp_path, capsys
     rows = list(csv.DictReader((out / "eval.csv").open()))
     assert len(rows) == 3 * 3 and {r["role"] for r in rows} == {"speaker", "listener", "observer"}
     assert {r["speaker_checkpoint"] for r in rows} == {"initial", "v1"}
+    with Image.open(out / "eval.png") as image:  # one heatmap per evaluated role, side by side
+        width = image.size[0]
+        assert width > 3 * 300
+    (out / "eval.png").unlink()
+    assert replot_eval_matrix(out) == out / "eval.png"  # `marl plot` draws it again from eval.json
     with Image.open(out / "eval.png") as image:
-        assert image.size[0] > 300
+        assert image.size[0] == width
 
 
 def test_eval_refuses_a_missing_checkpoint_with_exit_2(tiny_model, tmp_path, capsys):
@@ -158,3 +164,16 @@ def test_eval_refuses_a_missing_checkpoint_with_exit_2(tiny_model, tmp_path, cap
         main([str(path), "speaker=7"])
     assert info.value.code == 2
     assert "servers.speaker_model has no checkpoint of step 7" in capsys.readouterr().err
+
+
+def test_role_checkpoints_may_follow_options_on_the_command_line():
+    from marl.cli import parse
+
+    args = parse(["eval", "t.yaml", "listener=0", "--games", "8", "speaker=0,5", "run.seed=3"])
+    assert args.pairs == ["listener=0", "speaker=0,5", "run.seed=3"] and args.games == 8
+    args = parse(["topology", "show", "t.yaml", "--no-env-check", "run.max_steps=2"])
+    assert args.overrides == ["run.max_steps=2"] and args.no_env_check
+    for bad in (["eval", "t.yaml", "--games", "8", "--bogus"], ["eval", "t.yaml", "--games", "8", "listener"],
+                ["status", "http://x", "a=b"]):
+        with pytest.raises(SystemExit):
+            parse(bad)

@@ -113,11 +113,13 @@ def test_shipped_cpu_topology():
     assert topo.local_servers() == ["speaker_model", "listener_model"]
     assert topo.static_endpoints() == []
     assert spec.servers["speaker_model"].kind is ServerKind.LOCAL_TRAINABLE
-    assert spec.servers["speaker_model"].train == TrainConfig(job="signalling", batch_size=4, num_repeat=4,
-                                                              learning_rate=2e-5, micro_batch_tokens=1024)
+    assert spec.servers["speaker_model"].train == TrainConfig(job="signalling", batch_size=2, num_repeat=8,
+                                                              learning_rate=4e-5, micro_batch_tokens=1024)
     assert topo.server_of("speaker") == "speaker_model" and topo.server_of("listener") == "listener_model"
-    assert spec.env.class_path == "envs.signalling:SignallingGame" and spec.env.args == {"num_items": 3, "naming_bonus": 0.5}
-    assert spec.run.repeats == 4 and spec.run.max_steps == 20 and spec.run.games is None
+    assert spec.env.class_path == "envs.signalling:SignallingGame"
+    assert spec.env.args == {"num_items": 3, "naming_bonus": 0.5, "max_invalid_retries": 0}
+    assert spec.run.repeats == 8 and spec.run.max_steps == 25 and spec.run.games is None
+    assert spec.run.temperature == 0.8
     assert spec.run.run_dir == Path("runs/signalling-cpu")  # ${name} resolved
     assert topo.warnings == []
 
@@ -139,13 +141,24 @@ def test_shipped_topologies_import_their_env():
         assert topo.env_class().__name__ == "SignallingGame"
 
 
+def test_shipped_gpu_topologies_use_vllm_and_fsdp(monkeypatch):
+    monkeypatch.setenv("MARL_GPU_MODEL", "/models/Qwen2.5-0.5B-Instruct")
+    gpu = Topology.load(REPO / "topologies" / "signalling-gpu.yaml")
+    for name in ("speaker_model", "listener_model"):
+        server = gpu.spec.servers[name]
+        assert (server.model, server.engine, server.device) == ("/models/Qwen2.5-0.5B-Instruct", "vllm", "cuda")
+        assert server.train.trainer == "fsdp" and server.train.trainer_section.ranks == 1
+    big = Topology.load(REPO / "topologies" / "werewolves-7b-14b-235b.yaml")
+    assert {big.spec.servers[name].train.trainer for name in big.trainable_servers()} == {"fsdp"}
+
+
 def test_overrides_are_merged_and_interpolated():
     topo = Topology.load(CPU, ["run.max_steps=5", "servers.speaker_model.train.grpo.learning_rate=1e-5", "name=quick",
                                "run.games=40", "env.args.num_items=4"], check_env=False)
     assert topo.spec.run.max_steps == 5 and topo.spec.run.games == 40
     assert topo.spec.servers["speaker_model"].train.grpo.learning_rate == 1e-5
-    assert topo.spec.servers["listener_model"].train.grpo.learning_rate == 2e-5
-    assert topo.spec.env.args == {"num_items": 4, "naming_bonus": 0.5}
+    assert topo.spec.servers["listener_model"].train.grpo.learning_rate == 5e-5
+    assert topo.spec.env.args == {"num_items": 4, "naming_bonus": 0.5, "max_invalid_retries": 0}
     assert topo.spec.run.run_dir == Path("runs/quick")  # run_dir: runs/${name} follows the overridden name
     assert topo.overrides[0] == "run.max_steps=5"
 

@@ -3,7 +3,8 @@
     eval.json   the settings, and per pairing: who sat where (server, version, model), per-role statistics, the seeds
                 and every game (a `GameRecord`, as in games.jsonl)
     eval.csv    one row per pairing and role: the checkpoint of every role, then the role's statistics
-    eval.png    a heatmap of one role's win rate (with its 95% interval) over the pairings (two or more pairings)
+    eval.png    a heatmap per evaluated role (or `--role`'s only) of its win rate with its 95% interval over the
+                pairings (two or more pairings)
 """
 
 from __future__ import annotations
@@ -66,10 +67,10 @@ def write_outputs(out_dir: Path, topology: Topology, settings: EvalSettings, res
     written = [out_dir / "eval.json", out_dir / "eval.csv"]
     written[0].write_text(json.dumps(report, indent=1))
     _write_csv(written[1], results)
-    role = heatmap_role or next(iter(results[0].pairing.seats), None) if results else None
-    if len(results) > 1 and role is not None:
-        cells = [({r: s.label for r, s in result.pairing.seats.items()}, result.roles.get(role)) for result in results]
-        written.append(plot_eval_matrix(cells, role, out_dir / "eval.png"))
+    roles = [heatmap_role] if heatmap_role else list(results[0].pairing.seats) if results else []
+    if len(results) > 1 and roles:
+        cells = [({r: s.label for r, s in result.pairing.seats.items()}, result.roles) for result in results]
+        written.append(plot_eval_matrix(cells, roles, out_dir / "eval.png"))
     return written
 
 
