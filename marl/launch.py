@@ -137,7 +137,35 @@ class ServerProcess:
             self.proc.wait(timeout=10)
 
 
-class Supervisor:
+class ServerWatch:
+    """A thread that calls `check()` every `poll_s` seconds until `close()`; `fatal` is set by a subclass once the
+    servers it watches can no longer be kept running. `Supervisor` (local processes) and
+    `marl.ray_cluster.RaySupervisor` (Ray actors) share it: `marl run` treats both alike."""
+
+    def __init__(self, *, name: str, poll_s: float):
+        self.poll_s = poll_s
+        self.fatal: str | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=name, daemon=True)
+
+    def start(self) -> ServerWatch:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.poll_s)
+
+    def check(self) -> None:
+        raise NotImplementedError
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self.poll_s):
+            self.check()
+
+
+class Supervisor(ServerWatch):
     """Restarts a local server that died, on its port and data dir: it resumes from its ledger and checkpoints (and
     whoever watches its status, the run's `ServerMonitor`, then syncs its config and starts its engine again).
 
@@ -147,19 +175,8 @@ class Supervisor:
 
     def __init__(self, processes: Mapping[str, ServerProcess], *, report: Callable[[str], None],
                  poll_s: float = 1.0):
-        self.processes, self.report, self.poll_s = processes, report, poll_s
-        self.fatal: str | None = None
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="supervisor", daemon=True)
-
-    def start(self) -> Supervisor:
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self._closed.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2 * self.poll_s)
+        super().__init__(name="supervisor", poll_s=poll_s)
+        self.processes, self.report = processes, report
 
     def check(self) -> None:
         """Restart every server that died since the last check (one pass)."""
@@ -175,7 +192,3 @@ class Supervisor:
                         f" log: {proc.log_path}")
             log.warning("local server %s %s; restarting it (%d/%d)", name, what, proc.restarts, MAX_RESTARTS)
             proc.start()
-
-    def _watch(self) -> None:
-        while not self._closed.wait(self.poll_s):
-            self.check()

@@ -37,7 +37,7 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayEr
 from marl.coordinator import Endpoint
 from marl.game_table import GameFailed, GameTable
 from marl.game_record import GameRecord
-from marl.launch import MAX_RESTARTS, ServerProcess
+from marl.launch import MAX_RESTARTS, ServerProcess, ServerWatch
 from marl.topology import Problem, TopologyError
 from marl.topology.spec import RaySpec
 
@@ -136,25 +136,14 @@ class RayServer:
         ray.kill(self.actor, no_restart=True)
 
 
-class RaySupervisor:
+class RaySupervisor(ServerWatch):
     """Watches the server actors: reports every restart Ray made and hands it to `on_restart(name)` (the server's
     URL may have changed); `fatal` says which server Ray gave up on. Same interface as `marl.launch.Supervisor`."""
 
     def __init__(self, servers: Mapping[str, RayServer], *, report: Callable[[str], None],
                  on_restart: Callable[[str], None], poll_s: float = 1.0):
-        self.servers, self.report, self.on_restart, self.poll_s = servers, report, on_restart, poll_s
-        self.fatal: str | None = None
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="ray-supervisor", daemon=True)
-
-    def start(self) -> RaySupervisor:
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self._closed.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2 * self.poll_s)
+        super().__init__(name="ray-supervisor", poll_s=poll_s)
+        self.servers, self.report, self.on_restart = servers, report, on_restart
 
     def check(self) -> None:
         """One pass over the actors."""
@@ -176,10 +165,6 @@ class RaySupervisor:
             self.report(f"server {name} died and Ray restarted it ({server.restarts}/{MAX_RESTARTS}) on node"
                         f" {server.node_id[:12]}, now on {server.url}; log: {server.log_path}")
             self.on_restart(name)
-
-    def _watch(self) -> None:
-        while not self._closed.wait(self.poll_s):
-            self.check()
 
 
 class RayCluster:
