@@ -47,8 +47,9 @@ def test_marl_run_trains_through_vllm_and_a_two_rank_fsdp_trainer(tmp_path):
     log = (run_dir / "logs" / "speaker_model.log").read_text()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:] + log[-3000:]
     steps = [json.loads(line) for line in (run_dir / "servers" / "speaker_model" / "metrics.jsonl").open()]
-    assert [s["step"] for s in steps] == [1, 2]
+    assert [s["step"] for s in steps][:2] == [1, 2]  # games in flight when step 2 lands may train more
     # games of step 2 were played on the weights of step 1, loaded into the running vLLM
     assert {g.policy_versions["speaker_model"] for g in read_games(run_dir / "games.jsonl")} >= {0, 1}
     assert (run_dir / "servers" / "speaker_model" / "vllm" / "vllm.log").exists()
-    assert (run_dir / "servers" / "speaker_model" / "checkpoints" / "step_000002").is_dir()
+    checkpoints = sorted(p.name for p in (run_dir / "servers" / "speaker_model" / "checkpoints").iterdir())
+    assert checkpoints and checkpoints[-1] >= "step_000002"  # the newest are kept (keep_checkpoints: 2)
