@@ -137,7 +137,7 @@ class BenchServer:
     a batch too large to ever train (the bench measures serving)."""
 
     def __init__(self, model_dir: Path, data_dir: Path, engine_factory) -> None:
-        from servers.serve import ServeOptions, build_app
+        from servers.entrypoint import ServeOptions, build_app
 
         self.port = free_port()
         options = ServeOptions(model=str(model_dir), port=self.port, admin_token=ADMIN_TOKEN, data_dir=data_dir,
@@ -248,7 +248,7 @@ def time_weight_syncs(engine, model_dir: Path, scratch: Path, repeats: int) -> l
 def vllm_bench(args: argparse.Namespace) -> None:
     from servers.engines.vllm_engine import vllm_engine_factory
     from servers.models import load_tokenizer
-    from servers.serve import torch_engine_factory
+    from servers.entrypoint import torch_engine_factory
 
     levels = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory() as tmp:

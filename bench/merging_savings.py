@@ -56,7 +56,8 @@ def record(games: int, directory: Path) -> list[Path]:
 
     from envs.werewolves import Werewolves
     from marl.client import SwarmClient
-    from marl.coordinator import Coordinator, Endpoint, GameSettings
+    from marl.coordinator import Coordinator, GameSettings
+    from marl.endpoints import TrainableEndpoint
     from marl.games import play_games, tasks
     from servers.tiny_model import build_tiny_model
 
@@ -68,7 +69,7 @@ def record(games: int, directory: Path) -> list[Path]:
             config = {"job": "werewolves", "batch_size": 10_000, "num_repeat": 2, "save_freq": 0}  # never trains
             client = SwarmClient(srv.url, admin_token=ADMIN)
             client.auto_sync_train_config_and_start_engine(config)
-            endpoints[name] = Endpoint(name, client=client, train_config=config)
+            endpoints[name] = TrainableEndpoint(name, client=client, train_config=config)
         coordinator = Coordinator(
             env_factory=lambda: Werewolves(max_rounds=4),
             role_servers={"werewolf": "wolves_model", "seer": "seer_model", "villager": None, "witch": None,

@@ -56,7 +56,7 @@ def serve_marl(port: int, model_dir: str, data_dir: str) -> None:
     from transformers import AutoTokenizer
 
     from servers.interfaces import GenerationChunk, InferenceEngine
-    from servers.serve import ServeOptions, build_app
+    from servers.entrypoint import ServeOptions, build_app
 
     class ZeroWorkEngine(InferenceEngine):
         """Answers every prompt with one token, instantly: the benchmark measures the proxy, not a model."""

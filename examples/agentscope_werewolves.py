@@ -21,7 +21,8 @@ import yaml
 
 from marl import ADMIN_TOKEN_ENV, SwarmClient, SwarmError
 from marl.agentscope_agents import Fallback, agentscope_players
-from marl.coordinator import Coordinator, Endpoint, GameFailed, GameSettings
+from marl.coordinator import Coordinator, GameFailed, GameSettings
+from marl.endpoints import TrainableEndpoint
 from marl.games import tasks
 from marl.topology import import_env_factory
 
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     coordinator = Coordinator(
         env_factory=lambda: make_env(**env_args),
         role_servers=role_servers,
-        endpoints={SERVER: Endpoint(SERVER, client=client, train_config=config)},
+        endpoints={SERVER: TrainableEndpoint(SERVER, client=client, train_config=config)},
         settings=GameSettings(max_tokens=args.max_tokens, temperature=args.temperature),
         player_factory=agentscope_players(fallback),
     )

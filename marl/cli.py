@@ -32,7 +32,7 @@ def _megabytes(text: str) -> float:
 def _serve(args: argparse.Namespace) -> None:
     # marl/ imports servers/ only in the server-side commands: `serve` (starting a server process is what it is
     # for) and `episode` (reading a server's ledger).
-    from servers.serve import ServeOptions, serve
+    from servers.entrypoint import ServeOptions, serve
 
     serve(ServeOptions(
         model=args.model, port=args.port, host=args.host, admin_token=args.admin_token,

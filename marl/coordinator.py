@@ -30,9 +30,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import openai
@@ -40,14 +39,18 @@ import openai
 from envs.base import GameEnv
 from marl.client import EpisodeOutput, SwarmClient, SwarmError
 from marl.decision_log import DecisionLog
+from marl.endpoints import HeldLease, SnapshotPoolEndpoint, SnapshotSource, StaticEndpoint, legacy_endpoint
 from marl.game_record import GameRecord
 from marl.game_table import GameFailed, GameSettings, GameTable, Seat
 from marl.monitor import ServerMonitor
 from marl.protocol import EngineState, EpisodeLease
 from marl.two_phase import Part, commit_game
 
-__all__ = ["Coordinator", "Endpoint", "GameCancelled", "GameFailed", "GameRunner", "GameSettings", "GameTable",
-           "SnapshotSource", "linked_servers_of"]
+if TYPE_CHECKING:
+    from marl.endpoints import Endpoint
+
+__all__ = ["Coordinator", "GameCancelled", "GameFailed", "GameRunner", "GameSettings", "GameTable",
+           "linked_servers_of"]
 
 log = logging.getLogger("marl.coordinator")
 
@@ -58,38 +61,6 @@ _NEVER = threading.Event()  # the `cancel` of a game nobody cancels
 
 class GameCancelled(GameFailed):
     """The game was cancelled while it waited for its leases (the run is stopping); it held none."""
-
-
-class SnapshotSource(Protocol):
-    """A pool of static servers on past checkpoints of a trainable server (`marl.league.SnapshotPool`)."""
-
-    def draw(self) -> contextlib.AbstractContextManager[Endpoint]:
-        """A static endpoint on one snapshot (with its `policy_version` and `snapshot_of`), kept serving until the
-        context exits."""
-
-
-@dataclass
-class Endpoint:
-    """How the coordinator reaches one server of the topology."""
-
-    name: str
-    client: SwarmClient | None = None  # a trainable swarm server: episodes are leased
-    base_url: str | None = None  # a static OpenAI-compatible endpoint
-    api_key: str = "none"
-    model: str | None = None
-    max_concurrency: int | None = None
-    #: Synced (and the engine started) whenever the server is found OFFLINE, e.g. after a crash and restart.
-    train_config: dict | None = None
-    #: A static endpoint on a known checkpoint: its policy version, and the trainable server it is a snapshot of
-    #: (recorded as the game's provenance; None: unknown, e.g. an external model).
-    policy_version: int | None = None
-    snapshot_of: str | None = None
-    #: A `past_of` server: no endpoint of its own; every game draws one of its snapshots.
-    snapshots: SnapshotSource | None = None
-
-    @property
-    def trainable(self) -> bool:
-        return self.client is not None
 
 
 def linked_servers_of(env: GameEnv, role_servers: Mapping[str, str | None],
@@ -108,7 +79,8 @@ def linked_servers_of(env: GameEnv, role_servers: Mapping[str, str | None],
 
 #: How a coordinator plays a game once leased: `(table, task_id, seed, leases, statics) -> GameRecord`. Default: here
 #: (`GameTable.play`); `marl.ray_cluster` plays it as a Ray task on any node of a cluster.
-GameRunner = Callable[[GameTable, str, int, "dict[str, _Lease]", "dict[str, Endpoint]"], GameRecord]
+GameRunner = Callable[[GameTable, str, int, "dict[str, HeldLease]", "dict[str, StaticEndpoint]"],
+                      GameRecord]
 
 
 class Coordinator:
@@ -174,8 +146,8 @@ class Coordinator:
                     raise
                 raise GameFailed(f"game {task_id} failed: {exc!r}") from exc
 
-    def _play_here(self, table: GameTable, task_id: str, seed: int, leases: dict[str, _Lease],
-                   statics: dict[str, Endpoint]) -> GameRecord:
+    def _play_here(self, table: GameTable, task_id: str, seed: int, leases: dict[str, HeldLease],
+                   statics: dict[str, StaticEndpoint]) -> GameRecord:
         return table.play(task_id, seed, leases, statics, self._shared_client)
 
     @functools.cached_property
@@ -188,19 +160,21 @@ class Coordinator:
         dealt = self.table.env_factory().dealt_roles()
         return sorted({self.role_servers[role] for role in dealt if self.role_servers.get(role) in statics})
 
-    def _draw_statics(self, drawn: contextlib.ExitStack) -> dict[str, Endpoint]:
+    def _draw_statics(self, drawn: contextlib.ExitStack) -> dict[str, StaticEndpoint]:
         """Every static server a game seats -> the endpoint it plays on: its own, or for a pool of snapshots the
         snapshot drawn for this game (held by `drawn` until the game ends)."""
         statics = {}
         for server in self._seated_statics:
             endpoint = self.endpoints[server]
-            statics[server] = endpoint if endpoint.snapshots is None else drawn.enter_context(endpoint.snapshots.draw())
+            if isinstance(endpoint, SnapshotPoolEndpoint):
+                endpoint = drawn.enter_context(endpoint.snapshots.draw())
+            statics[server] = endpoint
         return statics
 
     def _shared_client(self, seat: Seat) -> openai.OpenAI | None:
         """One client per fixed static endpoint, shared by its seats; a drawn snapshot's seats get their own. Keyed
         by URL: a server that moved (a Ray actor restarted elsewhere) gets a client for its new URL."""
-        if self.endpoints[seat.server].snapshots is not None:
+        if isinstance(self.endpoints[seat.server], SnapshotPoolEndpoint):
             return None
         with self._static_clients_lock:
             if seat.base_url not in self._static_clients:
@@ -211,7 +185,7 @@ class Coordinator:
 
     # --- leasing: all or nothing, never holding one while waiting for another -------------------------------------
 
-    def _lease_all(self, cancel: threading.Event) -> dict[str, _Lease]:
+    def _lease_all(self, cancel: threading.Event) -> dict[str, HeldLease]:
         """Lease on every linked server, or on none.
 
         While every server answers but some are busy (BOOTING, ROLLING_POST, WEIGHT_SYNCING: a big model's weight
@@ -233,7 +207,7 @@ class Coordinator:
                 raise GameCancelled(f"cancelled while waiting for leases ({reason})")
             delay = min(delay * 2, 2.0)
 
-    def _try_lease_all(self) -> tuple[dict[str, _Lease] | None, str, bool]:
+    def _try_lease_all(self) -> tuple[dict[str, HeldLease] | None, str, bool]:
         """One try: (the leases, "", True), or (None, why not, whether every server answered and is only busy)."""
         states = {name: self.monitor.state(name) for name in self.linked}
         unreachable = [name for name, state in states.items() if state is None]
@@ -261,7 +235,7 @@ class Coordinator:
 
     # --- commit ----------------------------------------------------------------------------------------------------
 
-    def _commit(self, task_id: str, leases: dict[str, _Lease], result: GameRecord) -> None:
+    def _commit(self, task_id: str, leases: dict[str, HeldLease], result: GameRecord) -> None:
         """Every linked server gets its episode with the rewards of the roles it plays, or none does.
 
         One server: `end` is atomic and idempotent by itself. Several: a two-phase commit (`marl.two_phase`):
@@ -313,36 +287,28 @@ class Coordinator:
             self._scratch.cleanup()
 
 
-@dataclass
-class _Lease:
-    server: str
-    episode_id: str
-    lease: EpisodeLease
-    renewed_at: float = field(default_factory=time.monotonic)
-
-
 class _HeldLeases:
     """Every lease the coordinator holds: begun here, kept alive, forgotten once ended, aborted on failure or Ctrl-C."""
 
     def __init__(self, endpoints: Mapping[str, Endpoint], io: ThreadPoolExecutor):
         self.endpoints, self.io = endpoints, io
-        self._open: dict[tuple[str, str], _Lease] = {}
+        self._open: dict[tuple[str, str], HeldLease] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
         threading.Thread(target=self._keep_alive, name="coordinator-keepalive", daemon=True).start()
 
-    def begin(self, server: str) -> _Lease:
+    def begin(self, server: str) -> HeldLease:
         episode_id, lease = self.endpoints[server].client.begin_episode(timeout=_LEASE_ATTEMPT_S)
-        held = _Lease(server, episode_id, lease)
+        held = HeldLease(server, episode_id, lease)
         with self._lock:
             self._open[(server, episode_id)] = held
         return held
 
-    def forget(self, held: _Lease) -> None:
+    def forget(self, held: HeldLease) -> None:
         with self._lock:
             self._open.pop((held.server, held.episode_id), None)
 
-    def abort(self, leases: Iterable[_Lease]) -> None:
+    def abort(self, leases: Iterable[HeldLease]) -> None:
         """Abort the leases still held (one already ended, prepared or aborted is left alone)."""
         for held in list(leases):
             with self._lock:
@@ -387,7 +353,7 @@ class _HeldLeases:
                 except RuntimeError:  # closed meanwhile
                     return
 
-    def _renew(self, lease: _Lease) -> None:
+    def _renew(self, lease: HeldLease) -> None:
         try:
             self.endpoints[lease.server].client.renew_episode(lease.episode_id, timeout=10)
         except (SwarmError, httpx.HTTPError) as exc:  # gone or ended meanwhile: the game finds out by itself
@@ -411,3 +377,13 @@ class _Slots:
     def __exit__(self, *exc: object) -> None:
         for sem in reversed(self.semaphores):
             sem.release()
+
+
+def __getattr__(name: str) -> Any:
+    """Names that moved to `marl.endpoints`, kept for one release."""
+    if name in ("Endpoint", "SnapshotSource"):
+        import warnings
+        new = "one of TrainableEndpoint, StaticEndpoint, SnapshotPoolEndpoint" if name == "Endpoint" else name
+        warnings.warn(f"marl.coordinator.{name} moved to marl.endpoints ({new})", DeprecationWarning, stacklevel=2)
+        return legacy_endpoint if name == "Endpoint" else SnapshotSource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,7 +17,6 @@ mode (not WAL), so a server process can read it while the coordinator writes; it
 
 from __future__ import annotations
 
-import enum
 import json
 import sqlite3
 import threading
@@ -25,29 +24,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from urllib.parse import quote
+
+from marl.decision_record import SCHEMA, Decision, DecisionLogUnreadable, read_decision
 
 __all__ = ["Decision", "DecisionLog", "DecisionLogUnreadable", "GameDecision", "Participant", "read_decision"]
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS games (
-    game_id TEXT PRIMARY KEY,
-    participants TEXT NOT NULL,  -- JSON: server name -> {url, episode_id, client_id}
-    begun_at REAL NOT NULL,
-    decision TEXT,  -- NULL until decided, then 'commit' or 'abort'
-    decided_at REAL,
-    done INTEGER NOT NULL DEFAULT 0  -- every server acknowledged the decision
-);
-"""
-
-
-class Decision(enum.StrEnum):
-    COMMIT = "commit"
-    ABORT = "abort"
-
-
-class DecisionLogUnreadable(Exception):
-    """The decision log cannot be read from here (no such file, no permission, not a decision log)."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +56,7 @@ class DecisionLog:
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=DELETE")  # readable from other processes without write access
         self._db.execute("PRAGMA synchronous=FULL")  # a decision survives power loss before any commit is sent
-        self._db.executescript(_SCHEMA)
+        self._db.executescript(SCHEMA)
 
     def close(self) -> None:
         with self._lock:
@@ -126,22 +106,3 @@ class DecisionLog:
         return [GameDecision(game_id, {name: Participant(**p) for name, p in json.loads(parts).items()},
                              Decision(decision) if decision else None)
                 for game_id, parts, decision in rows]
-
-
-def read_decision(path: Path | str, game_id: str) -> Decision | None:
-    """What the coordinator decided for `game_id` (None: nothing yet), read-only, from another process.
-
-    Raises `DecisionLogUnreadable` when the log cannot be read here (a server that cannot see the coordinator's
-    run directory): the caller must then not presume anything.
-    """
-    try:
-        db = sqlite3.connect(f"file:{quote(str(Path(path).resolve()))}?mode=ro", uri=True, timeout=5)
-    except sqlite3.Error as exc:
-        raise DecisionLogUnreadable(f"cannot open decision log {path}: {exc}") from exc
-    try:
-        row = db.execute("SELECT decision FROM games WHERE game_id = ?", (game_id,)).fetchone()
-    except sqlite3.Error as exc:
-        raise DecisionLogUnreadable(f"cannot read decision log {path}: {exc}") from exc
-    finally:
-        db.close()
-    return Decision(row[0]) if row and row[0] else None

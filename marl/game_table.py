@@ -24,8 +24,8 @@ from marl.agents import LLMAgent, ScriptedAgent
 from marl.game_record import CoPlayer, GameRecord
 from marl.protocol import AGENT_HEADER
 
-if TYPE_CHECKING:  # types only: the coordinator imports this module
-    from marl.coordinator import Endpoint, _Lease
+if TYPE_CHECKING:
+    from marl.endpoints import HeldLease, StaticEndpoint
 
 log = logging.getLogger("marl.game_table")
 
@@ -89,7 +89,7 @@ class GameTable:
         self.env_factory, self.role_servers, self.settings = env_factory, dict(role_servers), settings
         self.player_factory = player_factory
 
-    def play(self, task_id: str, seed: int, leases: Mapping[str, _Lease], statics: Mapping[str, Endpoint],
+    def play(self, task_id: str, seed: int, leases: Mapping[str, HeldLease], statics: Mapping[str, StaticEndpoint],
              shared_client: Callable[[Seat], openai.OpenAI | None] = lambda seat: None) -> GameRecord:
         """Play one game to its end on `leases` (one per trainable server it seats) and `statics` (the endpoint of
         every static server it seats); commits nothing. `shared_client(seat)`: an OpenAI client for a static seat
@@ -117,7 +117,7 @@ class GameTable:
         env.close()
         return record
 
-    def _play_turns(self, env: GameEnv, leases: Mapping[str, _Lease], statics: Mapping[str, Endpoint],
+    def _play_turns(self, env: GameEnv, leases: Mapping[str, HeldLease], statics: Mapping[str, StaticEndpoint],
                     shared_client: Callable[[Seat], openai.OpenAI | None]) -> int:
         """Seat a player for every agent and play the game to its end; returns the turns played."""
         players: dict[str, Any] = {}
@@ -141,8 +141,8 @@ class GameTable:
             close_players(players.values())
         return turns
 
-    def _co_players(self, env: GameEnv, leases: Mapping[str, _Lease],
-                    statics: Mapping[str, Endpoint]) -> dict[str, CoPlayer]:
+    def _co_players(self, env: GameEnv, leases: Mapping[str, HeldLease],
+                    statics: Mapping[str, StaticEndpoint]) -> dict[str, CoPlayer]:
         """Who played each role: its server and the policy version that played (the game's provenance)."""
         players = {}
         for role in sorted({env.role_of(agent) for agent in env.possible_agents}):
@@ -157,7 +157,8 @@ class GameTable:
                                          snapshot_of=endpoint.snapshot_of)
         return players
 
-    def _seat(self, env: GameEnv, agent: str, leases: Mapping[str, _Lease], statics: Mapping[str, Endpoint]) -> Seat:
+    def _seat(self, env: GameEnv, agent: str, leases: Mapping[str, HeldLease],
+              statics: Mapping[str, StaticEndpoint]) -> Seat:
         role = env.role_of(agent)
         if role not in self.role_servers:
             raise GameFailed(f"the env dealt role '{role}' to {agent}, but the topology has no role '{role}'")

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from marl.coordinator import Endpoint
+from marl.endpoints import StaticEndpoint
 from marl.snapshots import Snapshot, StaticFleet, checkpoints_of
 from marl.topology import PastOfSpec, Topology
 
@@ -43,7 +43,7 @@ _MAX_START_FAILURES = 3  # a snapshot that fails to start this often is dropped 
 @dataclass
 class _Served:
     snapshot: Snapshot
-    endpoint: Endpoint
+    endpoint: StaticEndpoint
     users: int = 0  # games holding it
 
 
@@ -82,7 +82,7 @@ class SnapshotPool:
             self._thread.join(timeout=60)
 
     @contextlib.contextmanager
-    def draw(self) -> Iterator[Endpoint]:
+    def draw(self) -> Iterator[StaticEndpoint]:
         """One served snapshot, uniformly; it keeps serving until the block exits."""
         with self._lock:
             if not self._serving:

@@ -482,28 +482,6 @@ class EpisodeState(BaseModel):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Samples (what the trainer consumes; also shown by the episode viewer)
-# --------------------------------------------------------------------------------------------------------------
-
-
-class Sample(BaseModel):
-    """One training sequence: merged calls of one agent, with an interleaved loss mask.
-
-    `token_ids`, `loss_mask` and `logprobs` have equal length; `logprobs[i]` is the behaviour policy's logprob of
-    `token_ids[i]` where `loss_mask[i] == 1`, and 0.0 elsewhere.
-    """
-
-    episode_id: str
-    agent: str
-    token_ids: list[int]
-    loss_mask: list[int]
-    logprobs: list[float]
-    reward: float
-    policy_version: int  # oldest policy version among the merged calls
-    num_calls: int
-
-
-# --------------------------------------------------------------------------------------------------------------
 # OpenAI-compatible data plane
 # --------------------------------------------------------------------------------------------------------------
 
@@ -651,3 +629,13 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def __getattr__(name: str):
+    """`Sample` moved to `servers.samples` (it never crosses the wire); the old name works for one release."""
+    if name == "Sample":
+        import warnings
+        warnings.warn("marl.protocol.Sample moved to servers.samples.Sample", DeprecationWarning, stacklevel=2)
+        from servers.samples import Sample
+        return Sample
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -34,7 +34,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError, RayTaskError
 
-from marl.coordinator import Endpoint
+from marl.endpoints import StaticEndpoint
 from marl.game_table import GameFailed, GameTable
 from marl.game_record import GameRecord
 from marl.launch import MAX_RESTARTS, ServerProcess, ServerWatch
@@ -80,7 +80,7 @@ class _ServerActor:
 
 
 @ray.remote(num_cpus=0, max_retries=0, scheduling_strategy="SPREAD")
-def _play_game(table: GameTable, task_id: str, seed: int, leases: dict, statics: dict[str, Endpoint]) -> GameRecord:
+def _play_game(table: GameTable, task_id: str, seed: int, leases: dict, statics: dict[str, StaticEndpoint]) -> GameRecord:
     # Never retried by Ray: a replay would add calls to leases that already have some; marl.games replays a failed
     # game itself, on new leases.
     try:
@@ -210,7 +210,7 @@ class RayCluster:
         return RaySupervisor(self.servers, report=report, on_restart=on_restart)
 
     @staticmethod
-    def play(table: GameTable, task_id: str, seed: int, leases: dict, statics: dict[str, Endpoint]) -> GameRecord:
+    def play(table: GameTable, task_id: str, seed: int, leases: dict, statics: dict[str, StaticEndpoint]) -> GameRecord:
         """A `marl.coordinator.GameRunner`: play the game as a Ray task on any node and wait for its record."""
         try:
             return ray.get(_play_game.remote(table, task_id, seed, leases, statics))

@@ -51,7 +51,8 @@ from rich.table import Table
 from rich.text import Text
 
 from marl.client import SwarmClient
-from marl.coordinator import Coordinator, Endpoint, GameSettings
+from marl.coordinator import Coordinator, GameSettings
+from marl.endpoints import Endpoint, SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
 from marl.decision_log import DecisionLog
 from marl.eval.periodic import PeriodicEval
 from marl.game_record import GameRecord, append_game
@@ -386,25 +387,25 @@ def _endpoint(topology: Topology, name: str, processes: dict[str, ServerProcess 
     of snapshots (past_of)."""
     server, run = topology.spec.servers[name], topology.spec.run
     if server.kind == ServerKind.PAST_SNAPSHOTS:
-        return Endpoint(name, snapshots=pools[name])
+        return SnapshotPoolEndpoint(name, pools[name])
     if server.kind == ServerKind.LOCAL_TRAINABLE:
         client = SwarmClient(processes[name].url, admin_token=token, max_wait_s=3600)
     elif server.kind == ServerKind.REMOTE_SWARM:
         client = SwarmClient(server.swarm_url, admin_token=os.environ.get(server.admin_token_env or ""),
                              max_wait_s=3600)
     elif server.kind == ServerKind.LOCAL_STATIC:
-        return Endpoint(name, base_url=processes[name].url + "/v1", model=server.model)
+        return StaticEndpoint(name, base_url=processes[name].url + "/v1", model=server.model)
     else:
-        return Endpoint(name, base_url=server.url, model=server.model,
-                        api_key=os.environ.get(server.api_key_env or "", "none"))
-    return Endpoint(name, client=client, max_concurrency=run.per_server_concurrency,
-                    train_config=server.train.model_dump())
+        return StaticEndpoint(name, base_url=server.url, model=server.model,
+                              api_key=os.environ.get(server.api_key_env or "", "none"))
+    return TrainableEndpoint(name, client=client, max_concurrency=run.per_server_concurrency,
+                             train_config=server.train.model_dump())
 
 
 def _repoint(endpoint: Endpoint, url: str, token: str) -> None:
     """Point a local server's endpoint at its new `url`; the monitor and the coordinator read `client` and `base_url`
     at every use, so the next read goes there."""
-    if endpoint.client is None:  # a static server
+    if isinstance(endpoint, StaticEndpoint):
         endpoint.base_url = url + "/v1"
     else:  # the old client is left open: other threads may still hold it, and its connections died with the server
         endpoint.client = SwarmClient(url, admin_token=token, max_wait_s=3600)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marl.client import SwarmClient
-from marl.coordinator import Endpoint
+from marl.endpoints import StaticEndpoint
 from marl.launch import ServerProcess
 from marl.protocol import EngineState
 from marl.topology import ServerKind, Topology
@@ -111,7 +111,7 @@ def resolve_snapshot(topology: Topology, run_dir: Path, server: str, ref: str) -
 
 
 class StaticFleet:
-    """Static `marl serve` processes, one per snapshot, started on demand; each is reached as a static `Endpoint`.
+    """Static `marl serve` processes, one per snapshot, started on demand; each is reached as a `StaticEndpoint`.
 
     `max_servers` bounds how many run at once: starting more stops the least recently used ones that are not asked
     for. Logs go to `log_dir/<snapshot name>.log`; `devices` maps a server to the device its snapshots load on.
@@ -122,13 +122,13 @@ class StaticFleet:
                  prefix_cache_gb: float | None = None, max_servers: int | None = None):
         self.log_dir, self.token, self.devices = Path(log_dir), token, dict(devices or {})
         self.prefix_cache_gb, self.max_servers = prefix_cache_gb, max_servers
-        self._running: dict[Snapshot, tuple[ServerProcess, Endpoint]] = {}
+        self._running: dict[Snapshot, tuple[ServerProcess, StaticEndpoint]] = {}
         self._used_at: dict[Snapshot, float] = {}
         self._booting: set[ServerProcess] = set()
         self._closed = False
         self._lock = threading.Lock()
 
-    def endpoints(self, snapshots: Iterable[Snapshot]) -> dict[Snapshot, Endpoint]:
+    def endpoints(self, snapshots: Iterable[Snapshot]) -> dict[Snapshot, StaticEndpoint]:
         """An endpoint for each snapshot, starting (in parallel) those not running yet. Raises RuntimeError."""
         wanted = list(dict.fromkeys(snapshots))
         with self._lock:
@@ -187,7 +187,7 @@ class StaticFleet:
         for snapshot in idle[:max(0, excess)]:
             self.stop(snapshot)
 
-    def _start(self, snapshot: Snapshot) -> tuple[ServerProcess, Endpoint]:
+    def _start(self, snapshot: Snapshot) -> tuple[ServerProcess, StaticEndpoint]:
         proc = ServerProcess(model=snapshot.model, admin_token=self.token, data_dir=self.log_dir / snapshot.name,
                              log_path=self.log_dir / f"{snapshot.name}.log", static=True,
                              device=self.devices.get(snapshot.server), served_name=snapshot.name,
@@ -207,7 +207,7 @@ class StaticFleet:
             with self._lock:
                 self._booting.discard(proc)
         log.info("serving %s (%s) on %s", snapshot.name, snapshot.model, proc.url)
-        endpoint = Endpoint(snapshot.name, base_url=proc.url + "/v1", model=snapshot.name,
+        endpoint = StaticEndpoint(snapshot.name, base_url=proc.url + "/v1", model=snapshot.name,
                             policy_version=snapshot.version,
                             snapshot_of=snapshot.server if snapshot.trainable else None)
         return proc, endpoint

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from marl.protocol import Sample
+from servers.samples import Sample
 from servers.ledger import EpisodeRow, Ledger
 
 OPEN, CLOSE = "[[", "]]"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from marl.protocol import Sample
+from servers.samples import Sample
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from marl.protocol import ConfigResponse, EngineState, ErrorCode, TrainConfig
-from servers.chat import ChatFormatter
+from servers.chat_format import ChatFormatter
 from servers.checkpoints import CheckpointDir
 from servers.errors import Refusal
 from servers.interfaces import InferenceEngine, Trainer
 from servers.ledger import LedgerThread
-from servers.status import ErrorLog
+from servers.telemetry import ErrorLog
 
 log = logging.getLogger("marl.server")
 

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from marl.protocol import EngineState, PoolInfo
-from servers.status import Counters
+from servers.telemetry import Counters
 
 #: lease outcomes counted by the server: counter key -> `event` label
 LEASE_EVENTS = {"leases_begun": "begun", "episodes_ended": "ended", "leases_aborted": "aborted",

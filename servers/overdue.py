@@ -1,7 +1,7 @@
 """Prepared episodes that nobody committed or aborted by their deadline, resolved by the server itself.
 
 Every second `OverdueResolver.run` looks for prepared episodes past their deadline (`servers.prepared`) and asks the
-decision log their prepare named (`marl.decision_log.read_decision`): COMMIT commits the episode, ABORT or no
+decision log their prepare named (`marl.decision_record.read_decision`): COMMIT commits the episode, ABORT or no
 decision aborts it; a prepare that named no log is aborted (presumed abort). A log this server cannot read (it
 cannot see the coordinator's run directory) leaves the episode prepared: presuming either way could break the game's
 atomicity, so it waits for the coordinator's re-drive, and the log is read again at every pass.
@@ -13,11 +13,11 @@ import asyncio
 import logging
 import time
 
-from marl.decision_log import Decision, DecisionLogUnreadable, read_decision
+from marl.decision_record import Decision, DecisionLogUnreadable, read_decision
 from servers.ledger import LedgerThread
 from servers.prepared import Overdue, PreparedEpisodes
-from servers.recording import EpisodeRecorder
-from servers.status import Counters
+from servers.episode_recorder import EpisodeRecorder
+from servers.telemetry import Counters
 
 log = logging.getLogger("marl.server")
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from pydantic import TypeAdapter
 
-from marl.protocol import EpisodePhase, Sample
+from marl.protocol import EpisodePhase
+from servers.samples import Sample
 from servers.ledger import Ledger, RecordedEpisode, trainable_tokens
 
 _SCHEMA = """

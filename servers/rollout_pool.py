@@ -2,7 +2,7 @@
 
 `RolloutPool` grants leases while the engine is ROLLING (at most `max_leases` at once), aborts, renews and expires
 them, admits data-plane calls by their episode key, closes a lease once its episode is recorded (the recording
-itself is `servers.recording`'s), and says how far the pool is from the next training step (`info`). Every change
+itself is `servers.episode_recorder`'s), and says how far the pool is from the next training step (`info`). Every change
 that may complete a batch sets `batch_check` for the train loop.
 """
 
@@ -28,7 +28,7 @@ from servers.leases import Lease, LeaseTable, NoFreeSlot
 from servers.ledger import LedgerThread
 from servers.lifecycle import EngineLifecycle
 from servers.prepared import PreparedEpisodes
-from servers.status import Counters
+from servers.telemetry import Counters
 
 log = logging.getLogger("marl.server")
 
@@ -36,10 +36,10 @@ _REAP_INTERVAL_S = 0.25
 
 
 class RolloutPool:
-    def __init__(self, engine: EngineLifecycle, ledger: LedgerThread, prepared: PreparedEpisodes, counters: Counters,
+    def __init__(self, lifecycle: EngineLifecycle, ledger: LedgerThread, prepared: PreparedEpisodes, counters: Counters,
                  batch_check: asyncio.Event, public_url: str | None = None):
         self.leases = LeaseTable()
-        self._engine = engine
+        self._lifecycle = lifecycle
         self._ledger = ledger
         self._prepared = prepared
         self._counters = counters
@@ -49,7 +49,7 @@ class RolloutPool:
     # --- leases --------------------------------------------------------------------------------------------------
 
     def begin(self, client_id: str, request_url: str) -> EpisodeLease:
-        state, config = self._engine.state, self._engine.config
+        state, config = self._lifecycle.state, self._lifecycle.config
         if state != EngineState.ROLLING:
             waiting = state == EngineState.BOOTING or state in RUNNING_STATES  # draining or training: soon again
             what = ("wait: leases resume when the engine is ROLLING" if waiting
@@ -58,15 +58,15 @@ class RolloutPool:
                           f"no new leases while the engine is {state.value}; {what}",
                           retry_after_s=1.0 if waiting else None, state=state)
         try:
-            lease = self.leases.open(client_id=client_id, generation=self._engine.generation,
+            lease = self.leases.open(client_id=client_id, generation=self._lifecycle.generation,
                                      patience_s=config.lease_patience_s, max_leases=config.max_leases)
         except NoFreeSlot:
             raise Refusal(503, ErrorCode.NO_FREE_SLOT, f"all {config.max_leases} lease slots are taken; wait for one"
                           " to end (train.max_leases)", retry_after_s=0.5, state=state) from None
         self._counters.leases_begun += 1
         return EpisodeLease(episode_id=lease.episode_id, base_url=(self._public_url or request_url).rstrip("/") + "/v1",
-                            api_key=lease.key, model=self._engine.served_name, generation=lease.generation,
-                            patience_s=lease.patience_s, policy_version=self._engine.policy_version)
+                            api_key=lease.key, model=self._lifecycle.served_name, generation=lease.generation,
+                            patience_s=lease.patience_s, policy_version=self._lifecycle.policy_version)
 
     def abort(self, lease: Lease) -> AbortEpisodeResponse:
         """Discard a held lease unrecorded (see `held`)."""
@@ -88,7 +88,7 @@ class RolloutPool:
         lease = self.leases.get(episode_id)
         if lease is None:
             return None
-        return EpisodeState(episode_id=episode_id, can_continue=not lease.sealed, state=self._engine.state,
+        return EpisodeState(episode_id=episode_id, can_continue=not lease.sealed, state=self._lifecycle.state,
                             reason="being ended" if lease.sealed else "running", idle_s=lease.idle_s(),
                             patience_s=lease.patience_s)
 
@@ -119,17 +119,17 @@ class RolloutPool:
     def not_running(self, episode_id: str) -> Refusal:
         closed = self.leases.why_closed(episode_id)
         why = (f"its lease closed: {closed}" if closed else "it ended, was aborted, expired after"
-               f" {self._engine.config.lease_patience_s:g}s idle, or never existed")
+               f" {self._lifecycle.config.lease_patience_s:g}s idle, or never existed")
         return Refusal(404, ErrorCode.EPISODE_NOT_FOUND, f"episode {episode_id} is not running here: {why}; begin a"
-                       " new episode", state=self._engine.state, param="episode_id")
+                       " new episode", state=self._lifecycle.state, param="episode_id")
 
     def not_holder(self, episode_id: str) -> Refusal:
         return Refusal(403, ErrorCode.NOT_LEASE_HOLDER, f"episode {episode_id} is held by another client; only its"
-                       " holder may end, prepare, commit or abort it", state=self._engine.state)
+                       " holder may end, prepare, commit or abort it", state=self._lifecycle.state)
 
     def _release(self, lease: Lease, reason: str) -> str:
         """Drop a lease without recording it: its slot is re-queued while ROLLING, discarded after the batch filled."""
-        disposition = "requeued" if self._engine.state == EngineState.ROLLING else "discarded"
+        disposition = "requeued" if self._lifecycle.state == EngineState.ROLLING else "discarded"
         self.leases.close(lease, reason)
         if disposition == "requeued":
             self._counters.leases_requeued += 1
@@ -147,21 +147,21 @@ class RolloutPool:
             return lease
         if lease is not None:
             raise Refusal(401, ErrorCode.INVALID_API_KEY, "this episode is being ended: its key takes no more calls",
-                          state=self._engine.state)
+                          state=self._lifecycle.state)
         reason = self.leases.why_dead(api_key) if api_key else None
         raise Refusal(401, ErrorCode.INVALID_API_KEY,
                       f"this episode key is no longer valid: {reason}; begin a new episode" if reason else
                       "missing or unknown episode key: use the api_key that begin_episode returned",
-                      state=self._engine.state)
+                      state=self._lifecycle.state)
 
     # --- progress towards the next step --------------------------------------------------------------------------
 
     async def info(self, *, detailed: bool = False) -> PoolInfo:
-        config = self._engine.config
+        config = self._lifecycle.config
         groups = await self._ledger.pool_groups()
         pending = await self._ledger.pending_episodes()
         prepared = await self._ledger.run(self._prepared.count)
-        rolling = self._engine.state == EngineState.ROLLING
+        rolling = self._lifecycle.state == EngineState.ROLLING
         return PoolInfo(
             batch_size=config.batch_size,
             num_repeat=config.num_repeat,

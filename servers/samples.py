@@ -14,7 +14,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from marl.protocol import Sample
+from pydantic import BaseModel
+
+
+class Sample(BaseModel):
+    """One training sequence: merged calls of one agent, with an interleaved loss mask.
+
+    `token_ids`, `loss_mask` and `logprobs` have equal length; `logprobs[i]` is the behaviour policy's logprob of
+    `token_ids[i]` where `loss_mask[i] == 1`, and 0.0 elsewhere.
+    """
+
+    episode_id: str
+    agent: str
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    reward: float
+    policy_version: int  # oldest policy version among the merged calls
+    num_calls: int
 
 
 @dataclass
@@ -26,7 +43,7 @@ class CallRecord:
     completion_ids: list[int]
     logprobs: list[float]  # aligned with completion_ids
     policy_version: int
-    #: Decoded prompt + completion with special tokens, cached for prompt splicing (see servers.chat).
+    #: Decoded prompt + completion with special tokens, cached for prompt splicing (see servers.chat_format).
     text: str = ""
 
 

@@ -21,17 +21,17 @@ from marl.protocol import RUNNING_STATES, EngineState, TrainingProgress
 from servers.interfaces import Group, TrainBatch, Trainer
 from servers.ledger import GroupKey, LedgerThread
 from servers.lifecycle import EngineLifecycle
-from servers.records import TrainingRecord
+from servers.training_record import TrainingRecord
 from servers.rollout_pool import RolloutPool
-from servers.status import Telemetry
+from servers.telemetry import Telemetry
 
 log = logging.getLogger("marl.server")
 
 
 class TrainLoop:
-    def __init__(self, *, engine: EngineLifecycle, pool: RolloutPool, ledger: LedgerThread, record: TrainingRecord,
+    def __init__(self, *, lifecycle: EngineLifecycle, pool: RolloutPool, ledger: LedgerThread, record: TrainingRecord,
                  telemetry: Telemetry, batch_check: asyncio.Event, stop_engine: Callable[[], Awaitable[object]]):
-        self._engine = engine
+        self._lifecycle = lifecycle
         self._pool = pool
         self._ledger = ledger
         self._record = record
@@ -53,43 +53,43 @@ class TrainLoop:
                 await self._step_failed(exc)
 
     async def _advance(self) -> None:
-        engine = self._engine
-        if engine.state == EngineState.ROLLING and len(await self._ready_groups()) >= engine.config.batch_size:
-            engine.move_to(EngineState.ROLLING_POST)
+        lifecycle = self._lifecycle
+        if lifecycle.state == EngineState.ROLLING and len(await self._ready_groups()) >= lifecycle.config.batch_size:
+            lifecycle.move_to(EngineState.ROLLING_POST)
             log.info("batch complete: draining %d running leases", len(self._pool.leases))
-        if engine.state == EngineState.ROLLING_POST and not len(self._pool.leases):
+        if lifecycle.state == EngineState.ROLLING_POST and not len(self._pool.leases):
             await self._train_step()
 
     async def _ready_groups(self) -> list[GroupKey]:
         groups = await self._ledger.pool_groups()
-        return [key for key, n in groups.items() if n >= self._engine.config.num_repeat]
+        return [key for key, n in groups.items() if n >= self._lifecycle.config.num_repeat]
 
     async def _train_step(self) -> None:
-        engine, counters = self._engine, self._telemetry.counters
-        engine.move_to(EngineState.WEIGHT_SYNCING)
-        generation, step, config = engine.generation, engine.policy_version + 1, engine.config
-        served, trainer = engine.engine, engine.trainer  # a stop meanwhile clears them from the lifecycle
-        dropped = await self._ledger.drop_stale(engine.policy_version - config.max_staleness)
+        lifecycle, counters = self._lifecycle, self._telemetry.counters
+        lifecycle.move_to(EngineState.WEIGHT_SYNCING)
+        generation, step, config = lifecycle.generation, lifecycle.policy_version + 1, lifecycle.config
+        served, trainer = lifecycle.engine, lifecycle.trainer  # a stop meanwhile clears them from the lifecycle
+        dropped = await self._ledger.drop_stale(lifecycle.policy_version - config.max_staleness)
         counters.samples_dropped_stale += dropped
         ready = (await self._ready_groups())[: config.batch_size]
         if len(ready) < config.batch_size:  # stale samples were dropped: roll on until the batch refills
-            engine.move_to(EngineState.ROLLING)
+            lifecycle.move_to(EngineState.ROLLING)
             return
         claimed = await self._ledger.claim_batch(step, ready)
         batch = TrainBatch(step=step, dropped_stale=dropped, groups=[
             Group(job=k.job, task_id=k.task_id, agent=k.agent, samples=s) for k, s in claimed.items()])
         metrics = await self._train(batch, trainer)
-        if generation != engine.generation:
+        if generation != lifecycle.generation:
             return  # stopped meanwhile: the next boot returns the claim to the pool
-        await engine.publish_weights(served, trainer)
+        await lifecycle.publish_weights(served, trainer)
         await asyncio.to_thread(release_freed_memory)
         if config.save_freq and step % config.save_freq == 0:
-            await asyncio.to_thread(engine.checkpoints.save, trainer, step, config.keep_checkpoints)
-        if generation != engine.generation:
+            await asyncio.to_thread(lifecycle.checkpoints.save, trainer, step, config.keep_checkpoints)
+        if generation != lifecycle.generation:
             return
         counters.train_steps += 1
         self._record.append(step, metrics)
-        engine.serve_version(step)
+        lifecycle.serve_version(step)
         log.info("step %d done: %s", step, json.dumps({k: round(v, 4) for k, v in metrics.items()}))
         self._batch_check.set()
 
@@ -105,19 +105,19 @@ class TrainLoop:
 
     async def _step_failed(self, exc: Exception) -> None:
         log.exception("training step failed")
-        step = self._engine.policy_version + 1
-        await self._ledger.recover(self._engine.policy_version)  # the step never happened: its samples go back
-        if self._engine.state in RUNNING_STATES:
+        step = self._lifecycle.policy_version + 1
+        await self._ledger.recover(self._lifecycle.policy_version)  # the step never happened: its samples go back
+        if self._lifecycle.state in RUNNING_STATES:
             await self._stop_engine()
         self._telemetry.errors.report(f"training step {step} failed: {exc}; fix it and start the engine again")
 
     def progress(self) -> TrainingProgress | None:
         """The step running now, for a monitor (None between steps)."""
         started = self._training
-        if started is None or self._engine.state != EngineState.WEIGHT_SYNCING:
+        if started is None or self._lifecycle.state != EngineState.WEIGHT_SYNCING:
             return None
         step, samples, since = started
-        progress = getattr(self._engine.trainer, "progress", None)
+        progress = getattr(self._lifecycle.trainer, "progress", None)
         done, total = progress if progress is not None else (None, None)
         return TrainingProgress(step=step, seconds=time.monotonic() - since, samples=samples, done=done, total=total)
 

@@ -14,9 +14,9 @@ import uvicorn
 
 from marl.launch import ServerProcess, free_port
 from marl.protocol import TrainConfig
-from servers.app import create_app
+from servers.http_routes import create_app
 from servers.lifecycle import TrainerFactory
-from servers.serve import ServeOptions, build_server
+from servers.entrypoint import ServeOptions, build_server
 from servers.tiny_model import build_tiny_model
 
 ADMIN = "-test-admin-token"  # a leading dash: a token must never be read as a command-line option
@@ -30,10 +30,10 @@ def tiny_model(tmp_path_factory) -> Path:
 class LocalServer:
     """A swarm server running in this process (uvicorn in a thread), for tests that look inside it.
 
-    Built like `marl serve` builds it (`servers.serve.build_server`), serving "tiny" on the CPU. `.server` is the
+    Built like `marl serve` builds it (`servers.entrypoint.build_server`), serving "tiny" on the CPU. `.server` is the
     server object (`TrainableServer`, or `StaticServer` with `static=True`), `.data_dir` its data dir.
     `trainer_factory` replaces the default trainer factory (`(model_dir, TrainConfig) -> Trainer`), e.g. to wrap
-    the real trainer with `servers.serve.default_trainer_factory("cpu")`.
+    the real trainer with `servers.entrypoint.default_trainer_factory("cpu")`.
     """
 
     def __init__(self, model: Path, data_dir: Path, *, static: bool = False, port: int | None = None,
@@ -138,12 +138,12 @@ def server_process(model: Path, data_dir: Path, *, static: bool = False) -> Iter
 def trainable(name: str, url: str, **config):
     """A coordinator `Endpoint` for the trainable server at `url`, its config synced and its engine started."""
     from marl import SwarmClient
-    from marl.coordinator import Endpoint
+    from marl.endpoints import TrainableEndpoint
 
     config = {"batch_size": 2, "num_repeat": 2, "save_freq": 0, **config}
     client = SwarmClient(url, admin_token=ADMIN)
     client.auto_sync_train_config_and_start_engine(config)
-    return Endpoint(name, client=client, train_config=config)
+    return TrainableEndpoint(name, client=client, train_config=config)
 
 
 def ledger_samples(data_dir: Path, columns: str = "e.episode_id, e.task_id, s.agent, s.reward") -> list[tuple]:

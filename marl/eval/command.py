@@ -24,7 +24,7 @@ from pathlib import Path
 
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     """`marl eval`: add to `marl.cli.build_parser`'s subcommands (cheap: the command imports what it runs)."""
-    parser = sub.add_parser("eval", help="play fixed checkpoints against each other; win rates with 95% intervals",
+    parser = sub.add_parser("eval", help="play fixed checkpoints against each other; win rates with 95%% intervals",
                             description=__doc__.split("\n\n", 1)[1],
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", help="topology YAML of the run, e.g. topologies/signalling-cpu.yaml")

@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from marl.coordinator import Coordinator, Endpoint, GameSettings
+from marl.coordinator import Coordinator, GameSettings
+from marl.endpoints import Endpoint, StaticEndpoint
 from marl.game_record import GameRecord
 from marl.games import play_games, tasks
 from marl.snapshots import LATEST, Snapshot, SnapshotError, StaticFleet, checkpoint_source, resolve_snapshot
@@ -96,8 +97,8 @@ def seat_endpoints(topology: Topology, pairing: Pairing,
             role_servers[role] = served[seats[role]].name
         elif server is not None:  # an external OpenAI endpoint, used as it is
             spec = servers[server]
-            endpoints[server] = Endpoint(server, base_url=spec.url, model=spec.model,
-                                         api_key=os.environ.get(spec.api_key_env or "", "none"))
+            endpoints[server] = StaticEndpoint(server, base_url=spec.url, model=spec.model,
+                                               api_key=os.environ.get(spec.api_key_env or "", "none"))
             role_servers[role] = server
         else:
             role_servers[role] = None

@@ -307,7 +307,7 @@ def _default_device() -> str:
 
 def vllm_engine_factory(device: str | None = None, *, kv_cache_gb: float = 1.0, python: Path | None = None,
                         extra_args: Sequence[str] = (), work_dir: Path | None = None, max_restarts: int = 1):
-    """An `EngineFactory` (`model_dir -> InferenceEngine`) for `servers.serve.build_server`: `marl serve --engine
+    """An `EngineFactory` (`model_dir -> InferenceEngine`) for `servers.entrypoint.build_server`: `marl serve --engine
     vllm`. `work_dir` holds vLLM's log and the copy of the latest weights (default: a temporary directory)."""
 
     def build(model_dir: Path) -> VLLMEngine:

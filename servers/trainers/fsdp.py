@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from marl.protocol import FSDPConfig, Sample
+from marl.protocol import FSDPConfig
+from servers.samples import Sample
 from servers.interfaces import TrainBatch, Trainer
 from servers.trainers.checkpoint import copy_tokenizer, restore_rng_states, rng_states
 from servers.trainers.fsdp_ranks import RankFailure, RankGroup

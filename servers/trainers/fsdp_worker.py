@@ -37,7 +37,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from marl.protocol import GRPOConfig, Sample
+from marl.protocol import GRPOConfig
+from servers.samples import Sample
 from servers.trainers.fsdp_state import load_checkpoint, save_checkpoint, tied_aliases, write_hf_weights
 from servers.trainers.grpo import apply_optimizer_hparams, micro_batch_loss
 from servers.trainers.micro_batches import collate

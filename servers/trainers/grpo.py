@@ -63,7 +63,8 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
-from marl.protocol import GRPOConfig, Sample
+from marl.protocol import GRPOConfig
+from servers.samples import Sample
 from servers.interfaces import Group, TrainBatch, Trainer
 from servers.trainers.checkpoint import (
     TRAINER_STATE_FILE,

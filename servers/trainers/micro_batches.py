@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from marl.protocol import Sample
+from servers.samples import Sample
 
 __all__ = ["MicroBatch", "check_token_ids", "collate", "pack_micro_batches", "trained_tokens"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from marl.protocol import Sample
+from servers.samples import Sample
 from servers.trainers.micro_batches import trained_tokens
 
 if TYPE_CHECKING:

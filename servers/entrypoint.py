@@ -13,11 +13,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from marl.protocol import ADMIN_TOKEN_ENV, DEFAULT_MAX_BODY_MB, TrainConfig
-from servers.app import create_app
+from servers.http_routes import create_app
 from servers.interfaces import Trainer
 from servers.lifecycle import EngineFactory, TrainerFactory
-from servers.static import StaticServer
-from servers.trainable import TrainableServer
+from servers.static_server import StaticServer
+from servers.trainable_server import TrainableServer
 
 
 @dataclass

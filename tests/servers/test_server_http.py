@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import admin_http, play_episode, start_rolling, wait_state, wait_version
 from servers.ledger import Ledger
-from servers.serve import default_trainer_factory
+from servers.entrypoint import default_trainer_factory
 from servers.trainers.grpo import token_logprobs
 
 CLIENT = "client-a"

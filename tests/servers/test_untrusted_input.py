@@ -1,4 +1,4 @@
-"""Hardening (issue 12): every finding of the black-box campaign, reproduced over raw HTTP against a real server.
+"""Untrusted input: each finding of a black-box campaign against the server, reproduced over raw HTTP.
 
 1. message text never becomes control tokens; 2. `end` validates before it closes, and records and closes in one
 step; 3. `end` is idempotent; 4. bodies are bounded and authenticated before they are read, and tokenizing never
@@ -22,7 +22,7 @@ import pytest
 from conftest import ADMIN, LocalServer, admin_http, start_rolling
 from marl import SwarmClient
 from marl.protocol import ErrorCode
-from servers.serve import ServeOptions, build_app
+from servers.entrypoint import ServeOptions, build_app
 from stubs import AppServer
 
 CLIENT = "client-h"
@@ -440,7 +440,7 @@ def test_a_short_schema_fuzz_run_gets_no_server_error(tiny_model, tmp_path):
     pytest.importorskip("schemathesis")
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from fuzz import Target, fuzz
 
     with LocalServer(tiny_model, tmp_path / "fuzzed") as srv:

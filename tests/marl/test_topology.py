@@ -13,7 +13,7 @@ from marl.cli import main
 from marl.protocol import TrainConfig
 from marl.topology import RoleInfo, ServerKind, Topology, TopologyError, import_class, import_env_factory
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CPU = REPO / "topologies" / "signalling-cpu.yaml"
 THREE = REPO / "topologies" / "signalling-3-servers.yaml"
 

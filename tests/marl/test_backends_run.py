@@ -2,7 +2,7 @@
 whose trainer is FSDP2 over 2 ranks (`trainer: fsdp`), as topologies/signalling-gpu.yaml runs them on a GPU box.
 
 Needs the vLLM environment (`make vllm`, or $MARL_VLLM_PYTHON); skipped without it. Its own file, so that the vLLM
-of tests/test_vllm_engine.py's module fixture is stopped before this one starts.
+of tests/servers/test_vllm_engine.py's module fixture is stopped before this one starts.
 """
 
 from __future__ import annotations

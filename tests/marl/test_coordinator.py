@@ -10,7 +10,8 @@ import pytest
 from conftest import ADMIN, LocalServer, admin_http, ledger_samples, server_process, trainable, wait_state
 from envs.signalling import SignallingGame
 from marl import SwarmClient
-from marl.coordinator import Coordinator, Endpoint, GameFailed, GameSettings, linked_servers_of
+from marl.coordinator import Coordinator, GameFailed, GameSettings, linked_servers_of
+from marl.endpoints import StaticEndpoint, TrainableEndpoint
 from marl.games import play_games, tasks
 from marl.launch import free_port
 from marl.monitor import ServerMonitor
@@ -43,7 +44,7 @@ def test_three_servers_each_get_exactly_their_roles_episodes(tiny_model, tmp_pat
             role_servers={**ROLES, "observer": "frozen"},
             endpoints={"speaker_model": trainable("speaker_model", a.url),
                        "listener_model": trainable("listener_model", b.url),
-                       "frozen": Endpoint("frozen", base_url=c.url + "/v1", model="tiny")},
+                       "frozen": StaticEndpoint("frozen", base_url=c.url + "/v1", model="tiny")},
             settings=SETTINGS)
         stats = play(coordinator, games=8, concurrency=3)
         coordinator.close()
@@ -202,7 +203,7 @@ def test_stopping_cancels_the_games_waiting_for_a_lease(tiny_model, tmp_path):
     with LocalServer(tiny_model, tmp_path / "a") as a:  # never started: OFFLINE, and nobody may revive it
         coordinator = Coordinator(env_factory=lambda: SignallingGame(num_items=3),
                                   role_servers={"speaker": "speaker_model", "listener": None},
-                                  endpoints={"speaker_model": Endpoint("speaker_model",
+                                  endpoints={"speaker_model": TrainableEndpoint("speaker_model",
                                                                        client=SwarmClient(a.url, admin_token=ADMIN))},
                                   settings=SETTINGS)
         stop_at = time.monotonic() + 1.0
@@ -216,8 +217,8 @@ def test_stopping_cancels_the_games_waiting_for_a_lease(tiny_model, tmp_path):
 
 def test_only_servers_playing_a_dealt_role_are_leased_on():
     nowhere = f"http://127.0.0.1:{free_port()}"  # leasing here would fail every game
-    endpoints = {name: Endpoint(name, client=SwarmClient(nowhere, admin_token=ADMIN)) for name in ("a", "ghost")}
-    endpoints["frozen"] = Endpoint("frozen", base_url=nowhere + "/v1")
+    endpoints = {name: TrainableEndpoint(name, client=SwarmClient(nowhere, admin_token=ADMIN)) for name in ("a", "ghost")}
+    endpoints["frozen"] = StaticEndpoint("frozen", base_url=nowhere + "/v1")
     roles = {"speaker": "a", "listener": "frozen", "observer": "ghost"}  # SignallingGame() deals no observer
     assert linked_servers_of(SignallingGame(num_items=3), roles, endpoints) == ["a"]
     assert linked_servers_of(SignallingGame(num_items=3, observers=1), roles, endpoints) == ["a", "ghost"]
@@ -231,7 +232,7 @@ def test_a_server_that_keeps_failing_to_boot_is_given_up_by_the_monitor(tiny_mod
 
     with LocalServer(tiny_model, tmp_path / "a", trainer_factory=broken_trainer) as a:
         config = {"batch_size": 2, "num_repeat": 2, "save_freq": 0}
-        monitor = ServerMonitor({"a": Endpoint("a", client=SwarmClient(a.url, admin_token=ADMIN),
+        monitor = ServerMonitor({"a": TrainableEndpoint("a", client=SwarmClient(a.url, admin_token=ADMIN),
                                                train_config=config)}, max_revivals=2, poll_s=0.1).start()
         deadline = time.monotonic() + 60
         while monitor.fatal is None and time.monotonic() < deadline:
@@ -286,7 +287,7 @@ def test_a_game_with_only_static_servers_leases_nothing(tiny_model, tmp_path):
     with LocalServer(tiny_model, tmp_path / "c", static=True) as c:
         with admin_http(c.url) as http:
             wait_state(http, "STATIC")
-        frozen = Endpoint("frozen", base_url=c.url + "/v1", model="tiny", policy_version=7, snapshot_of="speaker_model")
+        frozen = StaticEndpoint("frozen", base_url=c.url + "/v1", model="tiny", policy_version=7, snapshot_of="speaker_model")
         coordinator = Coordinator(env_factory=lambda: SignallingGame(num_items=3),
                                   role_servers={"speaker": "frozen", "listener": None},
                                   endpoints={"frozen": frozen}, settings=GameSettings(max_tokens=6, temperature=0.0))

@@ -2,9 +2,9 @@
 
 `ChatService.create` owns one chat completion from request to reply: it admits the caller's key (a lease on a
 trainable server, anything on a static one), checks the model name, renders the prompt into token ids (spliced onto
-the lease's earlier calls, see `servers.chat`) in a worker thread, so that a long prompt never stalls the event
+the lease's earlier calls, see `servers.chat_format`) in a worker thread, so that a long prompt never stalls the event
 loop, checks the context length, runs the engine, records exactly what the engine produced on the lease, and shapes
-the OpenAI response or its SSE chunks. `servers.app` only routes to it.
+the OpenAI response or its SSE chunks. `servers.http_routes` only routes to it.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from typing import Protocol
 
 from marl import protocol as p
 from marl.protocol import EngineState, ErrorCode
-from servers.chat import ChatFormatter, PromptError, PromptTooLong, StreamDecoder, parse_tool_calls
+from servers.chat_format import ChatFormatter, PromptError, PromptTooLong, StreamDecoder, parse_tool_calls
 from servers.errors import Refusal
 from servers.interfaces import InferenceEngine, SamplingParams
 from servers.samples import CallRecord
-from servers.status import Telemetry
+from servers.telemetry import Telemetry
 
 
 class ServedModel(Protocol):

@@ -1,4 +1,4 @@
-"""`marl.client.SwarmClient` against the REAL server app (`servers.serve.build_app`) over stub backends.
+"""`marl.client.SwarmClient` against the REAL server app (`servers.entrypoint.build_app`) over stub backends.
 
 Every protocol behaviour (auth, engine states, temporary refusals with `retry_after_s`, leases and their holders,
 config sync) is the real server's, served by uvicorn on 127.0.0.1 (tests/stubs.py); only the engine and the trainer

@@ -12,7 +12,7 @@ import torch
 from servers.engines.prefix_cache import PrefixCache
 from servers.engines.torch_engine import TorchEngine
 from servers.interfaces import SamplingParams
-from tests.test_torch_engine import build_lively_model, collect
+from tests.servers.test_torch_engine import build_lively_model, collect
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
 STORY = "The seer checks one player each night; the witch holds a potion to save and a potion to poison. " * 2
@@ -173,7 +173,7 @@ def test_an_agents_next_turn_over_the_sdk_reuses_its_conversation(local_server):
     import openai
 
     from tests.conftest import admin_http, start_rolling
-    from tests.test_overwatch import scrape
+    from tests.marl.test_overwatch import scrape
 
     with local_server() as srv, admin_http(srv.url) as http:
         start_rolling(http, batch_size=1, num_repeat=2, max_leases=4)

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from marl.protocol import GRPOConfig, Sample
+from marl.protocol import GRPOConfig
+from servers.samples import Sample
 from servers.checkpoints import CheckpointDir
 from servers.interfaces import Group, TrainBatch
 from servers.tiny_model import build_tiny_model

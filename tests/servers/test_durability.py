@@ -6,7 +6,7 @@ import json
 import sqlite3
 
 from conftest import admin_http, play_episode, server_process, start_rolling, wait_version
-from marl.protocol import Sample
+from servers.samples import Sample
 from servers.ledger import GroupKey, Ledger
 
 

@@ -7,7 +7,8 @@ from collections import Counter
 
 from conftest import LocalServer, trainable
 from envs.signalling import SignallingGame
-from marl.coordinator import Coordinator, Endpoint, GameSettings
+from marl.coordinator import Coordinator, GameSettings
+from marl.endpoints import SnapshotPoolEndpoint, StaticEndpoint
 from marl.league import SnapshotPool
 from marl.snapshots import Snapshot, StaticFleet
 from marl.topology import PastOfSpec
@@ -28,7 +29,7 @@ class FakeFleet:
         for snapshot in snapshots:
             self.running.add(snapshot)
             self.started.append(snapshot.version)
-            out[snapshot] = Endpoint(snapshot.name, base_url="http://127.0.0.1:9/v1", model=snapshot.name,
+            out[snapshot] = StaticEndpoint(snapshot.name, base_url="http://127.0.0.1:9/v1", model=snapshot.name,
                                      policy_version=snapshot.version, snapshot_of=snapshot.server)
         return out
 
@@ -129,7 +130,7 @@ def test_a_past_checkpoint_opponent_is_served_and_recorded(tiny_model, tmp_path)
                 env_factory=lambda: SignallingGame(num_items=3),
                 role_servers={"speaker": "learner", "listener": "past_learner"},
                 endpoints={"learner": trainable("learner", learner.url, batch_size=100),
-                           "past_learner": Endpoint("past_learner", snapshots=pool)},
+                           "past_learner": SnapshotPoolEndpoint("past_learner", snapshots=pool)},
                 settings=GameSettings(max_tokens=6))
             assert coordinator.linked == ["learner"]
             first = [coordinator.play_game(f"t-{i}", i) for i in range(2)]

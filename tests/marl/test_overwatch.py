@@ -285,7 +285,7 @@ def test_overwatch_once_prints_a_snapshot_and_bad_targets_exit_2(local_server):
 
 
 def test_training_record_reads_back_its_tail_and_writes_tensorboard_when_installed(tmp_path):
-    from servers.records import TrainingRecord
+    from servers.training_record import TrainingRecord
 
     record = TrainingRecord(tmp_path)
     record.append(1, {"reward_mean": 0.5, "loss": 0.1})

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import NoReturn
 
 from marl.protocol import EngineState, ErrorCode, MonitorSnapshot, ServerStatus
-from servers.chat import ChatFormatter
+from servers.chat_format import ChatFormatter
 from servers.errors import Refusal
 from servers.interfaces import InferenceEngine
 from servers.lifecycle import EngineFactory
 from servers.metrics import MetricsReading, render
 from servers.samples import CallRecord
-from servers.serving import ChatService
-from servers.status import Telemetry
+from servers.chat_completions import ChatService
+from servers.telemetry import Telemetry
 
 log = logging.getLogger("marl.server")
 

@@ -30,7 +30,7 @@ from marl.protocol import ErrorCode, TrainConfig
 from servers.engines.vllm_engine import vllm_engine_factory
 from servers.engines.vllm_process import VLLM_PYTHON_ENV, vllm_python
 from servers.ledger import Ledger
-from servers.serve import ServeOptions, build_app, default_trainer_factory
+from servers.entrypoint import ServeOptions, build_app, default_trainer_factory
 from servers.tiny_model import build_tiny_model
 from servers.trainers.grpo import token_logprobs
 

@@ -2,14 +2,14 @@
 
     EngineLifecycle  servers.lifecycle     engine states, boot and stop, weight publishing, the synced config
     RolloutPool      servers.rollout_pool  leases, pool progress
-    EpisodeRecorder  servers.recording     end, prepare, commit, abort: each episode recorded exactly once
+    EpisodeRecorder  servers.episode_recorder     end, prepare, commit, abort: each episode recorded exactly once
     OverdueResolver  servers.overdue       prepared episodes past their deadline: the decision log, or abort
     TrainLoop        servers.train_loop    full batch -> drain -> train -> publish -> checkpoint
-    ChatService      servers.serving       the OpenAI data plane
-    Telemetry        servers.status        counters, errors, tokens/s
+    ChatService      servers.chat_completions       the OpenAI data plane
+    Telemetry        servers.telemetry        counters, errors, tokens/s
 
 Everything runs on the server's asyncio event loop, so state changes need no locks; blocking work runs in threads
-(the ledger on one of its own, `servers.ledger.LedgerThread`). HTTP lives in `servers.app`.
+(the ledger on one of its own, `servers.ledger.LedgerThread`). HTTP lives in `servers.http_routes`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from servers.lifecycle import EngineFactory, EngineLifecycle, TrainerFactory
 from servers.metrics import MetricsReading, render
 from servers.overdue import OverdueResolver
 from servers.prepared import PreparedEpisodes
-from servers.recording import EpisodeRecorder
-from servers.records import TrainingRecord
+from servers.episode_recorder import EpisodeRecorder
+from servers.training_record import TrainingRecord
 from servers.rollout_pool import RolloutPool
-from servers.serving import ChatService
-from servers.status import Telemetry
+from servers.chat_completions import ChatService
+from servers.telemetry import Telemetry
 from servers.train_loop import TrainLoop
 
 
@@ -53,11 +53,11 @@ class TrainableServer:
         prepared = PreparedEpisodes(self.ledger)
         counters = self.telemetry.counters
         self.pool = RolloutPool(self.lifecycle, self._ledger_thread, prepared, counters, batch_check, public_url)
-        self.recorder = EpisodeRecorder(pool=self.pool, engine=self.lifecycle, ledger=self._ledger_thread,
+        self.recorder = EpisodeRecorder(pool=self.pool, lifecycle=self.lifecycle, ledger=self._ledger_thread,
                                         prepared=prepared, counters=counters, batch_check=batch_check)
         self._overdue = OverdueResolver(ledger=self._ledger_thread, prepared=prepared, recorder=self.recorder,
                                         counters=counters)
-        self.train_loop = TrainLoop(engine=self.lifecycle, pool=self.pool, ledger=self._ledger_thread,
+        self.train_loop = TrainLoop(lifecycle=self.lifecycle, pool=self.pool, ledger=self._ledger_thread,
                                     record=self.record, telemetry=self.telemetry, batch_check=batch_check,
                                     stop_engine=self.stop_engine)
         self.chat = ChatService(self.lifecycle, self.pool.admit, self.telemetry)

@@ -28,9 +28,9 @@ from servers import openapi
 from servers.errors import Refusal, refusal_response
 from servers.http_guards import Authorize, CatchUnexpected, RequestGate, Scope, bearer_token
 from servers.openapi import BEARER, errors
-from servers.serving import ChatService
-from servers.static import StaticServer
-from servers.trainable import TrainableServer
+from servers.chat_completions import ChatService
+from servers.static_server import StaticServer
+from servers.trainable_server import TrainableServer
 
 log = logging.getLogger("marl.server")
 

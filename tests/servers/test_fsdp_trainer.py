@@ -24,7 +24,7 @@ from servers.tiny_model import build_tiny_model
 from servers.trainers.checkpoint import TRAINER_STATE_FILE
 from servers.trainers.fsdp import FSDPConfig, FSDPTrainer, RankFailure, plan_micro_batches
 from servers.trainers.grpo import GRPOTrainer, token_logprobs
-from tests.test_grpo_trainer import encode, make_batch, make_sample
+from tests.servers.test_grpo_trainer import encode, make_batch, make_sample
 
 #: Micro-batches of at most 40 tokens (each rank runs several, some ranks padding passes), recomputed activations,
 #: a KL reference (sharded too), two passes per step: every sharded code path at once.

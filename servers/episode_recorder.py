@@ -41,7 +41,7 @@ from servers.lifecycle import EngineLifecycle
 from servers.prepared import PreparedEpisodes
 from servers.rollout_pool import RolloutPool
 from servers.samples import merge_calls
-from servers.status import Counters
+from servers.telemetry import Counters
 
 log = logging.getLogger("marl.server")
 
@@ -59,10 +59,10 @@ def body_digest(body: EndEpisodeRequest) -> str:
 
 
 class EpisodeRecorder:
-    def __init__(self, *, pool: RolloutPool, engine: EngineLifecycle, ledger: LedgerThread,
+    def __init__(self, *, pool: RolloutPool, lifecycle: EngineLifecycle, ledger: LedgerThread,
                  prepared: PreparedEpisodes, counters: Counters, batch_check: asyncio.Event):
         self._pool = pool
-        self._engine = engine
+        self._lifecycle = lifecycle
         self._ledger = ledger
         self._prepared = prepared
         self._counters = counters
@@ -87,7 +87,7 @@ class EpisodeRecorder:
         if self._pool.leases.get(episode_id) is not None:
             self._pool.held(episode_id, client_id)
             raise Refusal(409, ErrorCode.EPISODE_NOT_PREPARED, f"episode {episode_id} is still running: prepare it"
-                          " first (or end it)", state=self._engine.state)
+                          " first (or end it)", state=self._lifecycle.state)
         recorded, committed = await self._ledger.run(self._prepared.commit, episode_id, client_id)
         recorded = self._check_recorded(episode_id, client_id, recorded)
         if recorded.phase is EpisodePhase.ABORTED:
@@ -117,9 +117,9 @@ class EpisodeRecorder:
             return running
         recorded = await self._ledger.run(self._prepared.find, episode_id)
         if recorded is not None:
-            return EpisodeState(episode_id=episode_id, can_continue=False, state=self._engine.state,
+            return EpisodeState(episode_id=episode_id, can_continue=False, state=self._lifecycle.state,
                                 reason=_PHASE_WORDS[recorded.phase], phase=recorded.phase)
-        return EpisodeState(episode_id=episode_id, can_continue=False, state=self._engine.state,
+        return EpisodeState(episode_id=episode_id, can_continue=False, state=self._lifecycle.state,
                             reason=self._pool.not_running(episode_id).message, phase=EpisodePhase.GONE)
 
     def count_committed(self, recorded: RecordedEpisode) -> None:
@@ -181,7 +181,7 @@ class EpisodeRecorder:
             log.exception("the ledger could not record an episode")
             raise Refusal(503, ErrorCode.LEDGER_UNAVAILABLE, f"the ledger could not record the episode ({exc});"
                           " nothing was recorded and the lease is still live: retry", retry_after_s=1.0,
-                          state=self._engine.state) from exc
+                          state=self._lifecycle.state) from exc
 
     async def _write_end(self, lease: Lease, body: EndEpisodeRequest, samples: list, digest: str) -> RecordedEpisode:
         await self._ledger.record_episode(**self._episode_fields(lease, body), samples=samples, request_digest=digest)
@@ -198,7 +198,7 @@ class EpisodeRecorder:
         return recorded
 
     def _episode_fields(self, lease: Lease, body: EndEpisodeRequest) -> dict[str, Any]:
-        return dict(episode_id=lease.episode_id, job=self._engine.config.job, task_id=body.task_id,
+        return dict(episode_id=lease.episode_id, job=self._lifecycle.config.job, task_id=body.task_id,
                     client_id=body.client_id, reward=body.reward, agent_rewards=body.agent_rewards,
                     metadata=body.metadata, num_calls=len(lease.calls))
 
@@ -223,12 +223,12 @@ class EpisodeRecorder:
     def _already_ended(self, episode_id: str, why: str) -> Refusal:
         return Refusal(409, ErrorCode.EPISODE_ALREADY_ENDED, f"episode {episode_id} cannot change any more: {why}."
                        " Resending the very same request is safe and returns the stored outcome",
-                       state=self._engine.state)
+                       state=self._lifecycle.state)
 
     def _aborted(self, episode_id: str) -> Refusal:
         return Refusal(409, ErrorCode.EPISODE_ABORTED, f"prepared episode {episode_id} was aborted (by its client, or"
                        " by this server when its deadline passed undecided): it will never enter the pool",
-                       state=self._engine.state)
+                       state=self._lifecycle.state)
 
 
 def _fail(outcome: asyncio.Future, exc: BaseException) -> None:

@@ -13,7 +13,7 @@ from conftest import admin_http, start_rolling, wait_state
 from marl.protocol import ErrorCode, ErrorType
 from servers.errors import Refusal
 
-SERVERS = Path(__file__).resolve().parent.parent / "servers"
+SERVERS = Path(__file__).resolve().parents[2] / "servers"
 CODE_VALUES = {code.value for code in ErrorCode}
 
 
