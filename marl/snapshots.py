@@ -2,7 +2,7 @@
 
 A snapshot is what `marl serve --model X --static` loads: a server's base model (policy version 0, `initial`), or a
 checkpoint that a local trainable server wrote into its data dir, `<run_dir>/servers/<server>/checkpoints/step_N/`
-with N zero-padded to 6 digits (a Hugging Face model dir holding policy version N; servers/checkpoints.py renames it
+with N zero-padded to 6 digits (a Hugging Face model dir holding policy version N; servers/checkpoint_dirs.py renames it
 into place only once complete). The paths are re-derived here, not imported: marl/ reaches servers over HTTP only.
 
 Used by `marl eval` and `run.eval_every` (marl/eval/) and by past_of servers (marl/league.py).

@@ -45,7 +45,7 @@ def open_ledger(data_dir: Path) -> Ledger:
 def load_tokenizer(data_dir: Path, ledger: Ledger, model: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
-    from servers.checkpoints import CheckpointDir
+    from servers.checkpoint_dirs import CheckpointDir
     from servers.models import resolve_model
 
     if model is None:

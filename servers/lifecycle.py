@@ -20,7 +20,7 @@ from pathlib import Path
 
 from marl.protocol import ConfigResponse, EngineState, ErrorCode, TrainConfig
 from servers.chat_format import ChatFormatter
-from servers.checkpoints import CheckpointDir
+from servers.checkpoint_dirs import CheckpointDir
 from servers.errors import Refusal
 from servers.interfaces import InferenceEngine, Trainer
 from servers.ledger import LedgerThread

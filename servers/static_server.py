@@ -18,7 +18,7 @@ from servers.chat_format import ChatFormatter
 from servers.errors import Refusal
 from servers.interfaces import InferenceEngine
 from servers.lifecycle import EngineFactory
-from servers.metrics import MetricsReading, render
+from servers.prometheus_metrics import MetricsReading, render
 from servers.samples import CallRecord
 from servers.chat_completions import ChatService
 from servers.telemetry import Telemetry

@@ -22,7 +22,7 @@ from pathlib import Path
 from marl.protocol import EngineState, MonitorSnapshot, ServerStatus, TrainConfig
 from servers.ledger import Ledger, LedgerThread
 from servers.lifecycle import EngineFactory, EngineLifecycle, TrainerFactory
-from servers.metrics import MetricsReading, render
+from servers.prometheus_metrics import MetricsReading, render
 from servers.overdue import OverdueResolver
 from servers.prepared import PreparedEpisodes
 from servers.episode_recorder import EpisodeRecorder

@@ -30,7 +30,7 @@ import torch
 from marl.protocol import FSDPConfig
 from servers.samples import Sample
 from servers.interfaces import TrainBatch, Trainer
-from servers.trainers.checkpoint import copy_tokenizer, restore_rng_states, rng_states
+from servers.trainers.trainer_state import copy_tokenizer, restore_rng_states, rng_states
 from servers.trainers.fsdp_ranks import RankFailure, RankGroup
 from servers.trainers.fsdp_worker import PassResult, RankPlan, RankSpec
 from servers.trainers.grpo import grpo_step
@@ -135,7 +135,7 @@ class FSDPTrainer(Trainer):
         return directory
 
     def save(self, directory: Path) -> None:
-        """A checkpoint (servers.checkpoints makes it atomic): the model, the full optimizer state, step, RNGs."""
+        """A checkpoint (servers.checkpoint_dirs makes it atomic): the model, the full optimizer state, step, RNGs."""
         directory = Path(directory)
         self.ranks.call("save", str(directory), self.step_count, self.config, rng_states())
         copy_tokenizer(self.model_dir, directory)

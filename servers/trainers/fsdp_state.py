@@ -3,7 +3,7 @@
 Every function here is a collective: all ranks of the group call it together (each holds only its shard of the
 weights and of the optimizer state). Files are written and read by rank 0 alone, as full (unsharded) state dicts,
 so a checkpoint does not depend on the number of ranks that wrote it and is the same kind of directory the
-one-process trainer writes (`servers.trainers.checkpoint`): a Hugging Face model plus `trainer_state.pt`.
+one-process trainer writes (`servers.trainers.trainer_state`): a Hugging Face model plus `trainer_state.pt`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 from transformers import AutoModelForCausalLM
 
 from marl.protocol import GRPOConfig
-from servers.trainers.checkpoint import read_trainer_state, restore_rng_states, rng_states, write_trainer_state
+from servers.trainers.trainer_state import read_trainer_state, restore_rng_states, rng_states, write_trainer_state
 
 __all__ = ["load_checkpoint", "save_checkpoint", "tied_aliases", "write_hf_weights"]
 

@@ -44,7 +44,7 @@ the engine and the trainer: a large value means they disagree about the model).
 
 Around the algorithm, in their own modules: packing samples into micro-batches (servers.trainers.micro_batches),
 loading the policy in eval mode (servers.trainers.policy_model), the metrics dict (servers.trainers.step_metrics),
-and checkpoints (servers.trainers.checkpoint): `save(dir)` writes a Hugging Face model directory plus the optimizer,
+and checkpoints (servers.trainers.trainer_state): `save(dir)` writes a Hugging Face model directory plus the optimizer,
 step count and RNG states. Steps 1-3 are module functions (`grpo_step`, `trainable_items`, `micro_batch_loss`): the
 FSDP2 trainer (servers.trainers.fsdp) runs the same ones, step 1 in the server and 2-3 on each rank.
 """
@@ -66,7 +66,7 @@ from transformers import AutoModelForCausalLM
 from marl.protocol import GRPOConfig
 from servers.samples import Sample
 from servers.interfaces import Group, TrainBatch, Trainer
-from servers.trainers.checkpoint import (
+from servers.trainers.trainer_state import (
     TRAINER_STATE_FILE,
     copy_tokenizer,
     read_trainer_state,
@@ -401,11 +401,11 @@ class GRPOTrainer(Trainer):
         return directory
 
     # ------------------------------------------------------------------------------------------------------------
-    # Checkpoints (servers.trainers.checkpoint)
+    # Checkpoints (servers.trainers.trainer_state)
     # ------------------------------------------------------------------------------------------------------------
 
     def save(self, directory: Path) -> None:
-        """Write a checkpoint into `directory` (servers.checkpoints makes it atomic and prunes old ones)."""
+        """Write a checkpoint into `directory` (servers.checkpoint_dirs makes it atomic and prunes old ones)."""
         directory = self.export_weights(directory)
         copy_tokenizer(self.model_dir, directory)
         write_trainer_state(directory, step_count=self.step_count, optimizer=self.optimizer.state_dict(),

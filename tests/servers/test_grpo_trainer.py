@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.protocol import GRPOConfig
 from servers.samples import Sample
-from servers.checkpoints import CheckpointDir
+from servers.checkpoint_dirs import CheckpointDir
 from servers.interfaces import Group, TrainBatch
 from servers.tiny_model import build_tiny_model
 from servers.trainers import grpo

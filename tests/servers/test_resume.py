@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from conftest import admin_http, play_episode, server_process, start_rolling, wait_version
 from marl.protocol import TrainConfig
-from servers.checkpoints import CheckpointDir
+from servers.checkpoint_dirs import CheckpointDir
 from servers.interfaces import Group, TrainBatch
 from servers.ledger import Ledger
 from servers.trainers.grpo import GRPOTrainer

@@ -1,7 +1,7 @@
 """What a GRPO checkpoint holds besides the model files: optimizer, step count, RNG states, and the tokenizer.
 
 `GRPOTrainer.save` writes a Hugging Face model directory (loadable by `from_pretrained`, so a checkpoint can be
-served or fine-tuned elsewhere) and adds these; `servers.checkpoints.CheckpointDir` makes the write atomic, names
+served or fine-tuned elsewhere) and adds these; `servers.checkpoint_dirs.CheckpointDir` makes the write atomic, names
 it `step_{n:06d}` and prunes old ones.
 """
 
