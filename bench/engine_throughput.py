@@ -56,7 +56,8 @@ def build_qwen_shaped(directory: Path) -> Path:
     """Qwen2.5-0.5B's shape with random weights, and the tiny tokenizer.
 
     The tokenizer is not Qwen's: `servers.models.load_tokenizer` loads it from tokenizer.json, not as the
-    Qwen2Tokenizer that `AutoTokenizer` would pick for model_type qwen2 (the tokenizer trap in FACTS.md).
+    Qwen2Tokenizer that `AutoTokenizer` would pick for model_type qwen2 (docs/backends.md, "transformers: the
+    Qwen2Tokenizer trap").
     """
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 

@@ -78,8 +78,9 @@ def load_tokenizer(model_dir: str | Path) -> Any:
 
     transformers 5 picks a tokenizer class from the config's `model_type` and that class may rebuild the
     pre-tokenizer in code: a `model_type: qwen2` directory whose `tokenizer.json` is not Qwen's then loads a
-    tokenizer that splits text differently from the file (FACTS.md). The file is what the model was trained with,
-    so when the class disagrees with it on a probe text, the file wins (`PreTrainedTokenizerFast`).
+    tokenizer that splits text differently from the file (docs/backends.md, "transformers: the Qwen2Tokenizer trap").
+    The file is what the model was trained with, so when the class disagrees with it on a probe text, the file wins
+    (`PreTrainedTokenizerFast`).
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 

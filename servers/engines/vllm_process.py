@@ -1,12 +1,13 @@
 """The vLLM subprocess: where its Python lives, how it is started, when it is ready, and how it is stopped.
 
-vLLM cannot share the server's environment (its builds pin their own torch, transformers and fastapi; FACTS.md), so it
-runs as `python -m vllm.entrypoints.openai.api_server` from its own virtualenv (`make vllm` creates `.venv-vllm/`;
-`$MARL_VLLM_PYTHON` points elsewhere). It is bound to 127.0.0.1 on a free port because its dev routes (pause,
-reload, collective RPC), which the engine needs for weight syncs, are unauthenticated. It runs in a session of its
-own so that stopping it also ends the engine-core process it spawns (killing only the API server would leave the
-engine core running), and it receives SIGTERM when the thread that started it ends (the engine starts it from its
-watcher thread, which lives as long as the engine), so that it never outlives a swarm server killed outright.
+vLLM cannot share the server's environment (its builds pin their own torch, transformers and fastapi: docs/backends.md,
+"vLLM: its own virtualenv"), so it runs as `python -m vllm.entrypoints.openai.api_server` from its own virtualenv
+(`make vllm` creates `.venv-vllm/`; `$MARL_VLLM_PYTHON` points elsewhere). It is bound to 127.0.0.1 on a free port
+because its dev routes (pause, reload, collective RPC), which the engine needs for weight syncs, are unauthenticated.
+It runs in a session of its own so that stopping it also ends the engine-core process it spawns (killing only the API
+server would leave the engine core running), and it receives SIGTERM when the thread that started it ends (the engine
+starts it from its watcher thread, which lives as long as the engine), so that it never outlives a swarm server killed
+outright.
 
 The worker extension (`vllm_worker_ext.WeightReload`) is found through PYTHONPATH = this directory, so nothing of
 the base environment leaks into vLLM's.

@@ -5,8 +5,9 @@ of its workers, so this module may import nothing of marl or servers beyond itse
 
 Why it exists: vLLM's own `reload_weights` reloads a safetensors directory in place, but on the CPU build a tied
 `lm_head` keeps the pre-packed copy of the old embedding that was made at start-up (logprobs then differ by ~0.2
-from the new weights; FACTS.md). Re-running the head's `process_weights_after_loading` rebuilds that copy from the
-reloaded weight (idempotent, a few ms; a no-op on GPU builds).
+from the new weights; docs/backends.md, "vLLM: reloading weights in place"). Re-running the head's
+`process_weights_after_loading` rebuilds that copy from the reloaded weight (idempotent, a few ms; a no-op on GPU
+builds).
 """
 
 from __future__ import annotations

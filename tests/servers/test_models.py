@@ -34,7 +34,8 @@ def test_a_cached_alias_is_not_rebuilt(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_load_tokenizer_follows_tokenizer_json_under_a_qwen2_config(tmp_path: Path) -> None:
-    """FACTS.md: with model_type qwen2, AutoTokenizer builds a Qwen2Tokenizer that does not match tokenizer.json."""
+    """With model_type qwen2, AutoTokenizer builds a Qwen2Tokenizer that does not match tokenizer.json
+    (docs/backends.md, "transformers: the Qwen2Tokenizer trap")."""
     from tokenizers import Tokenizer
 
     directory = build_tiny_model(tmp_path)
