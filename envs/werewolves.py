@@ -188,7 +188,7 @@ class Werewolves(TextAECEnv):
         return _team(self.role_of(agent))
 
     def dealt_roles(self) -> dict[str, RoleInfo]:
-        """Every game deals the same roles (to seats chosen by the seed)."""
+        """Every game deals the same roles (to seats chosen by the game's seed)."""
         return {role: RoleInfo(team=_team(role), count=ROLES.count(role)) for role in dict.fromkeys(ROLES)}
 
     def wolves(self) -> list[str]:

@@ -13,7 +13,7 @@ A training script needs four calls::
             reply = oai.chat.completions.create(model=ep.model, messages=[{"role": "user", "content": task.prompt}])
             ep.reward = score(task, reply.choices[0].message.content)  # ended with this reward on exit
 
-The seed's call style works unchanged::
+The call style of AgentJet's swarm API works unchanged::
 
     episode_id, lease = client.begin_episode()
     try:
@@ -205,7 +205,7 @@ class EpisodeOutput:
     `agent_rewards` gives a different reward per agent tag (`X-Marl-Agent`); agents not listed get `reward`.
     `metadata` is stored with the episode (shown by the episode viewer); values that are not JSON become strings.
     Any object with a `.reward` attribute (and optionally `.agent_rewards`, `.metadata`) is accepted in its place,
-    so the seed's `WorkflowOutput` works as is.
+    so AgentJet's `WorkflowOutput` works as is.
     """
 
     reward: float
@@ -494,7 +494,7 @@ class SwarmClient:
 
     def _check_same_config(self, cfg: TrainConfig, st: ServerStatus, timeout: float) -> None:
         """Sync `cfg` to a started engine: accepted only if it equals the running config (the server compares the
-        validated configs, so a seed-style flat `learning_rate` equals the same value given in `grpo`)."""
+        validated configs, so an AgentJet-style flat `learning_rate` equals the same value given in `grpo`)."""
         try:
             self.sync_train_config(cfg, timeout=timeout)
         except SwarmRefused as exc:

@@ -238,7 +238,7 @@ class TrainConfig(_Strict):
 
     Clients send it through `POST /control/config` (`SwarmClient.sync_train_config`). The pool settings are the
     same whatever the trainer; `trainer` names the trainer, whose own knobs live in the section of that name
-    (`grpo` today), so a new trainer adds a section without touching the pool's. For the seed-style flat call
+    (`grpo` today), so a new trainer adds a section without touching the pool's. For AgentJet's flat call
     (`{"batch_size": 4, "num_repeat": 4, "learning_rate": 1e-5}`), keys of the chosen trainer's section given at
     the top level are moved into it; any other unknown key is refused.
     """
@@ -267,7 +267,7 @@ class TrainConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _flat_trainer_keys(cls, data: Any) -> Any:
-        """Move the chosen trainer's keys given at the top level (the seed's flat dict) into its section."""
+        """Move the chosen trainer's keys given at the top level (AgentJet's flat dict) into its section."""
         if not isinstance(data, dict):
             return data
         name = data.get("trainer", "grpo")

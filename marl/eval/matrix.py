@@ -1,7 +1,7 @@
 """A matrix of pairings: play each, summarise each role with intervals, and write eval.json, eval.csv, eval.png.
 
-    eval.json   the settings, and per pairing: who sat where (server, version, model), per-role statistics, the seeds
-                and every game (a `GameRecord`, as in games.jsonl)
+    eval.json   the settings, and per pairing: who sat where (server, version, model), per-role statistics, and
+                every game with its seed (a `GameRecord`, as in games.jsonl)
     eval.csv    one row per pairing and role: the checkpoint of every role, then the role's statistics
     eval.png    a heatmap per evaluated role (or `--role`'s only) of its win rate with its 95% interval over the
                 pairings (two or more pairings)

@@ -3,7 +3,7 @@
 A pairing seats a snapshot (marl/snapshots.py) in every role played by a trainable or a past_of server; the other
 roles play as the topology says (a local static server is started like a snapshot, an external endpoint is used as
 it is, a scripted role is the env's). Every server is static, so games lease nothing and nothing is trained or
-recorded on a server. Game i of every pairing plays task `eval-i` with the seed `seed * 1_000_003 + i`
+recorded on a server. Game i of every pairing plays task `eval-i` with seed `seed * 1_000_003 + i`
 (`marl.games.tasks`), so pairings differ in who plays, never in what is played.
 """
 

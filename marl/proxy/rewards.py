@@ -1,7 +1,7 @@
 """The proxy's reward functions: the contract, loading one by name, and the two built-ins (`rule`, `judge`).
 
-A reward function scores the N candidate answers to one app request against each other (relative rewards, as the
-seed's `on_compute_relative_reward`)::
+A reward function scores the N candidate answers to one app request against each other (relative rewards, as in
+AgentJet's swarm API: `on_compute_relative_reward`)::
 
     def reward(request: ChatCompletionRequest, candidates: list[Candidate]) -> list[float]: ...
 

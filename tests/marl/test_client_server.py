@@ -1,4 +1,4 @@
-"""SwarmClient against a real server: the seed's call style, idempotent start, waiting through a weight sync."""
+"""SwarmClient against a real server: AgentJet's call style, idempotent start, waiting through a weight sync."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from marl import EpisodeOutput, ErrorCode, SwarmClient, SwarmRefused
 
 def test_seed_style_episode_lifecycle(local_server):
     with local_server() as srv, SwarmClient(srv.url, admin_token=ADMIN) as client:
-        config = {"batch_size": 100, "num_repeat": 2, "learning_rate": 1e-5}  # the seed's flat dict
+        config = {"batch_size": 100, "num_repeat": 2, "learning_rate": 1e-5}  # AgentJet's flat dict
         assert client.auto_sync_train_config_and_start_engine(config).state.value == "ROLLING"
         generation = client.status().generation
         client.auto_sync_train_config_and_start_engine(config)  # already ROLLING with this config: no restart

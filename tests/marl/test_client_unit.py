@@ -54,7 +54,7 @@ from stubs import REPLY_TEXT, AppServer, StubServer, recorded_episodes, stub_ser
 
 pytestmark = pytest.mark.timeout(60)
 
-SEED_CONFIG = {"batch_size": 2, "num_repeat": 2, "learning_rate": 3e-5}  # the seed's flat call style
+AGENTJET_CONFIG = {"batch_size": 2, "num_repeat": 2, "learning_rate": 3e-5}  # AgentJet's flat call style
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -453,7 +453,7 @@ def test_transport_errors_retried_only_when_safe(
 
 
 def test_auto_sync_seed_style_config_starts_once(client: SwarmClient, server: StubServer) -> None:
-    st = client.auto_sync_train_config_and_start_engine(SEED_CONFIG, timeout=10)
+    st = client.auto_sync_train_config_and_start_engine(AGENTJET_CONFIG, timeout=10)
     assert st.state is EngineState.ROLLING and st.state in RUNNING_STATES
     assert server.log.count(ROUTE_START) == 1
     trainer_config = server.backends.trainers[-1].config  # what the server built its trainer with
@@ -461,7 +461,7 @@ def test_auto_sync_seed_style_config_starts_once(client: SwarmClient, server: St
     assert trainer_config.grpo.learning_rate == pytest.approx(3e-5)
     # Idempotent, whichever way the same config is spelled and whichever client asks: nothing restarts.
     nested = {"batch_size": 2, "num_repeat": 2, "grpo": {"learning_rate": 3e-5}}
-    for c, config in [(client, SEED_CONFIG), (SwarmClient(server.url, ADMIN), TrainConfig(**SEED_CONFIG)),
+    for c, config in [(client, AGENTJET_CONFIG), (SwarmClient(server.url, ADMIN), TrainConfig(**AGENTJET_CONFIG)),
                       (SwarmClient(server.url, ADMIN), nested)]:
         assert c.auto_sync_train_config_and_start_engine(config).generation == st.generation
     assert server.log.count(ROUTE_START) == 1 and len(server.backends.trainers) == 1
@@ -472,13 +472,13 @@ def test_auto_sync_seed_style_config_starts_once(client: SwarmClient, server: St
 def test_auto_sync_refuses_a_different_config_while_running(
     client: SwarmClient, server: StubServer, different: dict
 ) -> None:
-    client.auto_sync_train_config_and_start_engine(SEED_CONFIG)
+    client.auto_sync_train_config_and_start_engine(AGENTJET_CONFIG)
     with pytest.raises(SwarmRefused, match="stop_engine") as info:
         client.auto_sync_train_config_and_start_engine(different)
     err = info.value
     assert err.status_code == 409 and err.code is ErrorCode.ENGINE_NOT_OFFLINE and "different train config" in str(err)
     assert server.log.count(ROUTE_START) == 1
-    assert not client.sync_train_config(SEED_CONFIG).changed  # the server still runs the first config
+    assert not client.sync_train_config(AGENTJET_CONFIG).changed  # the server still runs the first config
     with pytest.raises(SwarmRefused, match="runs a different config") as info:
         client.sync_train_config(different)  # the plain call says the same
     assert info.value.code is ErrorCode.ENGINE_NOT_OFFLINE
@@ -524,13 +524,13 @@ def test_a_static_server_is_not_trained(tiny_model, tmp_path) -> None:
 
 
 @dataclass
-class SeedTask:  # the seed's Task: `task_id`, plus data
+class AgentJetTask:  # AgentJet's Task: `task_id`, plus data
     task_id: str
     main_query: str = "2+2?"
 
 
 @dataclass
-class SeedWorkflowOutput:  # the seed's WorkflowOutput: reward, is_success, metadata
+class AgentJetWorkflowOutput:  # AgentJet's WorkflowOutput: reward, is_success, metadata
     reward: float | None
     is_success: bool = False
     metadata: dict[str, Any] = field(default_factory=dict)
@@ -545,7 +545,7 @@ def test_end_episode_argument_forms(client: SwarmClient, server: StubServer) -> 
     forms = [
         ("t-str", 1.0),
         ("t-int", 2),
-        (SeedTask("t-seed"), SeedWorkflowOutput(reward=0.5, is_success=True, metadata={"answer": "4"})),
+        (AgentJetTask("t-seed"), AgentJetWorkflowOutput(reward=0.5, is_success=True, metadata={"answer": "4"})),
         (IdTask(), EpisodeOutput(0.25, agent_rewards={"solver": 1.0}, metadata={"obj": object(), "x": math.inf})),
         ({"task_id": "t-map"}, {"reward": -1.0, "agent_rewards": {"a": 0}}),
         ({"id": "t-map-id"}, EpisodeOutput(reward=0.0)),
@@ -571,7 +571,7 @@ def test_end_episode_argument_forms(client: SwarmClient, server: StubServer) -> 
         ("t", "high", TypeError, "reward"),
         ("t", True, TypeError, "reward"),
         ("t", math.nan, ValueError, "finite"),
-        ("t", SeedWorkflowOutput(reward=None), ValueError, "abort_episode"),
+        ("t", AgentJetWorkflowOutput(reward=None), ValueError, "abort_episode"),
         ("t", EpisodeOutput(1.0, agent_rewards={"a": math.inf}), ValueError, "finite"),
         (object(), 1.0, TypeError, "task_id"),
         ("", 1.0, ValueError, "empty"),
@@ -614,7 +614,7 @@ def test_end_abort_renew_and_can_continue(client: SwarmClient, server: StubServe
 
 def test_episode_context_manager_ends_with_reward(client: SwarmClient, server: StubServer) -> None:
     rolling(client)
-    with client.episode(SeedTask("t1")) as ep:
+    with client.episode(AgentJetTask("t1")) as ep:
         assert [info.episode_id for info in client.pool().leases] == [ep.episode_id]
         assert ep.model == "tiny" and ep.base_url == f"{server.url}/v1" and ep.task_id == "t1"
         assert chat(ep, agent="solver") == REPLY_TEXT

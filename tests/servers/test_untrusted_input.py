@@ -428,7 +428,7 @@ def test_strict_types_keep_the_sdk_and_seed_configs_working(rolling):
     reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            temperature=1, top_p=1, logprobs=True, top_logprobs=0, seed=3)
     assert reply.choices[0].logprobs is not None
-    with SwarmClient(srv.url, ADMIN) as swarm:  # the seed's flat config, ints where floats go, still syncs
+    with SwarmClient(srv.url, ADMIN) as swarm:  # AgentJet's flat config, ints where floats go, still syncs
         assert swarm.auto_sync_train_config_and_start_engine(
             {"batch_size": 1000, "num_repeat": 4, "lease_patience_s": 120, "learning_rate": 1e-5}).state.value
 
