@@ -129,6 +129,17 @@ class TextAdapter(TextAECEnv):
     def team_of(self, agent: str) -> str:
         return _lookup(self._teams, agent) or self.role_of(agent)
 
+    def summary(self) -> dict[str, Any]:
+        """What each agent sees at the end, rendered (tic-tac-toe: the final board); an agent the wrapped env cannot
+        show any more is left out."""
+        views = {}
+        for agent in self.possible_agents:
+            try:
+                views[agent] = self._observe_text(agent)
+            except Exception:  # noqa: BLE001, S112 - never seen by this game, and the wrapped env will not show it
+                continue
+        return {"final_view": views} if views else {}
+
     def scripted_action(self, agent: str) -> str:
         """A random legal move (drawn from `self.rng`, so seeded games repeat)."""
         legal = self._legal_actions(agent)

@@ -68,6 +68,9 @@ class GameEnv(Protocol):
 
     `dealt_roles()` works before `reset` (a topology is checked against it at load); `role_of` and `team_of` may
     need `reset` first when roles are dealt at random (Werewolves).
+
+    Optional, not required of an env: `summary() -> dict[str, Any]`, what a person needs to read the game once it
+    ended (`TextAECEnv.summary`); `marl run` records it with each game's transcript when the env has it.
     """
 
     possible_agents: list[str]
@@ -262,6 +265,12 @@ class TextAECEnv(AECEnv):
     def team_of(self, agent: str) -> str:
         """The team `agent` belongs to this game (default: its role)."""
         return self.role_of(agent)
+
+    def summary(self) -> dict[str, Any]:
+        """What a person needs to read this game, once it ended: the hidden setup and how it came out (Signalling:
+        the items, the target, the message, the picks; Werewolves: the roles, the deaths, the winner). JSON values
+        (str, numbers, bools, None, lists, dicts). `marl run` records it in games.jsonl; default: nothing."""
+        return {}
 
     def scripted_action(self, agent: str) -> str:
         """A sensible rule-based reply (scripted opponents, tests). Default: the first legal action."""

@@ -139,6 +139,12 @@ class SignallingGame(TextAECEnv):
             self.infos[a].update(target=self.target, choices=dict(self.choices), message=self.message,
                                  names_target=named)
 
+    def summary(self) -> dict[str, Any]:
+        """The items, the target, what the speaker said and what each guesser picked ("" for nothing)."""
+        return {"items": list(self.items), "target": self.target, "message": self.message,
+                "orders": {g: list(order) for g, order in self.orders.items()}, "choices": dict(self.choices),
+                "names_target": self.names_target(self.message or "") if self.items else False}
+
     def names_target(self, message: str) -> bool:
         """Whether `message` names the target and no other item (by name: a bare number names nothing here)."""
         return named_options(message, self.items) == [self.items.index(self.target)]

@@ -105,6 +105,8 @@ _SEER_CLAIM = re.compile(r"\bi (?:am|was) the seer\b", re.IGNORECASE)
 _LEADING = " \t\n\"'*([-:>`"
 
 
+_DEATH_CAUSES = {"werewolves": "attacked by the werewolves", "poison": "poisoned", "vote": "voted out",
+                 "shot": "shot by the hunter"}
 _SEATS = {f"player_{n}": n for n in range(1, NUM_PLAYERS + 1)}
 _LABELS = {agent: f"Player {n}" for agent, n in _SEATS.items()}
 
@@ -590,6 +592,17 @@ class Werewolves(TextAECEnv):
             self.rewards[agent] = result + self.valid_action_bonus * clean
             self.terminations[agent] = True
             self.infos[agent].update(winner=self.winner, team=self.team_of(agent))
+
+    def summary(self) -> dict[str, Any]:
+        """Who had which role, the game master's log without the speeches (they are the transcript's actions):
+        attacks, saves, poisons, checks, shots, votes out, deaths by round and phase; the survivors; the winner."""
+        speech = {"wolf_speech", "speech", "last_words", "vote", "wolf_vote"}
+        events = [{key: value for key, value in event.items() if value is not None}
+                  for event in self.events if event["type"] not in speech]
+        return {"roles": dict(self.roles), "winner": self.winner, "rounds": self.round, "alive": list(self.alive),
+                "deaths": [f"round {e['round']} ({e['phase']}): {label(e['target'])} ({self.roles[e['target']]})"
+                           f" {_DEATH_CAUSES[e['cause']]}" for e in self.events if e["type"] == "death"],
+                "events": events}
 
     # --- scripted players: simple rules over what the agent knows -----------------------------------------------
 
