@@ -127,6 +127,19 @@ def _episode(args: argparse.Namespace) -> None:
         sys.exit(2)
 
 
+def _games(args: argparse.Namespace) -> None:
+    from marl.games_view import GamesViewError, list_games, show_game
+
+    try:
+        if args.games_command == "list":
+            list_games(Path(args.run_dir), limit=args.limit)
+        else:
+            show_game(Path(args.run_dir), args.game)
+    except GamesViewError as exc:
+        print(f"marl games: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
 
     serve = sub.add_parser("serve", help="run a swarm server for one model",
@@ -190,12 +203,13 @@ def _add_overwatch(sub: argparse._SubParsersAction) -> None:
                                            " version, pool progress, leases, reward per role, tokens/s, errors."
                                            " Keys: 1-9 one server, a all, tab/left/right move, q quit.")
     overwatch.add_argument("targets", nargs="+", metavar="URL|TOPOLOGY",
-                           help="server URLs, or one topology YAML (its local servers while `marl run` runs)")
+                           help="server URLs, or one topology YAML (its local servers while `marl run` runs) and the"
+                                " overrides `marl run` was given, e.g. run.run_dir=runs/x")
     overwatch.add_argument("--admin-token", help="default: $MARL_ADMIN_TOKEN (a topology run's own token is read"
                                                  " from its run dir)")
     overwatch.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     overwatch.add_argument("--once", action="store_true", help="print one snapshot and exit (no UI)")
-    overwatch.set_defaults(func=_overwatch)
+    overwatch.set_defaults(func=_overwatch, trailing="targets")
 
 
 def _add_plot(sub: argparse._SubParsersAction) -> None:
@@ -223,14 +237,30 @@ def _add_episode(sub: argparse._SubParsersAction) -> None:
     show_ep.set_defaults(func=_episode)
 
 
+def _add_games(sub: argparse._SubParsersAction) -> None:
+    games = sub.add_parser("games", help="read a run's games (games.jsonl): one game turn by turn, or a list",
+                           description="What each game of a run was: task, players, rewards, the env's summary and,"
+                                       " as run.transcripts kept it, who said what turn by turn.")
+    games_sub = games.add_subparsers(dest="games_command", required=True)
+    show = games_sub.add_parser("show", help="one game: header, the env's summary, turn by turn who said what")
+    show.add_argument("run_dir", help="a run directory (runs/<name>) or a games.jsonl")
+    show.add_argument("game", nargs="?", help="a row number (0 is the first, -1 the latest) or a task id (its latest"
+                                              " game); default: the latest game")
+    show.set_defaults(func=_games)
+    listing = games_sub.add_parser("list", help="the latest games, one line each, with their row numbers")
+    listing.add_argument("run_dir", help="a run directory (runs/<name>) or a games.jsonl")
+    listing.add_argument("--limit", type=int, default=20)
+    listing.set_defaults(func=_games)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="marl", description="Multi-agent RL for heterogeneous teams of LLM agents.")
     sub = parser.add_subparsers(dest="command", required=True)
     from marl.eval.command import add_eval_parser
     from marl.proxy import add_proxy_parser
 
-    for add in (_add_serve, _add_status, _add_topology, _add_run, _add_overwatch, _add_plot, _add_episode,
-                add_eval_parser, add_proxy_parser):
+    for add in (_add_serve, _add_status, _add_topology, _add_run, _add_overwatch, _add_plot, _add_games,
+                _add_episode, add_eval_parser, add_proxy_parser):
         add(sub)
     return parser
 

@@ -9,6 +9,17 @@ is skipped.
 `co_players` is the game's provenance: who played each role, at which policy version. The coordinator also commits
 it with every trainable server's episode (the episode's metadata, key `co_players`), so each server's samples say
 whom they were played against.
+
+`transcript` and `summary` let a person read the game (`marl games show`), bounded by `run.transcripts`:
+- `full` (default): every turn's agent, role, observation and action (and `invalid`, when the env counts invalid
+  replies), each observation and action cut to `TEXT_CHARS` characters (an observation keeps its end, where the
+  question and the options are; an action its start), plus the env's `summary()`. The whole row keeps to
+  `ROW_CHARS` characters of text: the summary up to `SUMMARY_CHARS` of JSON (a longer one is replaced by a note),
+  the turns the rest, in order; observations that do not fit any more are dropped (None), then whole turns
+  (`omitted_turns` counts them).
+- `summary`: the env's summary and every turn without its observation.
+- `off`: neither.
+Text is stored as the agents sent it, control characters included: print it through `marl.terminal.safe`.
 """
 
 from __future__ import annotations
@@ -20,7 +31,13 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-__all__ = ["CoPlayer", "GameRecord", "append_game", "as_records", "read_games"]
+__all__ = ["CoPlayer", "GameRecord", "TranscriptRecorder", "Turn", "append_game", "as_records", "read_games"]
+
+TRANSCRIPT_MODES = ("full", "summary", "off")  # `run.transcripts`
+TEXT_CHARS = 2_000  # longest observation or action kept (run.transcripts: full)
+SUMMARY_CHARS = 16_000  # longest env summary kept, as JSON; a longer one is replaced by a note
+ROW_CHARS = 64_000  # the text budget of one row: summary JSON + observations + actions
+TURNS_CHARS = ROW_CHARS - SUMMARY_CHARS  # what the turns may take (the summary comes at the end of the game)
 
 
 class CoPlayer(BaseModel):
@@ -31,6 +48,18 @@ class CoPlayer(BaseModel):
     server: str | None = None  # the topology server (None: the env's scripted policy)
     policy_version: int | None = None  # the weights that played; None: scripted, or a static model of unknown version
     snapshot_of: str | None = None  # a past checkpoint of this trainable server played (eval, past_of opponents)
+
+
+class Turn(BaseModel):
+    """One turn of a game: who moved, what it was told and what it replied."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    agent: str
+    role: str
+    action: str  # the reply as sent (cut to TEXT_CHARS)
+    observation: str | None = None  # None: not kept (run.transcripts: summary, or past the row's budget)
+    invalid: bool | None = None  # the env rejected the reply (asked again or fell back); None: the env does not say
 
 
 class GameRecord(BaseModel):
@@ -50,6 +79,70 @@ class GameRecord(BaseModel):
     teams: dict[str, str] = {}  # role -> its team this game
     time: float | None = None  # unix time the game finished (None: not recorded)
     co_players: dict[str, CoPlayer] = {}  # role -> who played it (every role of the game)
+    transcript_mode: str | None = None  # run.transcripts when the game was played (None: an older row, no transcript)
+    summary: dict[str, Any] = {}  # the env's summary() of the game
+    transcript: list[Turn] = []  # every turn, in order (see the module docstring for the bounds)
+    omitted_turns: int = 0  # turns left out of `transcript` by the row's budget
+
+
+class TranscriptRecorder:
+    """Collects a game's turns as they are played, within the bounds of `mode` (see the module docstring)."""
+
+    def __init__(self, mode: str = "full"):
+        if mode not in TRANSCRIPT_MODES:
+            raise ValueError(f"transcripts must be one of {', '.join(TRANSCRIPT_MODES)}; got {mode!r}")
+        self.mode = mode
+        self.turns: list[Turn] = []
+        self.left = TURNS_CHARS  # characters of the turns' budget still free
+        self.omitted = 0
+        self.summary: dict[str, Any] = {}
+
+    def summarize(self, env: Any) -> None:
+        """Keep the env's `summary()` (optional on an env). One that raises is noted, not raised: the game was played
+        and its rewards stand."""
+        if self.mode == "off" or not hasattr(env, "summary"):
+            return
+        try:
+            self.set_summary(env.summary())
+        except Exception as exc:  # noqa: BLE001 - a bug in the env's summary must not cost the game
+            self.set_summary({"error": f"{type(env).__name__}.summary() raised {exc!r}"})
+
+    def set_summary(self, summary: Mapping[str, Any]) -> None:
+        """The env's summary, as JSON values (anything else as its str), replaced by a note when too long."""
+        if self.mode == "off":
+            return
+        text = json.dumps(dict(summary), default=str)
+        if len(text) > SUMMARY_CHARS:
+            self.summary = {"omitted": f"the env's summary had {len(text)} characters of JSON, over the limit of"
+                                       f" {SUMMARY_CHARS}"}
+        else:
+            self.summary = json.loads(text)
+
+    def add(self, agent: str, role: str, observation: str, action: str, invalid: bool | None = None) -> None:
+        if self.mode == "off":
+            return
+        action = _cut(action, keep_end=False)
+        kept = _cut(observation, keep_end=True) if self.mode == "full" else None
+        if kept is not None and len(kept) + len(action) > self.left:
+            kept = None  # over the budget: the action alone, if it still fits
+        if len(action) + len(kept or "") > self.left:
+            self.omitted += 1
+            return
+        self.left -= len(action) + len(kept or "")
+        self.turns.append(Turn(agent=agent, role=role, observation=kept, action=action, invalid=invalid))
+
+    def fields(self) -> dict[str, Any]:
+        """The GameRecord fields of the transcript."""
+        return {"transcript_mode": self.mode, "summary": self.summary, "transcript": self.turns,
+                "omitted_turns": self.omitted}
+
+
+def _cut(text: str, *, keep_end: bool) -> str:
+    """`text` within TEXT_CHARS: its end (observations: the question is last) or its start (actions)."""
+    text = str(text)
+    if len(text) <= TEXT_CHARS:
+        return text
+    return "..." + text[-(TEXT_CHARS - 3):] if keep_end else text[: TEXT_CHARS - 3] + "..."
 
 
 def append_game(file: IO[str], record: GameRecord) -> None:

@@ -2,6 +2,7 @@
 
     marl overwatch http://gpu-a:10086 http://gpu-b:10086      # any servers (admin token: $MARL_ADMIN_TOKEN)
     marl overwatch topologies/signalling-cpu.yaml             # every server of a topology (while `marl run` runs)
+    marl overwatch topologies/signalling-cpu.yaml run.run_dir=runs/x   # with the overrides `marl run` was given
     marl overwatch URL --once                                 # print one snapshot and exit (logs, pipes, CI)
 
 Every second it reads each server's `GET /control/monitor` (one call: state, policy version, detailed pool, recent
@@ -33,6 +34,7 @@ from textual.widgets import Footer, Static
 from marl.client import SwarmClient, SwarmError
 from marl.launch import SERVERS_FILE
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, MonitorSnapshot, TrainingProgress
+from marl.terminal import safe
 
 _STATE_STYLE = {
     EngineState.OFFLINE: "bold white on grey35",
@@ -75,7 +77,7 @@ class ServerView:
         try:
             snapshot = self._client.monitor(timeout=timeout)
         except (SwarmError, httpx.HTTPError) as exc:
-            self.problem = str(exc).splitlines()[0][:200]
+            self.problem = safe(str(exc).splitlines()[0][:200])  # may quote what the server sent
             if self.unreachable_since is None:
                 self.unreachable_since = time.time()
             return
@@ -103,7 +105,7 @@ class ServerView:
         status, pool = snap.status, snap.pool
         head = Text()
         head.append(f" {status.state.value} ", style=_STATE_STYLE.get(status.state, "bold"))
-        head.append(f"  policy v{status.policy_version}  {status.model}  up {_duration(now - snap.started_at)}")
+        head.append(f"  policy v{status.policy_version}  {safe(status.model)}  up {_duration(now - snap.started_at)}")
         lines: list[RenderableType] = [head]
         if snap.training is not None:
             lines.append(_training_line(snap.training))
@@ -127,7 +129,8 @@ class ServerView:
                 lines.append(Text.assemble(
                     f"  {lease.episode_id[:8]} idle ", _bar(lease.idle_s, lease.patience_s, width=8,
                                                           style="red" if near else "green"),
-                    f" {lease.idle_s:.0f}s/{lease.patience_s:.0f}s · {lease.calls} calls · {lease.client_id[:16]}"))
+                    f" {lease.idle_s:.0f}s/{lease.patience_s:.0f}s · {lease.calls} calls"
+                    f" · {safe(lease.client_id[:16])}"))
             if len(pool.leases) > 6:
                 lines.append(Text(f"  ... {len(pool.leases) - 6} more", style="dim"))
 
@@ -137,7 +140,7 @@ class ServerView:
         if snap.errors:
             latest = snap.errors[-1]
             stamp = time.strftime("%H:%M:%S", time.localtime(latest.time))
-            lines.append(Text(f"last error [{stamp}] {latest.message[:300]}", style="red"))
+            lines.append(Text(f"last error [{stamp}] {safe(latest.message[:300])}", style="red"))
         border = "red" if self.problem else "yellow" if status.state != EngineState.ROLLING else "green"
         return Panel(Group(*lines), title=title, subtitle=self.source.url, border_style=border)
 
@@ -156,7 +159,7 @@ def _reward_table(snap: MonitorSnapshot) -> RenderableType:
     for role, mean_key, std_key in keys:
         history = [s.metrics[mean_key] for s in steps[-30:] if mean_key in s.metrics]
         last = next((s.metrics for s in reversed(steps) if mean_key in s.metrics), {})
-        table.add_row(role, f"{last.get(mean_key, math.nan):.3f} ± {last.get(std_key, math.nan):.3f}",
+        table.add_row(Text(safe(role)), f"{last.get(mean_key, math.nan):.3f} ± {last.get(std_key, math.nan):.3f}",
                       sparkline(history))
     loss = steps[-1].metrics.get("loss")
     caption = f"step {steps[-1].step}" + (f" · loss {loss:.4f}" if loss is not None else "")
@@ -199,12 +202,17 @@ def _duration(seconds: float) -> str:
 
 
 def resolve_sources(targets: list[str], admin_token: str | None = None) -> list[Source]:
-    """URLs as given, or one topology YAML: its local servers (from the run dir of `marl run`) and remote ones."""
+    """URLs as given, or one topology YAML and the key=value overrides `marl run` was given: its local servers (from
+    the run dir of `marl run`, `run.run_dir` included) and remote ones."""
     token = admin_token or os.environ.get(ADMIN_TOKEN_ENV)
     if not targets:
         raise OverwatchError("give server URLs (http://host:port) or one topology file (topologies/NAME.yaml)")
-    if len(targets) == 1 and targets[0].endswith((".yaml", ".yml")):
-        return _topology_sources(Path(targets[0]), token)
+    if targets[0].endswith((".yaml", ".yml")):
+        overrides = targets[1:]
+        if not all("=" in override and not override.startswith(("http://", "https://")) for override in overrides):
+            raise OverwatchError(f"after the topology {targets[0]}, give key=value overrides only (as `marl run`"
+                                 f" takes them, e.g. run.run_dir=runs/x); got {' '.join(overrides)}")
+        return _topology_sources(Path(targets[0]), overrides, token)
     sources = []
     for url in targets:
         if not url.startswith(("http://", "https://")):
@@ -213,10 +221,10 @@ def resolve_sources(targets: list[str], admin_token: str | None = None) -> list[
     return sources
 
 
-def _topology_sources(path: Path, token: str | None) -> list[Source]:
+def _topology_sources(path: Path, overrides: list[str], token: str | None) -> list[Source]:
     from marl.topology import ServerKind, Topology
 
-    topology = Topology.load(str(path), [], check_env=False)
+    topology = Topology.load(str(path), overrides, check_env=False)
     spec = topology.spec
     run_dir = Path(spec.run.run_dir or f"runs/{spec.name}")
     local = {}
@@ -226,8 +234,10 @@ def _topology_sources(path: Path, token: str | None) -> list[Source]:
     for name, server in spec.servers.items():
         if server.kind in (ServerKind.LOCAL_TRAINABLE, ServerKind.LOCAL_STATIC):
             if name not in local:
+                run = " ".join(["marl run", str(path), *overrides])
                 raise OverwatchError(f"no address for local server '{name}': {run_dir / SERVERS_FILE} is written by "
-                                     f"`marl run {path}` while it runs; start the run first, or pass URLs")
+                                     f"`{run}` while it runs; start the run first (give overwatch the same"
+                                     " overrides), or pass URLs")
             sources.append(Source(name, local[name]["url"], local[name].get("admin_token") or token))
         elif server.kind == ServerKind.REMOTE_SWARM:
             remote_token = os.environ.get(server.admin_token_env or "") or token

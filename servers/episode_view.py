@@ -11,6 +11,9 @@ each ending with the end-of-turn token, and nothing the model did not write insi
 
 DATA_DIR is a server's data dir (the one holding ledger.sqlite, e.g. runs/<run>/servers/<name>). The tokenizer
 comes from `--model`, else the newest checkpoint there, else the model the server was started with.
+
+Agent tags, task ids, metadata and the text of the calls are what lease holders sent: every one is printed through
+`safe`, so an escape sequence among them shows as `\x1b` instead of acting on the terminal.
 """
 
 from __future__ import annotations
@@ -28,6 +31,19 @@ from servers.samples import Sample
 from servers.ledger import EpisodeRow, Ledger
 
 OPEN, CLOSE = "[[", "]]"
+
+# Every C0 and C1 control, DEL and the bidirectional-text controls, written as escapes (tabs stay). rich's own
+# `Console.print` drops BEL, BS, VT, FF and CR only: ESC would reach the terminal. The same table as
+# `marl.terminal.safe` (a server imports nothing of marl/ but the protocol): keep the two alike.
+_CONTROLS = [*range(0x20), 0x7F, *range(0x80, 0xA0), *range(0x200E, 0x2010), *range(0x202A, 0x202F),
+             *range(0x2066, 0x206A)]
+_ESCAPES = {cp: f"\\x{cp:02x}" if cp < 0x100 else f"\\u{cp:04x}" for cp in _CONTROLS if cp != 0x09}
+_ESCAPES_KEEPING_NEWLINES = {cp: text for cp, text in _ESCAPES.items() if cp != 0x0A}
+
+
+def safe(text: object, *, newlines: bool = False) -> str:
+    """`text` with control characters written as escapes (ESC as `\\x1b`); `newlines=True` keeps line breaks."""
+    return str(text).translate(_ESCAPES_KEEPING_NEWLINES if newlines else _ESCAPES)
 
 
 class ViewerError(ValueError):
@@ -70,16 +86,16 @@ def spans(mask: list[int]) -> list[tuple[int, int, int]]:
 def render_sample(sample: Sample, tokenizer: Any, index: int, total: int) -> Text:
     trained = sum(sample.loss_mask)
     text = Text()
-    text.append(f"--- sample {index}/{total} · agent {sample.agent} · reward {sample.reward:g} · "
+    text.append(f"--- sample {index}/{total} · agent {safe(sample.agent)} · reward {sample.reward:g} · "
                 f"policy v{sample.policy_version} · {sample.num_calls} calls · {len(sample.token_ids)} tokens "
                 f"({trained} trained, {sum(1 for *_, m in spans(sample.loss_mask) if m)} spans)\n", style="bold")
     for start, end, m in spans(sample.loss_mask):
         if not m:
-            text.append(tokenizer.decode(sample.token_ids[start:end]), style="dim")
+            text.append(safe(tokenizer.decode(sample.token_ids[start:end]), newlines=True), style="dim")
             continue
         text.append(OPEN, style="bold magenta")
         for i in range(start, end):  # token by token, coloured by how likely the model found it
-            text.append(tokenizer.decode([sample.token_ids[i]]), style=_heat(sample.logprobs[i]))
+            text.append(safe(tokenizer.decode([sample.token_ids[i]]), newlines=True), style=_heat(sample.logprobs[i]))
         text.append(CLOSE, style="bold magenta")
     text.append("\n")
     return text
@@ -88,7 +104,7 @@ def render_sample(sample: Sample, tokenizer: Any, index: int, total: int) -> Tex
 def token_table(sample: Sample, tokenizer: Any) -> Table:
     table = Table("pos", "mask", "logprob", "token", box=None, header_style="bold")
     for i, (tid, m, lp) in enumerate(zip(sample.token_ids, sample.loss_mask, sample.logprobs, strict=True)):
-        table.add_row(str(i), str(m), f"{lp:.4f}" if m else "", repr(tokenizer.convert_ids_to_tokens(tid)),
+        table.add_row(str(i), str(m), f"{lp:.4f}" if m else "", Text(repr(tokenizer.convert_ids_to_tokens(tid))),
                       style=None if m else "dim")
     return table
 
@@ -101,8 +117,8 @@ def _heat(logprob: float) -> str:
 def describe(row: EpisodeRow) -> str:
     state = {None: "in pool", -1: "dropped (stale)"}.get(row.consumed_step, f"trained at step {row.consumed_step}")
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.ended_at))
-    rewards = ", ".join(f"{k}={v:g}" for k, v in row.agent_rewards.items()) or f"{row.reward:g}"
-    return (f"{row.episode_id}  {when}  job {row.job}  task {row.task_id}  reward {rewards}  "
+    rewards = ", ".join(f"{safe(k)}={v:g}" for k, v in row.agent_rewards.items()) or f"{row.reward:g}"
+    return (f"{row.episode_id}  {when}  job {safe(row.job)}  task {safe(row.task_id)}  reward {rewards}  "
             f"{row.num_calls} calls  {row.num_samples} samples  {state}")
 
 
@@ -114,7 +130,7 @@ def list_episodes(data_dir: Path, limit: int = 20, console: Console | None = Non
         if not rows:
             console.print(f"no episodes in {data_dir} yet")
         for row in rows:
-            console.print(describe(row), soft_wrap=True)
+            console.print(Text(describe(row)), soft_wrap=True)  # Text: a tag's "[...]" is not rich markup
     finally:
         ledger.close()
 
@@ -137,9 +153,9 @@ def show_episode(data_dir: Path, episode_id: str | None = None, *, model: str | 
         samples = ledger.samples_of(row.episode_id)
     finally:
         ledger.close()
-    console.print(describe(row), soft_wrap=True)
+    console.print(Text(describe(row)), soft_wrap=True)  # Text: a tag's "[...]" is not rich markup
     if players := row.metadata.get("co_players"):
-        console.print("played with: " + co_players_text(players), soft_wrap=True)
+        console.print(Text("played with: " + co_players_text(players)), soft_wrap=True)
     for i, sample in enumerate(samples, 1):
         console.print(render_sample(sample, tokenizer, i, len(samples)), soft_wrap=True)
         if tokens:
@@ -153,4 +169,4 @@ def co_players_text(players: dict) -> str:
         snapshot = f" (snapshot of {p['snapshot_of']})" if p.get("snapshot_of") else ""
         return f"{role}={p.get('server') or 'scripted'}{version}{snapshot}"
 
-    return ", ".join(one(role, p) for role, p in sorted(players.items()))
+    return safe(", ".join(one(role, p) for role, p in sorted(players.items())))  # the lease holder's metadata

@@ -18,7 +18,7 @@ from rich.console import Console
 from marl.overwatch import OverwatchApp, ServerView, Source, resolve_sources, sparkline
 from marl.plot import plot_run
 from marl.protocol import MonitorSnapshot
-from servers.episode_view import CLOSE, OPEN, list_episodes, show_episode, spans
+from servers.episode_view import CLOSE, OPEN, list_episodes, safe, show_episode, spans
 from tests.conftest import ADMIN, admin_http, play_episode, start_rolling, wait_state, wait_version
 
 
@@ -255,7 +255,7 @@ def test_episode_viewer_shows_the_mask_boundaries_of_a_merged_sample(local_serve
     body = out.split("3 spans)\n", 1)[1]
     assert body.count(OPEN) == 3 and body.count(CLOSE) == 3
     shown = re.findall(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), body, flags=re.S)
-    assert shown == [tokenizer.decode(c.token_ids) for c in replies]
+    assert shown == [safe(tokenizer.decode(c.token_ids), newlines=True) for c in replies]  # controls escaped
     context = re.split(re.escape(OPEN) + r".*?" + re.escape(CLOSE), body, flags=re.S)
     assert "question 0" in context[0] and "question 1" in context[1] and "question 2" in context[2]
     # the token table: one row per token, the mask column as stored
