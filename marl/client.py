@@ -61,6 +61,7 @@ from pydantic_core import to_jsonable_python
 from marl.protocol import (
     ADMIN_TOKEN_ENV,
     AGENT_HEADER,
+    INCLUDE_POOL_PARAM,
     ROUTE_ABORT,
     ROUTE_BEGIN,
     ROUTE_COMMIT,
@@ -525,7 +526,7 @@ class SwarmClient:
         return lease.episode_id, lease
 
     def end_episode(
-        self, task: Any, episode_id: str, output: Any, *, timeout: float | None = None
+        self, task: Any, episode_id: str, output: Any, *, include_pool: bool = False, timeout: float | None = None
     ) -> EndEpisodeResponse:
         """Commit the episode with its reward; returns once the server has stored it durably.
 
@@ -534,11 +535,14 @@ class SwarmClient:
         `.agent_rewards`, `.metadata`). Bad arguments raise `TypeError`/`ValueError` before any request is sent.
         A transport error is retried with the same body: the server answers a repeat with the outcome it stored
         (`replayed: True`), so an end whose answer was lost is never recorded twice nor lost.
+        `include_pool=True` asks for the pool's progress in the reply's `pool` (None otherwise; `pool()` reads it
+        any time).
         """
         body = EndEpisodeRequest(client_id=self.client_id, task_id=_task_id(task), **self._output_body(output))
         return self._call(
             "POST", ROUTE_END.format(episode_id=episode_id), EndEpisodeResponse, what="end_episode",
-            json=body.model_dump(mode="json"), timeout=timeout, episode_id=episode_id,
+            json=body.model_dump(mode="json"), params=_pool_param(include_pool), timeout=timeout,
+            episode_id=episode_id,
         )
 
     def prepare_episode(
@@ -561,13 +565,16 @@ class SwarmClient:
             json=body.model_dump(mode="json"), timeout=timeout, episode_id=episode_id,
         )
 
-    def commit_episode(self, episode_id: str, *, timeout: float | None = None) -> EndEpisodeResponse:
+    def commit_episode(
+        self, episode_id: str, *, include_pool: bool = False, timeout: float | None = None
+    ) -> EndEpisodeResponse:
         """Phase two: a prepared episode enters the pool. Idempotent (a repeat answers `replayed: True`); refused
-        with 409 `episode_aborted` if it was aborted meanwhile (by its holder, or at its deadline)."""
+        with 409 `episode_aborted` if it was aborted meanwhile (by its holder, or at its deadline).
+        `include_pool=True`: the pool's progress in the reply, as for `end_episode`."""
         return self._call(
             "POST", ROUTE_COMMIT.format(episode_id=episode_id), EndEpisodeResponse, what="commit_episode",
-            json=ClientRequest(client_id=self.client_id).model_dump(mode="json"), timeout=timeout,
-            episode_id=episode_id,
+            json=ClientRequest(client_id=self.client_id).model_dump(mode="json"), params=_pool_param(include_pool),
+            timeout=timeout, episode_id=episode_id,
         )
 
     @staticmethod
@@ -836,6 +843,11 @@ class SwarmClient:
                 "or sync the same config."
             )
         return ""
+
+
+def _pool_param(include_pool: bool) -> dict[str, str] | None:
+    """The query of an end or commit that asks for the pool's progress in its reply (none: the server skips it)."""
+    return {INCLUDE_POOL_PARAM: "true"} if include_pool else None
 
 
 def _error_info(resp: httpx.Response, episode_id: str | None) -> ErrorInfo:

@@ -34,7 +34,9 @@ ROUTE_CHAT = "/v1/chat/completions"
 ROUTE_MODELS = "/v1/models"
 ROUTE_METRICS = "/metrics"  # Prometheus text format, no auth (counts only, as vLLM's)
 
-#: Header that tags a data-plane call with the agent (role) that made it. The request's `user` field works too.
+#: Header that tags a data-plane call with the agent (role) that made it; marl's own clients set it once, on the
+#: OpenAI client's default headers. A call without it is tagged by the request's `user` field (for third-party
+#: clients that cannot set headers); when both are sent, the header wins.
 AGENT_HEADER = "X-Marl-Agent"
 #: Agent tag used when a call carries neither the header nor `user`.
 DEFAULT_AGENT = "default"
@@ -48,6 +50,10 @@ ADMIN_ROUTE_PREFIXES = ("/control/", "/episodes/")
 DEFAULT_MAX_BODY_MB = 16.0
 #: Longest id a client may choose (client_id, task_id, game_id, an agent tag).
 MAX_ID_LENGTH = 512
+#: Query parameter of end and commit: `?include_pool=true` asks for the pool's progress in the reply (`pool`), which
+#: costs the server three ledger reads; without it `pool` is None. (A query parameter, not a body field: the body's
+#: digest is what makes a repeated end answerable, and asking for the pool must not make a repeat a different end.)
+INCLUDE_POOL_PARAM = "include_pool"
 
 # Numbers on the wire are numbers: no `true` for 1, no "yes" for true, no 1.0 for an int (floats do take ints).
 Int = StrictInt
@@ -419,7 +425,7 @@ class EndEpisodeResponse(BaseModel):
     episode_id: str
     samples: int
     trainable_tokens: int
-    pool: PoolInfo
+    pool: PoolInfo | None = None  # only when asked for (`?include_pool=true`, INCLUDE_POOL_PARAM)
     replayed: bool = False  # True: the episode had been recorded already; this is the stored outcome
 
 

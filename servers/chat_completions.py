@@ -1,10 +1,11 @@
 """The OpenAI chat-completions service of a swarm server (the data plane), apart from its HTTP route.
 
-`ChatService.create` owns one chat completion from request to reply: it admits the caller's key (a lease on a
-trainable server, anything on a static one), checks the model name, renders the prompt into token ids (spliced onto
-the lease's earlier calls, see `servers.chat_format`) in a worker thread, so that a long prompt never stalls the event
-loop, checks the context length, runs the engine, records exactly what the engine produced on the lease, and shapes
-the OpenAI response or its SSE chunks. `servers.http_routes` only routes to it.
+`ChatService.admit` turns the caller's key into the session the call runs under (a lease on a trainable server,
+nothing on a static one); `servers.http_routes` asks it once, from the headers, before the body is read.
+`ChatService.create` owns the chat completion from there to the reply: it checks the model name, renders the prompt
+into token ids (spliced onto the lease's earlier calls, see `servers.chat_format`) in a worker thread, so that a long
+prompt never stalls the event loop, checks the context length, runs the engine, records exactly what the engine
+produced on the lease, and shapes the OpenAI response or its SSE chunks. `servers.http_routes` only routes to it.
 """
 
 from __future__ import annotations
@@ -64,10 +65,14 @@ class ChatService:
         length = engine.context_length if engine is not None else None
         return p.ModelList(data=[p.ModelCard(id=self.model.served_name, max_model_len=length)])
 
-    async def create(self, body: p.ChatCompletionRequest, api_key: str | None,
+    async def create(self, body: p.ChatCompletionRequest, session: CallSession,
                      agent: str | None) -> p.ChatCompletionResponse | AsyncIterator[str]:
-        """The completion, or (with `stream`) its server-sent events. `agent` tags the call (default: `user`)."""
-        session = self.admit(api_key)
+        """The completion, or (with `stream`) its server-sent events.
+
+        `session`: what `admit` gave for the call's key (`servers.http_routes` admits it once, from the headers,
+        before the body is read); a lease that dies while the call runs keeps nothing of it (`CallSession.record`).
+        `agent` (the `X-Marl-Agent` header) tags the call; without it, the body's `user`; else `DEFAULT_AGENT`.
+        """
         engine, formatter = self._ready_engine()
         if body.model not in (self.model.served_name, self.model.model):
             raise Refusal(404, ErrorCode.MODEL_NOT_FOUND, f"model '{body.model}' is not served here; this server"

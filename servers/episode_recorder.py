@@ -22,7 +22,7 @@ import json
 import logging
 import sqlite3
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from marl.protocol import (
     AbortEpisodeResponse,
@@ -43,6 +43,9 @@ from servers.rollout_pool import RolloutPool
 from servers.samples import merge_calls
 from servers.telemetry import Counters
 
+if TYPE_CHECKING:
+    from servers.train_loop import BatchWakeup
+
 log = logging.getLogger("marl.server")
 
 #: Writes an ended or prepared episode: (lease, body, samples, body digest) -> the episode as recorded.
@@ -60,21 +63,21 @@ def body_digest(body: EndEpisodeRequest) -> str:
 
 class EpisodeRecorder:
     def __init__(self, *, pool: RolloutPool, lifecycle: EngineLifecycle, ledger: LedgerThread,
-                 prepared: PreparedEpisodes, counters: Counters, batch_check: asyncio.Event):
+                 prepared: PreparedEpisodes, counters: Counters, wakeup: BatchWakeup):
         self._pool = pool
         self._lifecycle = lifecycle
         self._ledger = ledger
         self._prepared = prepared
         self._counters = counters
-        self._batch_check = batch_check
+        self._wakeup = wakeup
         #: episode id -> (body digest, outcome) while its end or prepare is being written
         self._writing: dict[str, tuple[str, asyncio.Future[RecordedEpisode]]] = {}
 
-    async def end(self, episode_id: str, body: EndEpisodeRequest) -> EndEpisodeResponse:
+    async def end(self, episode_id: str, body: EndEpisodeRequest, *, include_pool: bool = False) -> EndEpisodeResponse:
         recorded, replayed = await self._record(episode_id, body, self._write_end, "the episode ended")
         return EndEpisodeResponse(episode_id=episode_id, samples=recorded.samples,
-                                  trainable_tokens=recorded.trainable_tokens, pool=await self._pool.info(),
-                                  replayed=replayed)
+                                  trainable_tokens=recorded.trainable_tokens,
+                                  pool=await self._pool.info() if include_pool else None, replayed=replayed)
 
     async def prepare(self, episode_id: str, body: PrepareEpisodeRequest) -> PrepareEpisodeResponse:
         recorded, replayed = await self._record(episode_id, body, self._write_prepared,
@@ -83,7 +86,7 @@ class EpisodeRecorder:
                                       trainable_tokens=recorded.trainable_tokens, deadline=recorded.deadline or 0.0,
                                       replayed=replayed)
 
-    async def commit(self, episode_id: str, client_id: str) -> EndEpisodeResponse:
+    async def commit(self, episode_id: str, client_id: str, *, include_pool: bool = False) -> EndEpisodeResponse:
         if self._pool.leases.get(episode_id) is not None:
             self._pool.held(episode_id, client_id)
             raise Refusal(409, ErrorCode.EPISODE_NOT_PREPARED, f"episode {episode_id} is still running: prepare it"
@@ -95,8 +98,8 @@ class EpisodeRecorder:
         if committed:
             self.count_committed(recorded)
         return EndEpisodeResponse(episode_id=episode_id, samples=recorded.samples,
-                                  trainable_tokens=recorded.trainable_tokens, pool=await self._pool.info(),
-                                  replayed=not committed)
+                                  trainable_tokens=recorded.trainable_tokens,
+                                  pool=await self._pool.info() if include_pool else None, replayed=not committed)
 
     async def abort(self, episode_id: str, client_id: str) -> AbortEpisodeResponse:
         if self._pool.leases.get(episode_id) is not None:
@@ -126,7 +129,7 @@ class EpisodeRecorder:
         """A prepared episode entered the pool (committed by its client, or by the server at its deadline)."""
         self._counters.episodes_ended += 1
         self._counters.samples_recorded += recorded.samples
-        self._batch_check.set()
+        self._wakeup.wake()  # an episode entered the pool
 
     # --- one step, whole or not at all ---------------------------------------------------------------------------
 

@@ -32,7 +32,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-#: (ASGI scope, bearer token or None) -> why the request may not go on, or None when it may.
+#: (ASGI scope, bearer token or None) -> why the request may not go on, or None when it may. What it admitted the
+#: request as (a chat call's lease) it may leave in the scope for the route, so that nothing is checked twice.
 Authorize = Callable[[Scope, str | None], Refusal | None]
 
 

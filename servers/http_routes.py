@@ -15,7 +15,7 @@ import logging
 import secrets
 from typing import Protocol
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -26,7 +26,7 @@ from marl import protocol as p
 from marl.protocol import EPISODE_KEY_PREFIX, EngineState, ErrorCode
 from servers import openapi
 from servers.errors import Refusal, refusal_response
-from servers.http_guards import Authorize, CatchUnexpected, RequestGate, Scope, bearer_token
+from servers.http_guards import Authorize, CatchUnexpected, RequestGate, Scope
 from servers.openapi import BEARER, errors
 from servers.chat_completions import ChatService
 from servers.static_server import StaticServer
@@ -140,6 +140,10 @@ def _control_routes(server: TrainableServer | StaticServer) -> APIRouter:
     return router
 
 
+#: End's and commit's opt-in to the pool's progress in their reply (it costs three ledger reads).
+_INCLUDE_POOL = Query(False, alias=p.INCLUDE_POOL_PARAM, description="Include the pool's progress in the reply.")
+
+
 def _episode_routes(server: TrainableServer | StaticServer) -> APIRouter:
     """The episode API; a static server refuses it (409 STATIC_SERVER)."""
     router = APIRouter(responses=errors(400, 401, 403, 404, 409, 413))
@@ -151,9 +155,9 @@ def _episode_routes(server: TrainableServer | StaticServer) -> APIRouter:
         return srv.pool.begin(body.client_id, request_url=str(request.base_url))
 
     @router.post(p.ROUTE_END, responses=errors(503))
-    async def end(episode_id: str, body: p.EndEpisodeRequest,
+    async def end(episode_id: str, body: p.EndEpisodeRequest, include_pool: bool = _INCLUDE_POOL,
                   srv: TrainableServer = trainable) -> p.EndEpisodeResponse:
-        return await srv.recorder.end(episode_id, body)
+        return await srv.recorder.end(episode_id, body, include_pool=include_pool)
 
     @router.post(p.ROUTE_PREPARE, responses=errors(503))
     async def prepare(episode_id: str, body: p.PrepareEpisodeRequest,
@@ -161,9 +165,9 @@ def _episode_routes(server: TrainableServer | StaticServer) -> APIRouter:
         return await srv.recorder.prepare(episode_id, body)
 
     @router.post(p.ROUTE_COMMIT)
-    async def commit(episode_id: str, body: p.ClientRequest,
+    async def commit(episode_id: str, body: p.ClientRequest, include_pool: bool = _INCLUDE_POOL,
                      srv: TrainableServer = trainable) -> p.EndEpisodeResponse:
-        return await srv.recorder.commit(episode_id, body.client_id)
+        return await srv.recorder.commit(episode_id, body.client_id, include_pool=include_pool)
 
     @router.post(p.ROUTE_ABORT)
     async def abort(episode_id: str, body: p.ClientRequest,
@@ -192,9 +196,9 @@ def _data_plane_routes(chat: ChatService) -> APIRouter:
         200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
               "description": "The completion (JSON), or its server-sent events with `stream: true`."},
         **errors(400, 401, 404, 413, 500, 503)})
-    async def chat_completions(body: p.ChatCompletionRequest, authorization: str | None = Header(None),
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request,
                                agent: str | None = Header(None, alias=p.AGENT_HEADER)):
-        reply = await chat.create(body, bearer_token(authorization), agent)
+        reply = await chat.create(body, request.scope[_CHAT_SESSION], agent)
         return reply if isinstance(reply, p.ChatCompletionResponse) else StreamingResponse(
             reply, media_type="text/event-stream")
 
@@ -216,12 +220,17 @@ def _authorizer(server: SwarmServer, admin_token: str, routes: list[BaseRoute]) 
             return _admin_refusal(token, admin_token)
         if path == p.ROUTE_CHAT:
             try:
-                server.chat.admit(token)
+                scope[_CHAT_SESSION] = server.chat.admit(token)  # the key's one check: the route runs under this
             except Refusal as refusal:
                 return refusal
         return None
 
     return authorize
+
+
+#: Where the gate leaves the session a chat call was admitted under (its lease), for the route: the key is looked up
+#: once, from the headers, before the body is read.
+_CHAT_SESSION = "marl.chat_session"
 
 
 def _admin_refusal(token: str | None, admin_token: str) -> Refusal | None:

@@ -17,6 +17,7 @@ import logging
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from marl.protocol import ConfigResponse, EngineState, ErrorCode, TrainConfig
 from servers.chat_format import ChatFormatter
@@ -25,6 +26,9 @@ from servers.errors import Refusal
 from servers.interfaces import InferenceEngine, Trainer
 from servers.ledger import LedgerThread
 from servers.telemetry import ErrorLog
+
+if TYPE_CHECKING:
+    from servers.train_loop import BatchWakeup
 
 log = logging.getLogger("marl.server")
 
@@ -44,7 +48,7 @@ _NEXT_STATES = {
 class EngineLifecycle:
     def __init__(self, *, model: str, served_name: str, data_dir: Path, config: TrainConfig,
                  resolve_model: Callable[[str], Path], engine_factory: EngineFactory, trainer_factory: TrainerFactory,
-                 ledger: LedgerThread, errors: ErrorLog, batch_check: asyncio.Event):
+                 ledger: LedgerThread, errors: ErrorLog, wakeup: BatchWakeup):
         self.model = model
         self.served_name = served_name
         self.config = config
@@ -56,7 +60,7 @@ class EngineLifecycle:
         self._data_dir = data_dir  # exported weights pass through it on their way to an engine in another process
         self._ledger = ledger
         self._errors = errors
-        self._batch_check = batch_check  # set once ROLLING: the pool may already hold a full batch
+        self._wakeup = wakeup  # woken once ROLLING: the pool may already hold a full batch
 
         self.state = EngineState.OFFLINE
         self.generation = 0
@@ -125,7 +129,7 @@ class EngineLifecycle:
         self.formatter = formatter
         self.move_to(EngineState.ROLLING)
         log.info("engine ROLLING: serving %s at policy version %d", self.served_name, self.policy_version)
-        self._batch_check.set()
+        self._wakeup.wake()
 
     async def _build(self) -> tuple[InferenceEngine, Trainer, ChatFormatter]:
         """Resolve the model, build the engine, its chat formatter and the trainer, resume both from the latest

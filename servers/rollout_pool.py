@@ -2,8 +2,8 @@
 
 `RolloutPool` grants leases while the engine is ROLLING (at most `max_leases` at once), aborts, renews and expires
 them, admits data-plane calls by their episode key, closes a lease once its episode is recorded (the recording
-itself is `servers.episode_recorder`'s), and says how far the pool is from the next training step (`info`). Every change
-that may complete a batch sets `batch_check` for the train loop.
+itself is `servers.episode_recorder`'s), and says how far the pool is from the next training step (`info`). A lease
+that closes wakes the train loop (`servers.train_loop.BatchWakeup`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from marl.protocol import (
     RUNNING_STATES,
@@ -30,6 +31,9 @@ from servers.lifecycle import EngineLifecycle
 from servers.prepared import PreparedEpisodes
 from servers.telemetry import Counters
 
+if TYPE_CHECKING:
+    from servers.train_loop import BatchWakeup
+
 log = logging.getLogger("marl.server")
 
 _REAP_INTERVAL_S = 0.25
@@ -37,13 +41,13 @@ _REAP_INTERVAL_S = 0.25
 
 class RolloutPool:
     def __init__(self, lifecycle: EngineLifecycle, ledger: LedgerThread, prepared: PreparedEpisodes, counters: Counters,
-                 batch_check: asyncio.Event, public_url: str | None = None):
+                 wakeup: BatchWakeup, public_url: str | None = None):
         self.leases = LeaseTable()
         self._lifecycle = lifecycle
         self._ledger = ledger
         self._prepared = prepared
         self._counters = counters
-        self._batch_check = batch_check
+        self._wakeup = wakeup
         self._public_url = public_url  # base of the URLs handed to agents; default: the URL the client used
 
     # --- leases --------------------------------------------------------------------------------------------------
@@ -77,7 +81,7 @@ class RolloutPool:
     def finish(self, lease: Lease, reason: str) -> None:
         """Close the lease of an episode that is now recorded (ended or prepared)."""
         self.leases.close(lease, reason)
-        self._batch_check.set()
+        self._wakeup.wake()  # a lease closed (and an ended episode entered the pool)
 
     def renew(self, episode_id: str, client_id: str) -> EpisodeState:
         self.held(episode_id, client_id).touch()
@@ -135,7 +139,7 @@ class RolloutPool:
             self._counters.leases_requeued += 1
         else:
             self._counters.leases_discarded += 1
-        self._batch_check.set()
+        self._wakeup.wake()  # a lease closed
         return disposition
 
     # --- the data plane ------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """The train loop: from a full pool to new weights being served.
 
-Woken whenever the pool may have completed a batch (`batch_check`), it moves the engine ROLLING → ROLLING_POST once
-`batch_size` groups hold `num_repeat` episodes each, waits for the running leases to drain, then in WEIGHT_SYNCING
-drops samples too stale to train on, claims the batch in the ledger, trains (in a thread), publishes the new weights
-to the engine, checkpoints every `save_freq` steps, and rolls on at policy version + 1.
+Woken whenever its next move may have become possible (`BatchWakeup`: the one rule), it moves the engine ROLLING →
+ROLLING_POST once `batch_size` groups hold `num_repeat` episodes each, waits for the running leases to drain, then in
+WEIGHT_SYNCING drops samples too stale to train on, claims the batch in the ledger, trains (in a thread), publishes
+the new weights to the engine, checkpoints every `save_freq` steps, and rolls on at policy version + 1.
 
 If a step fails, its claims return to the pool, the engine stops, and `last_error` says why.
 """
@@ -28,23 +28,46 @@ from servers.telemetry import Telemetry
 log = logging.getLogger("marl.server")
 
 
+class BatchWakeup:
+    """When the train loop looks at the pool again: the one rule, written once.
+
+    The loop has two moves: ROLLING → ROLLING_POST once the pool holds a full batch, and ROLLING_POST → a training
+    step once no lease is open. Only these events can make one of them possible, and whoever causes one calls `wake`:
+    - an episode entered the pool: ended, or a prepared one committed (by its client, or at its deadline);
+    - a lease closed: ended, prepared, aborted or expired (the last one lets a ROLLING_POST drain finish);
+    - the engine became ROLLING: booted, or a step finished (the pool may hold the next batch already).
+    Nothing else wakes the loop. Wake-ups before the loop looks coalesce into one look.
+    """
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def wake(self) -> None:
+        """One of the events above happened."""
+        self._event.set()
+
+    async def wait(self) -> None:
+        """Until the next `wake` (at once if one came since the last look)."""
+        await self._event.wait()
+        self._event.clear()
+
+
 class TrainLoop:
     def __init__(self, *, lifecycle: EngineLifecycle, pool: RolloutPool, ledger: LedgerThread, record: TrainingRecord,
-                 telemetry: Telemetry, batch_check: asyncio.Event, stop_engine: Callable[[], Awaitable[object]]):
+                 telemetry: Telemetry, wakeup: BatchWakeup, stop_engine: Callable[[], Awaitable[object]]):
         self._lifecycle = lifecycle
         self._pool = pool
         self._ledger = ledger
         self._record = record
         self._telemetry = telemetry
-        self._batch_check = batch_check
+        self._wakeup = wakeup
         self._stop_engine = stop_engine  # closes the leases too
         self._training: tuple[int, int, float] | None = None  # (step, samples, monotonic start) while one runs
 
     async def run(self) -> None:
         """Forever: on every wake-up, drain once the batch is complete, and train once the leases are gone."""
         while True:
-            await self._batch_check.wait()
-            self._batch_check.clear()
+            await self._wakeup.wait()
             try:
                 await self._advance()
             except asyncio.CancelledError:
@@ -91,7 +114,7 @@ class TrainLoop:
         self._record.append(step, metrics)
         lifecycle.serve_version(step)
         log.info("step %d done: %s", step, json.dumps({k: round(v, 4) for k, v in metrics.items()}))
-        self._batch_check.set()
+        self._wakeup.wake()  # ROLLING again
 
     async def _train(self, batch: TrainBatch, trainer: Trainer) -> dict[str, float]:
         samples = sum(len(g.samples) for g in batch.groups)

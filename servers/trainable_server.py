@@ -30,7 +30,7 @@ from servers.training_record import TrainingRecord
 from servers.rollout_pool import RolloutPool
 from servers.chat_completions import ChatService
 from servers.telemetry import Telemetry
-from servers.train_loop import TrainLoop
+from servers.train_loop import BatchWakeup, TrainLoop
 
 
 class TrainableServer:
@@ -44,21 +44,21 @@ class TrainableServer:
             self.ledger.set_meta("model", model)  # what `marl episode show` decodes tokens with
         saved = self.ledger.get_meta("train_config")
         self._ledger_thread = LedgerThread(self.ledger)
-        batch_check = asyncio.Event()  # set whenever the pool may hold a full batch
+        wakeup = BatchWakeup()  # when the train loop looks at the pool again: see its docstring
         self.lifecycle = EngineLifecycle(
             model=model, served_name=served_name, data_dir=data_dir,
             config=TrainConfig.model_validate_json(saved) if saved else TrainConfig(),
             resolve_model=resolve_model, engine_factory=engine_factory, trainer_factory=trainer_factory,
-            ledger=self._ledger_thread, errors=self.telemetry.errors, batch_check=batch_check)
+            ledger=self._ledger_thread, errors=self.telemetry.errors, wakeup=wakeup)
         prepared = PreparedEpisodes(self.ledger)
         counters = self.telemetry.counters
-        self.pool = RolloutPool(self.lifecycle, self._ledger_thread, prepared, counters, batch_check, public_url)
+        self.pool = RolloutPool(self.lifecycle, self._ledger_thread, prepared, counters, wakeup, public_url)
         self.recorder = EpisodeRecorder(pool=self.pool, lifecycle=self.lifecycle, ledger=self._ledger_thread,
-                                        prepared=prepared, counters=counters, batch_check=batch_check)
+                                        prepared=prepared, counters=counters, wakeup=wakeup)
         self._overdue = OverdueResolver(ledger=self._ledger_thread, prepared=prepared, recorder=self.recorder,
                                         counters=counters)
         self.train_loop = TrainLoop(lifecycle=self.lifecycle, pool=self.pool, ledger=self._ledger_thread,
-                                    record=self.record, telemetry=self.telemetry, batch_check=batch_check,
+                                    record=self.record, telemetry=self.telemetry, wakeup=wakeup,
                                     stop_engine=self.stop_engine)
         self.chat = ChatService(self.lifecycle, self.pool.admit, self.telemetry)
         self._tasks: list[asyncio.Task] = []

@@ -24,7 +24,8 @@ def test_seed_style_episode_lifecycle(local_server):
         oai = client.openai_client(lease, agent="solver")
         oai.chat.completions.create(model=lease.model, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
         assert client.can_continue_episode(episode_id)
-        result = client.end_episode("task-1", episode_id, EpisodeOutput(reward=1.0, metadata={"note": "ok"}))
+        result = client.end_episode("task-1", episode_id, EpisodeOutput(reward=1.0, metadata={"note": "ok"}),
+                                    include_pool=True)
         assert result.samples == 1 and result.pool.pending_episodes == 1
         assert not client.can_continue_episode(episode_id)
 

@@ -586,6 +586,19 @@ def test_end_episode_bad_arguments_fail_before_sending(
     assert idle_server.log.count(ROUTE_END) == 0
 
 
+def test_end_and_commit_replies_carry_the_pool_only_when_asked(client: SwarmClient, server: StubServer) -> None:
+    rolling(client)
+    episode_id, _ = client.begin_episode()
+    assert client.end_episode("t", episode_id, 1.0).pool is None  # the server skipped the pool's ledger reads
+    episode_id, _ = client.begin_episode()
+    assert client.end_episode("t", episode_id, 1.0, include_pool=True).pool.batch_size == 100
+    assert client.end_episode("t", episode_id, 1.0).replayed  # the same end: asking is no part of the body
+    for include_pool in (False, True):
+        episode_id, _ = client.begin_episode()
+        client.prepare_episode("t", episode_id, 1.0, game_id=f"game-{include_pool}")
+        assert (client.commit_episode(episode_id, include_pool=include_pool).pool is not None) is include_pool
+
+
 def test_end_abort_renew_and_can_continue(client: SwarmClient, server: StubServer) -> None:
     rolling(client)
     episode_id, _ = client.begin_episode()

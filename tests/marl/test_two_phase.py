@@ -80,7 +80,7 @@ def test_prepare_commit_and_abort_are_idempotent(rolling, tmp_path):
     assert client.episode_state(episode_id).phase is EpisodePhase.PREPARED
     with SwarmClient(srv.url, ADMIN, client_id="intruder") as other:
         assert code_of(lambda: other.commit_episode(episode_id)) is ErrorCode.NOT_LEASE_HOLDER
-    committed = client.commit_episode(episode_id)
+    committed = client.commit_episode(episode_id, include_pool=True)
     assert not committed.replayed and committed.samples == 1 and committed.pool.pending_episodes == 1
     assert client.commit_episode(episode_id).replayed
     assert code_of(lambda: client.abort_episode(episode_id)) is ErrorCode.EPISODE_ALREADY_ENDED
@@ -127,7 +127,7 @@ def test_a_restarted_server_keeps_its_prepared_episodes(tiny_model, tmp_path):
         client_id = client.client_id
     with LocalServer(tiny_model, data) as srv, SwarmClient(srv.url, ADMIN, client_id=client_id) as client:
         assert client.pool().prepared_episodes == 1  # before any engine start
-        assert client.commit_episode(episode_id).pool.pending_episodes == 1
+        assert client.commit_episode(episode_id, include_pool=True).pool.pending_episodes == 1
 
 
 # --- a game across two server processes ----------------------------------------------------------------------------
@@ -203,7 +203,7 @@ def test_a_server_killed_between_prepare_and_commit_gets_the_episode_after_its_r
     assert outcomes(servers, episodes) == {"pool", "prepared"}  # B's prepared episode survived the SIGKILL
     servers.restart("b")
     with servers.client("b") as b:
-        assert b.commit_episode(parts["b"].episode_id).pool.pending_episodes == 1
+        assert b.commit_episode(parts["b"].episode_id, include_pool=True).pool.pending_episodes == 1
     assert outcomes(servers, episodes) == {"pool"}  # both servers hold the game's episodes
 
 

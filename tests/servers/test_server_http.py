@@ -262,3 +262,39 @@ def test_weights_reach_the_engine_through_a_directory_when_the_trainer_lives_els
         for name, tensor in trained.items():
             assert torch.equal(served[name], tensor), name
         assert not list(srv.data_dir.glob(".weights-*"))  # the exported copy is removed once loaded
+
+
+def test_a_chat_call_looks_its_key_up_once_and_header_tags_win(rolling, monkeypatch):
+    """The key is admitted once, from the headers (before the body is read), and the call runs under that lease; the
+    `X-Marl-Agent` header tags the call, `user` only when there is no header."""
+    srv, http = rolling
+    lease = begin(http)
+    admitted = []
+    admit = srv.server.chat.admit
+    monkeypatch.setattr(srv.server.chat, "admit", lambda key: admitted.append(key) or admit(key))
+    client = openai.OpenAI(base_url=lease["base_url"], api_key=lease["api_key"], max_retries=0)
+    hi = [{"role": "user", "content": "hi"}]
+    client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, user="ignored",
+                                   extra_headers={"X-Marl-Agent": "seer"})
+    client.chat.completions.create(model="tiny", messages=hi, max_tokens=2, user="wolf")
+    assert admitted == [lease["api_key"]] * 2
+    assert end(http, lease["episode_id"]).json()["samples"] == 2
+    assert sorted(s.agent for s in samples(srv, lease["episode_id"])) == ["seer", "wolf"]
+
+
+def test_end_and_commit_replies_carry_the_pool_only_when_asked(rolling):
+    srv, http = rolling
+    ended, asked = begin(http), begin(http)
+    assert end(http, ended["episode_id"]).json()["pool"] is None
+    reply = http.post(f"/episodes/{asked['episode_id']}/end?include_pool=true",
+                      json={"client_id": CLIENT, "task_id": "t0", "reward": 1.0}).json()
+    assert reply["pool"]["batch_size"] == 100 and reply["pool"]["running_leases"] == 0
+    again = end(http, asked["episode_id"]).json()  # asking is no part of the body: a plain repeat is the same end
+    assert again["replayed"] and again["pool"] is None
+    for include_pool in ("false", "true"):
+        episode_id = begin(http)["episode_id"]
+        prepared = http.post(f"/episodes/{episode_id}/prepare",
+                             json={"client_id": CLIENT, "task_id": "t0", "reward": 1.0, "game_id": "g"})
+        assert prepared.status_code == 200 and "pool" not in prepared.json()
+        committed = http.post(f"/episodes/{episode_id}/commit?include_pool={include_pool}", json={"client_id": CLIENT})
+        assert (committed.json()["pool"] is not None) == (include_pool == "true")
