@@ -1,9 +1,10 @@
 """The coordinator: every game is one transaction across the model servers of a topology.
 
 For each game it
-1. waits until every server the game links (the trainable servers that play a role the env deals) is ROLLING, as
-   the run's `ServerMonitor` sees it, then leases on all of them at once; if any lease fails, it aborts the others
-   and waits again (it never holds a lease on one server while waiting for another);
+1. leases on every server the game links (the trainable servers that play a role the env deals) at once, the
+   servers' own answers saying when to wait (a busy one says how long; a stopped one is revived by the run's
+   `ServerMonitor`); if any lease fails, it aborts the others and waits again (it never holds a lease on one server
+   while waiting for another);
 2. draws the static endpoints the game seats (for a pool of past snapshots, a `past_of` server, the snapshot this
    game plays against);
 3. plays the game on those leases and endpoints with its `GameTable` (marl/game_table.py): a player for every
@@ -43,7 +44,7 @@ from marl.endpoints import HeldLease, SnapshotPoolEndpoint, SnapshotSource, Stat
 from marl.game_record import GameRecord
 from marl.game_table import GameFailed, GameSettings, GameTable, Seat
 from marl.monitor import ServerMonitor
-from marl.protocol import EngineState, EpisodeLease
+from marl.protocol import EngineState, EpisodeLease, ErrorCode
 from marl.two_phase import Part, commit_game
 
 if TYPE_CHECKING:
@@ -54,7 +55,6 @@ __all__ = ["Coordinator", "GameCancelled", "GameFailed", "GameRunner", "GameSett
 
 log = logging.getLogger("marl.coordinator")
 
-_LEASE_ATTEMPT_S = 2.0
 _KEEPALIVE_POLL_S = 0.25  # how often the coordinator looks for leases due for renewal
 _NEVER = threading.Event()  # the `cancel` of a game nobody cancels
 
@@ -101,8 +101,9 @@ class Coordinator:
         `Topology.players()`.
 
         `linked_servers`: the servers every game leases on (`Topology.linked_servers()`); default:
-        `linked_servers_of` a fresh env. `monitor`: the run's `ServerMonitor`, watching every linked server (default:
-        one of its own, which reads on demand). `decisions`: the durable log of the two-phase commits of games that
+        `linked_servers_of` a fresh env. `monitor`: the run's `ServerMonitor`, watching every linked server; the
+        coordinator asks it to revive a server that refused a lease because it is OFFLINE (default: one of its own,
+        which reads on demand). `decisions`: the durable log of the two-phase commits of games that
         link several servers (`marl run` keeps it in the run dir; default: one of its own in a temporary directory).
         `player_factory(seat)` builds the player of each agent at each game: an object with `act(observation: str)
         -> str` (and optionally `close()`, called when the game ends). Default: `default_player`. `runner`: where
@@ -121,10 +122,13 @@ class Coordinator:
         self._limits = {
             name: threading.BoundedSemaphore(ep.max_concurrency) for name, ep in endpoints.items() if ep.max_concurrency
         }
-        self._io = ThreadPoolExecutor(max(4, 2 * len(endpoints)), thread_name_prefix="coordinator-io")
+        # One pool for every game's calls to the servers (begins, the two-phase commit, renewals): no pool per game.
+        # Its threads start only when calls overlap, so the cap costs nothing while few games run at once.
+        self._io = ThreadPoolExecutor(max(16, 4 * len(endpoints)), thread_name_prefix="coordinator-io")
         self._static_clients: dict[str, openai.OpenAI] = {}  # base URL -> the client of a fixed static endpoint
         self._static_clients_lock = threading.Lock()
         self._leases = _HeldLeases(endpoints, self._io)
+        self._refused_last: frozenset[str] = frozenset()  # servers that refused the last lease try: asked first
         self._scratch = tempfile.TemporaryDirectory(prefix="marl-decisions-") if decisions is None else None
         self.decisions = decisions or DecisionLog(Path(self._scratch.name) / "decisions.sqlite")
 
@@ -208,27 +212,36 @@ class Coordinator:
             delay = min(delay * 2, 2.0)
 
     def _try_lease_all(self) -> tuple[dict[str, HeldLease] | None, str, bool]:
-        """One try: (the leases, "", True), or (None, why not, whether every server answered and is only busy)."""
-        states = {name: self.monitor.state(name) for name in self.linked}
-        unreachable = [name for name, state in states.items() if state is None]
-        if unreachable:
-            return None, "unreachable: " + ", ".join(unreachable), False
-        busy = {name: state for name, state in states.items() if state != EngineState.ROLLING}
-        if busy:
-            return None, ", ".join(f"{name} is {state.value}" for name, state in busy.items()), True
-        futures = {name: self._io.submit(self._leases.begin, name) for name in self.linked}
+        """One try: (the leases, "", True), or (None, why not, whether every refusal only said "not now").
+
+        The servers' own answers to `begin` are the one source of truth for "may this game lease now?": a busy
+        server (booting, draining, training, every slot taken) answers 503 with `retry_after_s`, a stopped one 409
+        `engine_not_rolling` (the monitor revives it). No status is read first: a cached state is never newer than
+        the answer. The servers that refused the last try are asked first, and alone, so games waiting for one busy
+        server hold no lease on the others meanwhile.
+        """
+        first = [name for name in self.linked if name in self._refused_last]
+        leases, errors = self._begin_on(first)
+        if not errors:
+            more, errors = self._begin_on([name for name in self.linked if name not in first])
+            leases.update(more)
+        self._refused_last = frozenset(errors)
+        if not errors:
+            return leases, "", True
+        self._leases.abort(leases.values())
+        self.monitor.revive_if_offline([name for name, exc in errors.items() if _engine_stopped(exc)])
+        return None, "; ".join(f"{name}: {exc}" for name, exc in errors.items()), all(map(_says_wait, errors.values()))
+
+    def _begin_on(self, servers: list[str]) -> tuple[dict[str, HeldLease], dict[str, Exception]]:
+        """Begin on `servers` concurrently, one try each: the leases granted, and the refusals by server."""
+        futures = {name: self._io.submit(self._leases.begin, name) for name in servers}
         leases, errors = {}, {}
         for name, future in futures.items():
             try:
                 leases[name] = future.result()
             except (SwarmError, httpx.HTTPError) as exc:
                 errors[name] = exc
-        if not errors:
-            return leases, "", True
-        self._leases.abort(leases.values())
-        self.monitor.forget(errors)
-        # A server that turned busy meanwhile says how long to wait: keep waiting, as for a busy state.
-        return None, "; ".join(f"{name}: {exc}" for name, exc in errors.items()), all(map(_says_wait, errors.values()))
+        return leases, errors
 
     def _concurrency_slots(self) -> _Slots:
         return _Slots([self._limits[name] for name in sorted(self._limits) if name in self.linked])
@@ -252,7 +265,8 @@ class Coordinator:
             return
         parts = {name: Part(self.endpoints[name].client, task_id, lease.episode_id, outputs[name])
                  for name, lease in leases.items()}
-        outcome = commit_game(self.decisions, f"{task_id}-{uuid.uuid4().hex[:12]}", parts)  # one id per attempt
+        outcome = commit_game(self.decisions, f"{task_id}-{uuid.uuid4().hex[:12]}", parts,  # one id per attempt
+                              io=self._io)
         for lease in leases.values():
             self._leases.forget(lease)  # prepared (key dead), committed or aborted: nothing left to abort or renew
         if not outcome.committed:
@@ -298,7 +312,8 @@ class _HeldLeases:
         threading.Thread(target=self._keep_alive, name="coordinator-keepalive", daemon=True).start()
 
     def begin(self, server: str) -> HeldLease:
-        episode_id, lease = self.endpoints[server].client.begin_episode(timeout=_LEASE_ATTEMPT_S)
+        # One try: the game's own loop does the waiting (`Coordinator._lease_all`), holding no lease meanwhile.
+        episode_id, lease = self.endpoints[server].client.begin_episode(timeout=0)
         held = HeldLease(server, episode_id, lease)
         with self._lock:
             self._open[(server, episode_id)] = held
@@ -361,7 +376,13 @@ class _HeldLeases:
 
 
 def _says_wait(exc: Exception) -> bool:
-    return isinstance(exc, SwarmError) and exc.error is not None and exc.error.retry_after_s is not None
+    """A refusal that means "not now": busy (it says how long to wait), or stopped (to be revived: OFFLINE)."""
+    return isinstance(exc, SwarmError) and exc.error is not None and (
+        exc.error.retry_after_s is not None or exc.code is ErrorCode.ENGINE_NOT_ROLLING)
+
+
+def _engine_stopped(exc: Exception) -> bool:
+    return isinstance(exc, SwarmError) and exc.code is ErrorCode.ENGINE_NOT_ROLLING and exc.state is EngineState.OFFLINE
 
 
 class _Slots:

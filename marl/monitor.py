@@ -2,9 +2,10 @@
 
 One monitor per run: `marl run` builds it for every trainable server and hands it to the coordinator (a
 `Coordinator` built without one makes its own for the servers its games lease on).
-- Lease gating: `state(name)` is cached for `max_age_s` (0.5 s). Every game waiting for a lease asks; one status
-  call per server and half second answers them all (one fetch at a time per server, the others read its answer).
-  `forget(name)` drops a server's answer when a lease on it failed, so the next game asks again.
+- Not lease gating: whether a game may lease now is the server's own answer to `begin` (a busy server says how
+  long to wait), never a status read here (`marl.coordinator`). A server that refused a lease because its engine is
+  stopped is handed to `revive_if_offline(names)`: read again (at most once per `max_age_s`, 0.5 s, however many
+  games ask) and revived if it is OFFLINE. `state(name)` and `fresh(name)` read with the same cache.
 - The live table: `start()` runs a poll loop that reads every server each `poll_s`, each on its own worker (a server
   that hangs delays nobody else); `views()` is what it saw last; `on_step(name, status)` fires once per new policy
   version (`marl run`'s step-done line).
@@ -100,6 +101,11 @@ class ServerMonitor:
         views = self.views()
         return {name: views[name].status.policy_version if views[name].status else 0
                 for name in (views if names is None else names)}
+
+    def revive_if_offline(self, names: Iterable[str]) -> None:
+        """Read these servers again (cached for `max_age_s`), so that one found OFFLINE is revived (see below)."""
+        for name in names:
+            self.fresh(name)
 
     def forget(self, names: Iterable[str]) -> None:
         """Drop what was seen of these servers: the next `state` reads them again."""

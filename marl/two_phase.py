@@ -18,12 +18,13 @@ everywhere else (a game with no decision is decided ABORT first), as the client 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -34,6 +35,8 @@ from marl.protocol import DEFAULT_PREPARE_TIMEOUT_S
 __all__ = ["GameCommit", "Part", "commit_game", "redrive"]
 
 logger = logging.getLogger("marl.two_phase")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,11 @@ class GameCommit:
 
 def commit_game(decisions: DecisionLog, game_id: str, parts: Mapping[str, Part], *,
                 prepare_timeout_s: float = DEFAULT_PREPARE_TIMEOUT_S, io: Executor | None = None) -> GameCommit:
-    """Prepare the game's episode on every server, decide durably, then commit (or abort) everywhere."""
+    """Prepare the game's episode on every server, decide durably, then commit (or abort) everywhere.
+
+    `io` runs the calls to the servers concurrently: the coordinator passes its own executor, one for all its games;
+    default: a thread pool for this call only.
+    """
     decisions.begin(game_id, {name: Participant(p.client.url, p.episode_id, p.client.client_id)
                          for name, p in parts.items()})
     decide_by = time.time() + prepare_timeout_s / 2
@@ -71,12 +78,14 @@ def commit_game(decisions: DecisionLog, game_id: str, parts: Mapping[str, Part],
         return part.client.prepare_episode(part.task, part.episode_id, part.output, game_id=game_id,
                                            prepare_timeout_s=prepare_timeout_s, decision_log=decision_log)
 
-    prepare_errors = _on_each(parts, prepare, io)
-    decision = decisions.decide(game_id, commit=not prepare_errors, decide_by=decide_by)
-    if decision is Decision.COMMIT:
-        pending = _on_each(parts, lambda p: p.client.commit_episode(p.episode_id, timeout=prepare_timeout_s / 2), io)
-    else:
-        pending = _on_each(parts, lambda p: p.client.abort_episode(p.episode_id), io)
+    with _executor(io, len(parts)) as pool:
+        prepare_errors = _on_each(parts, prepare, pool)
+        decision = decisions.decide(game_id, commit=not prepare_errors, decide_by=decide_by)
+        if decision is Decision.COMMIT:
+            pending = _on_each(parts, lambda p: p.client.commit_episode(p.episode_id, timeout=prepare_timeout_s / 2),
+                               pool)
+        else:
+            pending = _on_each(parts, lambda p: p.client.abort_episode(p.episode_id), pool)
     if not pending:
         decisions.done(game_id)
     for name, exc in pending.items():
@@ -86,24 +95,23 @@ def commit_game(decisions: DecisionLog, game_id: str, parts: Mapping[str, Part],
 
 
 def redrive(decisions: DecisionLog, admin_token: str | Mapping[str, str | None] | None = None, *,
-            timeout: float = 30.0) -> dict[str, GameCommit]:
+            timeout: float = 30.0, io: Executor | None = None) -> dict[str, GameCommit]:
     """Apply every unfinished game's decision on all its servers (ABORT where none was made); by game id.
 
-    `admin_token`: one token for every server, or a mapping from server url to its token.
+    `admin_token`: one token for every server, or a mapping from server url to its token. `io` runs each game's
+    servers concurrently (default: one thread pool for this re-drive).
     """
+    def token_of(who: Participant) -> str | None:
+        return admin_token.get(who.url) if isinstance(admin_token, Mapping) else admin_token
+
     outcomes = {}
-    for game in decisions.unfinished():
-        decision = game.decision or decisions.decide(game.game_id, commit=False)
-        pending: dict[str, Exception] = {}
-        for name, who in game.participants.items():
-            token = admin_token.get(who.url) if isinstance(admin_token, Mapping) else admin_token
-            try:
-                _apply(decision, who, token, timeout)
-            except (SwarmError, httpx.HTTPError) as exc:
-                pending[name] = exc
-        if not pending:
-            decisions.done(game.game_id)
-        outcomes[game.game_id] = GameCommit(decision, [n for n in game.participants if n not in pending], pending)
+    with _executor(io, 4) as pool:
+        for game in decisions.unfinished():
+            decision = game.decision or decisions.decide(game.game_id, commit=False)
+            pending = _on_each(game.participants, lambda who: _apply(decision, who, token_of(who), timeout), pool)
+            if not pending:
+                decisions.done(game.game_id)
+            outcomes[game.game_id] = GameCommit(decision, [n for n in game.participants if n not in pending], pending)
     return outcomes
 
 
@@ -115,19 +123,23 @@ def _apply(decision: Decision, who: Participant, admin_token: str | None, timeou
             client.abort_episode(who.episode_id)
 
 
-def _on_each(parts: Mapping[str, Part], action: Callable[[Part], object], io: Executor | None) -> dict[str, Exception]:
-    """Run `action` on every part concurrently; the errors, by server name."""
-    own = io is None
-    pool = ThreadPoolExecutor(max(1, len(parts)), thread_name_prefix="two-phase") if own else io
-    try:
-        futures = {name: pool.submit(action, part) for name, part in parts.items()}
-        errors = {}
-        for name, future in futures.items():
-            try:
-                future.result()
-            except (SwarmError, httpx.HTTPError) as exc:
-                errors[name] = exc
-        return errors
-    finally:
-        if own:
-            pool.shutdown(wait=True)
+@contextlib.contextmanager
+def _executor(io: Executor | None, threads: int) -> Iterator[Executor]:
+    """`io` as it is (its owner shuts it down), or a thread pool of `threads` for the block only."""
+    if io is not None:
+        yield io
+        return
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="two-phase") as pool:
+        yield pool
+
+
+def _on_each(parts: Mapping[str, T], action: Callable[[T], object], pool: Executor) -> dict[str, Exception]:
+    """Run `action` on every part concurrently on `pool`; the errors, by server name."""
+    futures = {name: pool.submit(action, part) for name, part in parts.items()}
+    errors = {}
+    for name, future in futures.items():
+        try:
+            future.result()
+        except (SwarmError, httpx.HTTPError) as exc:
+            errors[name] = exc
+    return errors
