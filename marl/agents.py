@@ -25,7 +25,11 @@ from marl.protocol import AGENT_HEADER, ErrorCode
 class LLMAgent:
     def __init__(self, client: Any, model: str, *, system_prompt: str, max_tokens: int = 64,
                  temperature: float = 1.0, agent_tag: str | None = None):
-        self.client, self.model, self.system_prompt = client, model, system_prompt
+        """`agent_tag` (the role) tags every call, set once as the `X-Marl-Agent` header of the agent's client: a copy
+        of `client` (`with_options`; it shares the connection pool) when one is given, so a client shared by several
+        agents stays untagged."""
+        self.client = tagged_client(client, agent_tag)
+        self.model, self.system_prompt = model, system_prompt
         self.max_tokens, self.temperature, self.agent_tag = max_tokens, temperature, agent_tag
         self.messages: list[dict[str, str]] = []
         self.reset()
@@ -39,14 +43,11 @@ class LLMAgent:
     def act(self, observation: str) -> str:
         """Send `observation` as the next user turn; return the model's reply (also kept as the assistant turn)."""
         self.messages.append({"role": "user", "content": str(observation)})
-        tagged: dict[str, Any] = {}
-        if self.agent_tag is not None:
-            tagged = {"user": self.agent_tag, "extra_headers": {AGENT_HEADER: self.agent_tag}}
         while True:
             try:
                 response = self.client.chat.completions.create(
                     model=self.model, messages=list(self.messages), max_tokens=self.max_tokens,
-                    temperature=self.temperature, **tagged)
+                    temperature=self.temperature)
                 break
             except Exception as exc:
                 if _context_exceeded(exc) and len(self.messages) > 2:
@@ -65,6 +66,16 @@ class LLMAgent:
         del self.messages[1]
         while len(self.messages) > 2 and self.messages[1]["role"] != "user":
             del self.messages[1]
+
+
+def tagged_client(client: Any, agent_tag: str | None) -> Any:
+    """`client` with `agent_tag` as its `X-Marl-Agent` default header: the one place an agent's calls get their tag."""
+    if agent_tag is None:
+        return client
+    if not hasattr(client, "with_options"):
+        raise TypeError(f"agent_tag needs an OpenAI SDK client (it sets the {AGENT_HEADER} header with `with_options`);"
+                        f" got {type(client).__name__!r}: set that header on it yourself and pass no agent_tag")
+    return client.with_options(default_headers={AGENT_HEADER: agent_tag})
 
 
 def _context_exceeded(exc: Exception) -> bool:

@@ -4,10 +4,10 @@
     coordinator = Coordinator(..., player_factory=agentscope_players(fallback=Fallback(url, "qwen")))
 
 - `role_model(seat, fallback)`: the role-tagged model factory. An AgentScope `OpenAIChatModel` on the endpoint of the
-  server playing the seat's role (for a trainable server: this game's lease), sending the role as the
-  `X-Marl-Agent` header and as `user`, so the server records the calls under that role; with the seat's
-  `max_tokens` and `temperature`. A seat no server plays (a role the topology scripts) gets the `fallback`: any
-  OpenAI-compatible endpoint; nothing it generates is trained on.
+  server playing the seat's role (for a trainable server: this game's lease), its client sending the role as the
+  `X-Marl-Agent` header (set once, on the client's default headers), so the server records the calls under that
+  role; with the seat's `max_tokens` and `temperature`. A seat no server plays (a role the topology scripts) gets
+  the `fallback`: any OpenAI-compatible endpoint; nothing it generates is trained on.
 - `AgentScopePlayer`: one AgentScope 2.x `Agent` (the ReAct agent, renamed in 2.0) behind the synchronous
   `act(observation) -> reply` the coordinator calls. The agent's async `reply` runs on an event loop the player owns
   (the coordinator builds and plays each game's players in one thread); `close()` closes the model's connections
@@ -85,7 +85,6 @@ def role_model(seat: Seat, fallback: Fallback | None = None) -> OpenAIChatModel:
         max_retries=retries,
         formatter=OpenAIChatFormatter(),  # system/user/assistant turns: see the module docstring
         client_kwargs={"default_headers": {AGENT_HEADER: seat.agent_tag}, "max_retries": 0, "timeout": 600},
-        extra_body={"user": seat.agent_tag},
     )
 
 

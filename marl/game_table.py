@@ -22,7 +22,6 @@ import openai
 from envs.base import GameEnv
 from marl.agents import LLMAgent, ScriptedAgent
 from marl.game_record import CoPlayer, GameRecord
-from marl.protocol import AGENT_HEADER
 
 if TYPE_CHECKING:
     from marl.endpoints import HeldLease, StaticEndpoint
@@ -66,7 +65,7 @@ def default_player(seat: Seat, client: openai.OpenAI | None = None) -> LLMAgent 
         return ScriptedAgent(seat.env, seat.agent)
     if client is None:
         client = openai.OpenAI(base_url=seat.base_url, api_key=seat.api_key, max_retries=0 if seat.trainable else 2,
-                               timeout=600, default_headers={AGENT_HEADER: seat.agent_tag})
+                               timeout=600)
     return LLMAgent(client, seat.model, system_prompt=seat.system_prompt, max_tokens=seat.max_tokens,
                     temperature=seat.temperature, agent_tag=seat.agent_tag)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import types
 
+import httpx
 import openai
 import pytest
 
@@ -11,6 +13,7 @@ from conftest import LocalServer, admin_http, start_rolling, wait_state
 from envs.base import play
 from envs.signalling import SignallingGame
 from marl.agents import LLMAgent, ScriptedAgent
+from marl.game_table import Seat, default_player
 from marl.protocol import AGENT_HEADER, ErrorCode
 from servers.ledger import Ledger
 
@@ -41,8 +44,8 @@ def spy_on(client):
 
 
 def test_conversation_grows_turn_by_turn(static_client):
-    calls = spy_on(static_client)
     agent = LLMAgent(static_client, "tiny", system_prompt="You are a test.", max_tokens=8, agent_tag="speaker")
+    calls = spy_on(agent.client)
     replies = [agent.act(f"Turn {i}: say yes.") for i in range(3)]
     assert all(isinstance(r, str) for r in replies)
     assert agent.messages[0] == {"role": "system", "content": "You are a test."}
@@ -51,12 +54,32 @@ def test_conversation_grows_turn_by_turn(static_client):
     # each call sends everything before it: the previous call's prompt + reply, then the new observation
     assert [len(c["messages"]) for c in calls] == [2, 4, 6]
     assert calls[2]["messages"][:4] == agent.messages[:4]
-    assert calls[0]["user"] == "speaker" and calls[0]["extra_headers"] == {AGENT_HEADER: "speaker"}
+    # the tag is the agent's client's default header, set once; the calls send nothing more (no `user`)
+    assert agent.client.default_headers[AGENT_HEADER] == "speaker" and AGENT_HEADER not in static_client.default_headers
+    assert "user" not in calls[0] and "extra_headers" not in calls[0]
     assert (calls[0]["max_tokens"], calls[0]["temperature"], calls[0]["model"]) == (8, 1.0, "tiny")
     agent.reset()
     assert agent.messages == [{"role": "system", "content": "You are a test."}]
     agent.reset(system_prompt="New role.")
     assert agent.messages == [{"role": "system", "content": "New role."}]
+
+
+def test_the_agent_tag_is_sent_once_as_its_clients_header(static_server):
+    """One way, once per client: the `X-Marl-Agent` header on the agent's client; no `user`, no per-call header."""
+    sent: list[httpx.Request] = []
+    http = httpx.Client(event_hooks={"request": [sent.append]})
+    client = openai.OpenAI(base_url=static_server.url + "/v1", api_key="any", max_retries=0, http_client=http)
+    agent = LLMAgent(client, "tiny", system_prompt="s", max_tokens=2, agent_tag="seer")
+    agent.act("hi")
+    agent.act("again")
+    assert [request.headers.get_list(AGENT_HEADER) for request in sent] == [["seer"], ["seer"]]
+    assert not any("user" in json.loads(request.content) for request in sent)
+    assert AGENT_HEADER not in client.default_headers  # a client shared by several agents stays untagged
+    seat = Seat("player_2", "seer", "srv", base_url=static_server.url + "/v1", model="tiny", trainable=True)
+    player = default_player(seat)
+    assert player.client.default_headers[AGENT_HEADER] == "seer" and player.client.max_retries == 0
+    with pytest.raises(TypeError, match="X-Marl-Agent"):
+        LLMAgent(RefusingClient(), "m", system_prompt="s", agent_tag="seer")  # no OpenAI SDK client: say so
 
 
 def test_untagged_agent_sends_no_tag_and_failed_call_keeps_conversation(static_client):
