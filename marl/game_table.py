@@ -5,7 +5,8 @@ and static endpoints it is handed: it describes every agent's `Seat` (a trainabl
 server's lease, tagged with the role; a static role its endpoint, or the snapshot drawn for this game; a scripted
 role the env), asks the `player_factory` for an object with `act(observation) -> reply` (default: `default_player`,
 an OpenAI-SDK `LLMAgent` or the env's scripted policy; `marl.agentscope_agents` gives AgentScope agents), plays, and
-returns the game's `GameRecord` with its provenance (`co_players`). It holds no connection, lock or thread, so
+returns the game's `GameRecord` with its provenance (`co_players`) and, per `run.transcripts`, its transcript (every
+turn's observation and reply) and the env's `summary()`. It holds no connection, lock or thread, so
 `run.ray.spread_games` can send it to a Ray task (marl/ray_cluster.py).
 """
 
@@ -21,7 +22,7 @@ import openai
 
 from envs.base import GameEnv
 from marl.agents import LLMAgent, ScriptedAgent
-from marl.game_record import CoPlayer, GameRecord
+from marl.game_record import CoPlayer, GameRecord, TranscriptRecorder
 
 if TYPE_CHECKING:
     from marl.endpoints import HeldLease, StaticEndpoint
@@ -75,6 +76,7 @@ class GameSettings:
     max_tokens: int = 64
     temperature: float = 1.0
     lease_timeout_s: float = 60.0  # give up leasing a game after this long (the game is then retried)
+    transcripts: str = "full"  # run.transcripts: what of each game its GameRecord keeps (full, summary, off)
 
 
 class GameTable:
@@ -96,7 +98,9 @@ class GameTable:
         start = time.monotonic()
         env = self.env_factory()
         env.reset(seed=seed)
-        turns = self._play_turns(env, leases, statics, shared_client)
+        transcript = TranscriptRecorder(self.settings.transcripts)
+        turns = self._play_turns(env, leases, statics, shared_client, transcript)
+        transcript.summarize(env)
         record = GameRecord(
             task_id=task_id,
             seed=seed,
@@ -112,13 +116,15 @@ class GameTable:
             teams={env.role_of(agent): env.team_of(agent) for agent in env.possible_agents},
             time=time.time(),
             co_players=self._co_players(env, leases, statics),
+            **transcript.fields(),
         )
         env.close()
         return record
 
     def _play_turns(self, env: GameEnv, leases: Mapping[str, HeldLease], statics: Mapping[str, StaticEndpoint],
-                    shared_client: Callable[[Seat], openai.OpenAI | None]) -> int:
-        """Seat a player for every agent and play the game to its end; returns the turns played."""
+                    shared_client: Callable[[Seat], openai.OpenAI | None], transcript: TranscriptRecorder) -> int:
+        """Seat a player for every agent and play the game to its end, noting each turn in `transcript`; returns
+        the turns played."""
         players: dict[str, Any] = {}
         turns = 0
         try:
@@ -134,7 +140,7 @@ class GameTable:
                 if terminated or truncated:
                     env.step(None)
                     continue
-                env.step(players[agent].act(str(observation)))
+                _step(env, agent, str(observation), players[agent].act(str(observation)), transcript)
                 turns += 1
         finally:
             close_players(players.values())
@@ -171,6 +177,20 @@ class GameTable:
             return replace(seat, base_url=lease.base_url, api_key=lease.api_key, model=lease.model, trainable=True)
         endpoint = statics[server]
         return replace(seat, base_url=endpoint.base_url, api_key=endpoint.api_key, model=endpoint.model)
+
+
+def _step(env: GameEnv, agent: str, observation: str, reply: Any, transcript: TranscriptRecorder) -> None:
+    """Play `agent`'s reply and note the turn; it was invalid if the env's count of its invalid replies grew."""
+    role, before = env.role_of(agent), _invalid_replies(env, agent)
+    env.step(reply)
+    after = _invalid_replies(env, agent)
+    transcript.add(agent, role, observation, str(reply), None if before is None or after is None else after > before)
+
+
+def _invalid_replies(env: GameEnv, agent: str) -> int | None:
+    """How many invalid replies `agent` made this game, if the env counts them (`TextAECEnv.invalid_actions`)."""
+    counts = getattr(env, "invalid_actions", None)
+    return counts.get(agent) if isinstance(counts, Mapping) else None
 
 
 def close_players(players: Iterable[Any]) -> None:

@@ -5,7 +5,8 @@ The run directory (`run.run_dir`, default `runs/<name>`) gets:
   logs/<server>.log         output of every local server (logs/<past_of server>/ and logs/eval/: one per snapshot)
   servers/<server>/         each local server's data dir: ledger, checkpoints, metrics.jsonl (one line per step)
   games.jsonl               one `GameRecord` per finished game: task, rewards per role, policy versions, invalid
-                            actions, replies, the winner (for games with teams)
+                            actions, replies, the winner (for games with teams), the transcript and the env's
+                            summary (`run.transcripts`; `marl games show RUN_DIR`)
   reward_curves.png         mean reward per role against each trainable server's policy version (`marl plot`)
   servers.json              where the local servers listen, for `marl overwatch TOPOLOGY.yaml` (owner-only)
   decisions.sqlite          the two-phase commit decisions of games across several servers (`marl.decision_log`)
@@ -208,7 +209,7 @@ class _Session:
             role_servers=self.topology.players(),
             endpoints=endpoints,
             settings=GameSettings(lease_timeout_s=run.lease_timeout_s, max_tokens=run.max_tokens,
-                                  temperature=run.temperature),
+                                  temperature=run.temperature, transcripts=run.transcripts),
             linked_servers=self.topology.linked_servers(),
             monitor=self.monitor,
             decisions=self.decisions,

@@ -304,7 +304,16 @@ class RunSpec(_Spec):
                                    " eval_games greedy games between checkpoints, in the background, into"
                                    " evals.jsonl (None: off). Needs checkpoints at those steps.")
     eval_games: int = Field(8, ge=1, description="Games per pairing of each run.eval_every evaluation.")
+    transcripts: Literal["full", "summary", "off"] = Field(
+        "full", description="What games.jsonl keeps of each game for `marl games show`: full (every turn's"
+        " observation and reply, each cut to 2000 characters, 64000 a game, and the env's summary), summary (the"
+        " env's summary and the replies), off (neither).")
     ray: RaySpec | None = Field(None, description="Run on a Ray cluster (None: everything on this machine).")
+
+    @field_validator("transcripts", mode="before")
+    @classmethod
+    def _off_is_not_false(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML (and key=value overrides) read a bare `off` as false
 
     @model_validator(mode="after")
     def _stops(self) -> RunSpec:
