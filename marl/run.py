@@ -62,6 +62,7 @@ from marl.launch import SERVERS_FILE, ServerProcess, Supervisor
 from marl.league import SnapshotPool, snapshot_pools
 from marl.monitor import ServerMonitor, ServerView
 from marl.plot import percent, plot_run, summarize_games
+from marl.terminal import safe
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, ServerStatus
 from marl.topology import ServerKind, ServerSpec, Topology
 from marl.two_phase import redrive
@@ -123,13 +124,15 @@ class _Board:
             games = f"{self.games}/{self.target}" if self.target else str(self.games)
             table = Table(title=f"marl run {name} — {games} games, {self.failed} failed attempts, {self.retried}"
                                 f" retries, {time.monotonic() - started:.0f}s", title_justify="left")
-            table.caption = f"reward (last 50 games): {rewards or '-'}" + (
-                f"\nlast failure: {self.last_error[:160]}" if self.last_error else "")
+            caption = f"reward (last 50 games): {rewards or '-'}"
+            if self.last_error:  # its text may quote what a client sent: escaped, and never read as markup
+                caption += f"\nlast failure: {safe(self.last_error[:160])}"
+            table.caption = Text(caption)
         for column in ("server", "state", "version", "pool (groups / episodes)", "leases"):
             table.add_column(column)
         for server, view in servers.items():
             status, pool = view.status, view.status.pool if view.status else None
-            table.add_row(server, view.error or (status.state.value if status else "?"),
+            table.add_row(server, Text(safe(view.error)) if view.error else (status.state.value if status else "?"),
                           str(status.policy_version) if status else "?",
                           f"{pool.complete_groups}/{pool.batch_size} · {pool.pending_episodes}" if pool else "-",
                           str(pool.running_leases) if pool else "-")
@@ -159,7 +162,7 @@ def run(path: str, overrides: list[str] | None = None, *, console: Console | Non
     _print_summary(run_dir, console)
     summary = session.summary(time.monotonic() - started)
     if summary.error:
-        console.print(f"[red]gave up:[/] {summary.error}")
+        console.print("[red]gave up:[/]", Text(safe(summary.error)))
     ending = "interrupted" if summary.interrupted else "stopped" if summary.error else "done"
     console.print(f"{ending}: {summary.games} games, {summary.failed}"
                   f" failed attempts, {summary.retried} retries in {summary.seconds:.0f}s; policy versions"
