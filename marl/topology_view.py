@@ -88,5 +88,5 @@ def _add_run(root: Tree, topology: Topology) -> None:
               "repeats": run.repeats, "concurrency": run.concurrency,
               "per_server_concurrency": run.per_server_concurrency or "-",
               "lease_timeout_s": run.lease_timeout_s, "seed": run.seed, "run_dir": run.run_dir,
-              "eval_every": run.eval_every or "-"}
+              "eval_every": run.eval_every or "-", "transcripts": run.transcripts}
     root.add(Text.assemble(("run  ", "bold"), "  ".join(f"{k}={v}" for k, v in values.items())))
