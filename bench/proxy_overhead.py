@@ -7,6 +7,7 @@ Runs, in one go and on the same machine:
 and reports requests/s and p50/p99 latency for each under the same closed-loop load (N concurrent clients).
 
     python bench/proxy_overhead.py [--requests 2000] [--concurrency 16]
+    python bench/proxy_overhead.py --smoke      # seconds: 40 requests, 4 clients (does the bench run?)
 
 Each server runs in its own process; the load generator (httpx, asyncio) runs here.
 """
@@ -28,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from marl.protocol import ChatCompletionRequest  # noqa: E402  (after the path is set)
+from servers.interfaces import Trainer  # noqa: E402
 
 ADMIN = "bench-admin"
 REQUEST = {"model": "tiny", "messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 1}
@@ -76,10 +78,19 @@ def serve_marl(port: int, model_dir: str, data_dir: str) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-class _NoTrainer:
-    """Never trains (the benchmark's batch never fills); boots like a fresh trainer."""
+class _NoTrainer(Trainer):
+    """Never trains (the benchmark's batch never fills); boots like a fresh trainer, closes like one."""
 
     step_count = 0
+
+    def step(self, batch):
+        raise RuntimeError("the benchmark's batch never fills: no step")
+
+    def export_weights(self, directory):
+        raise RuntimeError("never trained: no weights to export")
+
+    def save(self, directory) -> None:
+        raise RuntimeError("never trained: nothing to save")
 
     def load(self, directory) -> None:
         pass
@@ -137,11 +148,14 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--calls-per-lease", type=int, default=20, help="calls an agent makes per episode")
+    parser.add_argument("--smoke", action="store_true", help="a few seconds: does the bench run?")
     parser.add_argument("--serve", choices=["bare", "marl"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--data-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        args.requests, args.concurrency, args.calls_per_lease = 40, 4, 5
     if args.serve == "bare":
         return serve_bare(args.port)
     if args.serve == "marl":
