@@ -39,7 +39,13 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 def install(app: FastAPI) -> None:
-    """Make `app.openapi()` the honest document (built once, on first request)."""
+    """Make `app.openapi()` the honest document, and build it now: call this once every route is added.
+
+    Building it builds every route's request and response models too, here on the thread that makes the app.
+    FastAPI would build them on the first request, in the serving thread, inside `warnings.catch_warnings()`
+    (which silences pydantic's warning about the aliases FastAPI gives parameters); that is not thread-safe
+    before Python 3.14, so servers of one process that start together leaked the warning.
+    """
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -54,3 +60,4 @@ def install(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    openapi()

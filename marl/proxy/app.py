@@ -84,6 +84,7 @@ def build_app(options: ProxyOptions) -> FastAPI:
         app.add_exception_handler(error, handler)
     app.include_router(_open_routes(metrics))
     app.include_router(_app_routes(service, options.served_model), dependencies=[Depends(_app_auth(options.api_key))])
+    app.openapi()  # builds the routes' models here, not in the serving thread: see servers.openapi.install
     return app
 
 
