@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: setup test test-slow demo bench fuzz vllm clean
+.PHONY: setup test test-slow demo bench bench-smoke fuzz vllm clean
 
 $(BIN)/marl: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ demo: setup
 bench: setup
 	$(BIN)/python bench/proxy_overhead.py
 	$(BIN)/python bench/engine_throughput.py --model smollm2-135m
+
+# Every bench/*.py with --smoke (seconds each: tiny model, tiny counts), the slow ones too; `make test` runs the rest.
+bench-smoke: setup
+	$(BIN)/python -m pytest -q tests/project/test_benches.py -m ""
 
 # Schema-driven fuzzing of a real tiny-model server: every operation, valid credentials, no 5xx (bench/fuzz.py).
 fuzz: setup

@@ -1,6 +1,7 @@
 """Check the code's shape rules: no function over 60 lines outside tests, no class in servers/ over 250 lines.
 
     python bench/code_shape.py            # lists offenders, exit 1 if any; also prints the longest functions
+    python bench/code_shape.py --smoke    # the same report, exit 0 (the limits are tests/project/test_code_shape.py's)
 
 A function's length is its lines from `def` to its last line, docstring included. The rules are the redesign's:
 short functions read at once, and each server room stays small enough to hold in one's head.
@@ -62,6 +63,8 @@ def offenders(root: Path = ROOT) -> list[Block]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--top", type=int, default=5, help="also list the N longest functions and server classes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="check that the script runs: same report, exit 0 even with offenders")
     args = parser.parse_args()
     every = [b for p in python_files() for b in blocks(p)]
     functions = sorted((b for b in every if b.kind == "function"), key=lambda b: -b.length)
@@ -71,7 +74,7 @@ def main() -> int:
     print(f"longest classes in servers/ (limit {MAX_SERVER_CLASS_LINES}):", *classes[: args.top], sep="\n  ")
     bad = offenders()
     print(f"{len(bad)} over the limits", *bad, sep="\n  " if bad else "")
-    return 1 if bad else 0
+    return 1 if bad and not args.smoke else 0
 
 
 if __name__ == "__main__":

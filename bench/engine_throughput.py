@@ -17,6 +17,9 @@ trainer does + `load_weights_from`). The agents run in a separate process (this 
 server's work and the load's never share one interpreter.
 
     python bench/engine_throughput.py --engine vllm --model smollm2-135m    # 1, 16 and 64 agents
+
+`--smoke` runs in seconds without vLLM: the torch bench on the tiny model with tiny counts, then the serving half of
+the vLLM bench (the swarm server, agents in their own process over HTTP, a weight sync) on the torch engine.
 """
 
 from __future__ import annotations
@@ -310,6 +313,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2,
                         help="--engine vllm: runs of each side per level, alternating; the best of each counts (shared CPUs)")
     parser.add_argument("--load", action="store_true", help=argparse.SUPPRESS)  # the agents' process (stdin: spec)
+    parser.add_argument("--smoke", action="store_true", help="a few seconds, tiny model, no vLLM: does the bench run?")
     args = parser.parse_args()
     if args.model and args.shape:
         parser.error("--model and --shape exclude each other")
@@ -323,10 +327,29 @@ def main() -> None:
     args = parse_args()
     if args.load:
         print(json.dumps(asyncio.run(run_agents(json.load(sys.stdin)))))
+    elif args.smoke:
+        smoke_bench(args)
     elif args.engine == "vllm":
         vllm_bench(args)
     else:
         torch_bench(args)
+
+
+def smoke_bench(args: argparse.Namespace) -> None:
+    """The torch bench on tiny counts, then `vllm_bench`'s serving path with the torch engine (vLLM is not run)."""
+    from servers.entrypoint import torch_engine_factory
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(Path(tmp) / "tiny")
+        args.model, args.shape = str(model_dir), None
+        args.concurrency, args.max_tokens, args.sequential_requests = "1,2", 4, 2
+        torch_bench(args)
+        chats = [[{"role": "user", "content": f"Write a long story about {topic}."}] for topic in TOPICS[:2]]
+        with BenchServer(model_dir, Path(tmp) / "server", torch_engine_factory("cpu")) as server:
+            tokens, seconds = server.run_agents(chats, calls=1, max_tokens=4)
+            syncs = time_weight_syncs(server.engine, model_dir, Path(tmp), repeats=1)
+    print(f"\n2 agents through marl (torch engine): {tokens} tokens in {seconds:.2f} s; weight sync "
+          + ", ".join(f"{export:.2f} + {load:.2f} s" for export, load in syncs) + " (vLLM not run in smoke mode)")
 
 
 def torch_bench(args: argparse.Namespace) -> None:

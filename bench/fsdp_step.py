@@ -2,6 +2,7 @@
 
     python bench/fsdp_step.py                                          # a tiny random model, built on the fly
     python bench/fsdp_step.py --model smollm2-135m --samples 8 --tokens 256
+    python bench/fsdp_step.py --smoke                                  # seconds: tiny model, 2 samples x 32 tokens
 
 Each trainer gets the same batch: one group of `--samples` synthetic samples of `--tokens` tokens (a quarter of
 them trained, rewards 0 and 1 alternating, so the step trains). It takes `--steps` steps; the first is a warm-up
@@ -61,7 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=256, help="tokens per sample")
     parser.add_argument("--micro-batch-tokens", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3, help="steps per trainer; the first is a warm-up")
+    parser.add_argument("--smoke", action="store_true", help="a few seconds on the tiny model: does the bench run?")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.samples, args.tokens, args.micro_batch_tokens, args.steps = None, 2, 32, 64, 2
 
     from transformers import AutoConfig
 

@@ -2,6 +2,7 @@
 
     python bench/fuzz.py                  # 40 positive + 40 negative examples per operation (make fuzz)
     python bench/fuzz.py --examples 10    # shorter
+    python bench/fuzz.py --smoke          # seconds: 2 examples per operation and mode (does it run?)
 
 Starts one trainable server on a tiny random model, syncs a small config and starts its engine, then for every
 operation of `/openapi.json` draws requests with schemathesis (valid ones, and deliberately invalid ones) and sends
@@ -136,7 +137,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=40, help="examples per operation and generation mode")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="a few seconds: does the bench run?")
     args = parser.parse_args()
+    if args.smoke:
+        args.examples = 2
     from marl.launch import ServerProcess
     from servers.tiny_model import build_tiny_model
 

@@ -2,6 +2,7 @@
 
     python bench/load_episodes.py                      # 1000 episodes at once
     python bench/load_episodes.py --episodes 200       # fewer
+    python bench/load_episodes.py --smoke              # seconds: 20 episodes (does the bench run?)
 
 Starts a trainable server on a tiny random model (max_leases and batch big enough that every episode runs at once
 and no training step interferes), then runs one thread per episode, all released together: begin (SwarmClient,
@@ -113,7 +114,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--episodes", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--smoke", action="store_true", help="a few seconds: does the bench run?")
     args = parser.parse_args()
+    if args.smoke:
+        args.episodes = 20
     from marl import SwarmClient
     from marl.launch import ServerProcess
     from servers.tiny_model import build_tiny_model

@@ -2,6 +2,7 @@
 
     python bench/merging_savings.py runs/werewolves-local/servers/*       # episodes a `marl run` recorded
     python bench/merging_savings.py --record 8                             # record 8 games first (tiny models)
+    python bench/merging_savings.py --smoke                  # seconds: record one short game (1 round), measure it
 
 An agent re-sends its whole conversation on every call. Without merging, each call is a training sample of its own
 (prompt + completion: the shared history is processed again on every turn); with merging, one agent's calls of
@@ -49,7 +50,7 @@ def measure(data_dirs: list[Path]) -> dict[tuple[str, str], dict[str, int]]:
     return totals
 
 
-def record(games: int, directory: Path) -> list[Path]:
+def record(games: int, directory: Path, max_rounds: int = 4, max_tokens: int = 24) -> list[Path]:
     """Play `games` Werewolves games on two in-process tiny-model servers; returns their data dirs."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from conftest import ADMIN, LocalServer  # the tests' in-process server
@@ -71,10 +72,10 @@ def record(games: int, directory: Path) -> list[Path]:
             client.auto_sync_train_config_and_start_engine(config)
             endpoints[name] = TrainableEndpoint(name, client=client, train_config=config)
         coordinator = Coordinator(
-            env_factory=lambda: Werewolves(max_rounds=4),
+            env_factory=lambda: Werewolves(max_rounds=max_rounds),
             role_servers={"werewolf": "wolves_model", "seer": "seer_model", "villager": None, "witch": None,
                           "hunter": None},
-            endpoints=endpoints, settings=GameSettings(max_tokens=24))
+            endpoints=endpoints, settings=GameSettings(max_tokens=max_tokens))
         stats = play_games(coordinator, tasks("bench", 1, seed=0), concurrency=2, games=games)
         coordinator.close()
         print(f"recorded {stats.games} games ({stats.failed} failed attempts)")
@@ -85,10 +86,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data_dirs", nargs="*", type=Path, help="server data dirs (each holds ledger.sqlite)")
     parser.add_argument("--record", type=int, default=0, help="record this many games with tiny models first")
+    parser.add_argument("--smoke", action="store_true", help="a few seconds: record one short game, measure it")
     args = parser.parse_args()
     data_dirs = [d for d in args.data_dirs if (d / "ledger.sqlite").exists()]
     with tempfile.TemporaryDirectory() as tmp:
-        if args.record:
+        if args.smoke:
+            data_dirs += record(1, Path(tmp), max_rounds=1, max_tokens=8)
+        elif args.record:
             data_dirs += record(args.record, Path(tmp))
         if not data_dirs:
             parser.error("no ledger found: pass server data dirs (runs/<run>/servers/<name>) or --record N")

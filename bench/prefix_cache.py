@@ -3,6 +3,7 @@
     python bench/prefix_cache.py                          # a tiny random model, built on the fly
     python bench/prefix_cache.py --model smollm2-135m     # the real SmolLM2-135M-Instruct (cached after first use)
     python bench/prefix_cache.py --model smollm2-135m --agents 3 --turns 16 --turn-tokens 120
+    python bench/prefix_cache.py --smoke                  # seconds: the tiny model, 2 agents x 2 short turns
 
 Like Werewolves players, each agent's conversation grows every turn by a new observation (a user message of about
 `--turn-tokens` tokens) and its own reply (up to `--max-tokens`). Prompts are built the way the server builds them:
@@ -81,7 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turn-tokens", type=int, default=120)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--smoke", action="store_true", help="a few seconds on the tiny model: does the bench run?")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.agents, args.turns, args.turn_tokens, args.max_tokens = None, 2, 2, 16, 4
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = resolve_model(args.model) if args.model else build_tiny_model(Path(scratch) / "tiny")
         rows = {}

@@ -8,6 +8,7 @@ no held conversations), then times, one request at a time and interleaved so tha
   proxy    the same request to the proxy, which begins, calls, scores, answers, and ends after answering
 
     python bench/proxy_latency.py [--requests 300] [--max-tokens 1]
+    python bench/proxy_latency.py --smoke      # seconds: 5 requests per path after 2 warm-ups (does it run?)
 
 Reports the median and p90 of each, and the proxy's added latency over `lease` and over `episode`.
 """
@@ -61,7 +62,8 @@ def timed(call: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def measure(client: SwarmClient, proxy: httpx.Client, requests: int, max_tokens: int) -> dict[str, list[float]]:
+def measure(client: SwarmClient, proxy: httpx.Client, requests: int, max_tokens: int,
+            warmup: int) -> dict[str, list[float]]:
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": max_tokens}
     times: dict[str, list[float]] = {"lease": [], "episode": [], "proxy": []}
     direct = httpx.Client(timeout=60)  # keep-alive, as the proxy's own connections are
@@ -79,12 +81,12 @@ def measure(client: SwarmClient, proxy: httpx.Client, requests: int, max_tokens:
     def via_proxy() -> None:
         proxy.post("/v1/chat/completions", json=body).raise_for_status()
 
-    for i in range(requests + 20):  # the first 20 warm up
+    for i in range(warmup + requests):
         episode_id, lease = client.begin_episode()
         lease_s = timed(lambda: chat(lease))
         client.abort_episode(episode_id)
         sample = {"lease": lease_s, "episode": timed(episode), "proxy": timed(via_proxy)}
-        if i >= 20:
+        if i >= warmup:
             for path, seconds in sample.items():
                 times[path].append(seconds)
     direct.close()
@@ -108,7 +110,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=20, help="untimed iterations first")
+    parser.add_argument("--smoke", action="store_true", help="a few seconds: does the bench run?")
     args = parser.parse_args()
+    if args.smoke:
+        args.requests, args.warmup = 5, 2
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model = build_tiny_model(tmp / "model")
@@ -127,11 +133,14 @@ def main() -> None:
                                    tmp / "proxy.log"))
             wait_healthy(proxy_url)
             with httpx.Client(base_url=proxy_url, headers={"Authorization": f"Bearer {APP_KEY}"}, timeout=60) as proxy:
-                times = measure(client, proxy, args.requests, args.max_tokens)
+                times = measure(client, proxy, args.requests, args.max_tokens, args.warmup)
         finally:
             for process in reversed(processes):
                 process.terminate()
                 process.wait(timeout=30)
+            if args.smoke:  # the servers' own errors (a failed shutdown, say) are part of what a smoke run checks
+                for log in ("server.log", "proxy.log"):
+                    print(f"--- {log}\n{(tmp / log).read_text(errors='replace').strip()}")
     print(f"{args.requests} requests per path, N=1, max_tokens={args.max_tokens}, tiny model on CPU")
     report(times)
 

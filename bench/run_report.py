@@ -2,6 +2,7 @@
 
     python bench/run_report.py runs/signalling-cpu                 # versions of the first trainable server
     python bench/run_report.py runs/werewolves-local --server wolves_model --buckets 2
+    python bench/run_report.py --smoke     # seconds: `marl run` 4 signalling games on a tiny model, report them
 
 Rows are games grouped by the policy version the given server played them with (`--buckets N` merges versions into
 N equal ranges, which smooths small steps); the last table is the whole run (games/hour from the first to the last
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -23,10 +25,61 @@ from marl.plot import percent, summarize_games, summarize_roles
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("run_dir", type=Path, nargs="?")
     parser.add_argument("--server", help="whose policy version groups the games (default: the first one)")
     parser.add_argument("--buckets", type=int, default=0, help="merge versions into this many ranges")
+    parser.add_argument("--smoke", action="store_true", help="a few seconds: report on a short run of a tiny model")
     args = parser.parse_args()
+    if args.smoke:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.run_dir = smoke_run(Path(tmp))
+            report(args)
+    elif args.run_dir is None:
+        parser.error("the run directory is required (or --smoke)")
+    else:
+        report(args)
+
+
+# One tiny trainable model plays the speaker, the env's scripted policy the listener: the fewest processes.
+SMOKE_TOPOLOGY = """\
+name: run-report-smoke
+servers:
+  model:
+    model: {model}
+    trainable: true
+    device: cpu
+    train:
+      batch_size: 8  # more groups than 4 games make: no training step
+      num_repeat: 2
+roles:
+  speaker:
+    server: model
+  listener:
+    scripted: true
+env:
+  class: envs.signalling:SignallingGame
+run:
+  games: 4
+  repeats: 2
+  concurrency: 4
+  max_tokens: 8
+  run_dir: {run_dir}
+"""
+
+
+def smoke_run(directory: Path) -> Path:
+    """`marl run` of 4 signalling games (SMOKE_TOPOLOGY, on a tiny model); its run directory."""
+    from marl.cli import main as marl
+    from servers.tiny_model import build_tiny_model
+
+    run_dir = directory / "run"
+    topology = directory / "topology.yaml"
+    topology.write_text(SMOKE_TOPOLOGY.format(model=build_tiny_model(directory / "tiny"), run_dir=run_dir))
+    marl(["run", str(topology)])
+    return run_dir
+
+
+def report(args: argparse.Namespace) -> None:
     games = read_games(args.run_dir / "games.jsonl")
     if not games:
         sys.exit(f"no games in {args.run_dir / 'games.jsonl'}")

@@ -2,6 +2,7 @@
 
     python bench/train_memory.py                                   # a tiny random model, built on the fly
     python bench/train_memory.py --model smollm2-135m --tokens 5000 --samples 2
+    python bench/train_memory.py --smoke                           # seconds: the tiny model, 2 samples x 256 tokens
 
 A Werewolves player's episode is one merged sample of 3-6k tokens of which ~12% are its own (trained) replies. Each
 setting runs in a fresh process (peak RSS is per process): load the trainer, then time one `step` on `--samples`
@@ -52,7 +53,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--one", choices=["on", "off"], help=argparse.SUPPRESS)  # the child process
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="a few seconds on the tiny model: does the bench run?")
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.tokens, args.samples = None, 256, 2
     if args.one:
         result = one_setting(Path(args.model_dir), args.tokens, args.samples, args.one == "on")
         print(json.dumps(result))

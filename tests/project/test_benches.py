@@ -1,0 +1,72 @@
+"""Every script in bench/ runs in smoke mode (`--smoke`: the tiny model, tiny counts) without an error.
+
+The scripts are found by globbing bench/*.py, so a new bench without `--smoke` fails here. Each runs as a
+subprocess from the repository root, as a person would run it, and must exit 0 with no traceback, no failed
+shutdown and no ERROR line in its output (stdout and stderr together: its servers log to them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted(path.name for path in (ROOT / "bench").glob("*.py"))
+# fsdp_step.py starts torch.distributed ranks, a process each that imports torch and sets up gloo: about 40 CPU
+# seconds even on tiny counts, a third of what every other bench takes together.
+SLOW = {"fsdp_step.py"}
+# Most of a smoke run is imports and servers starting, so two at a time (the 2 cores CI has) halves the wall time.
+WORKERS = 2
+TIMEOUT_S = 240
+BAD = ("Traceback", "Application shutdown failed", "ERROR")
+
+
+def run_smoke(script: str) -> tuple[int, str, float]:
+    """(exit code, output, seconds) of `python bench/<script> --smoke`; on timeout its whole process group is
+    killed (the servers it started too) and the exit code is None."""
+    start = time.monotonic()
+    with subprocess.Popen([sys.executable, f"bench/{script}", "--smoke"], cwd=ROOT, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                          start_new_session=True) as process:
+        try:
+            output, _ = process.communicate(timeout=TIMEOUT_S)
+            code = process.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            code = None
+    return code, output, time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request: pytest.FixtureRequest):
+    """The smoke runs of the scripts this session selected, all started at once, WORKERS at a time; each test
+    waits for its own."""
+    selected = [item.callspec.params["script"] for item in request.session.items
+                if item.path == Path(__file__) and item.originalname == "test_bench_smoke"]
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        runs: dict[str, Future] = {script: pool.submit(run_smoke, script) for script in selected}
+        yield runs
+        for run in runs.values():
+            run.cancel()
+
+
+def test_the_glob_finds_the_benches():
+    assert {"code_shape.py", "proxy_overhead.py", "fsdp_step.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in SCRIPTS])
+def test_bench_smoke(script: str, smoke_runs: dict[str, Future]) -> None:
+    code, output, seconds = smoke_runs[script].result()
+    tail = output[-4000:]
+    assert code is not None, f"bench/{script} --smoke ran over {TIMEOUT_S} s:\n{tail}"
+    assert code == 0, f"bench/{script} --smoke exited {code} after {seconds:.0f} s:\n{tail}"
+    for bad in BAD:
+        assert bad not in output, f"bench/{script} --smoke printed {bad!r}:\n{tail}"
