@@ -233,6 +233,10 @@ class FSDPConfig(GRPOConfig):
     """The FSDP2 trainer's section (`train.fsdp`): GRPO's knobs, the policy sharded over `ranks` processes."""
 
     ranks: Int = Field(2, ge=1, description="Processes the policy is sharded over (one GPU each on CUDA).")
+    mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="What the forward and backward compute in: bf16 (parameters gathered in bf16, gradients"
+        " reduced in fp32; the sharded weights and AdamW's state stay fp32), fp32, or auto: bf16 on CUDA, fp32 on the"
+        " CPU. Like `ranks`, read when the ranks start.")
 
 
 #: Trainer name -> the config class of its section in `TrainConfig` (the section's key is the trainer's name).

@@ -12,11 +12,19 @@ kept alive across steps. A step:
    dL/dtheta, so N ranks make the same update as one process (up to float summation order);
 4. adds up the ranks' metric sums per pass into the same metrics dict `GRPOTrainer` returns.
 
+Built for models no one device holds (7B, 14B): each rank builds its shard on the meta device and takes its
+weights from rank 0's read of the files; the forward computes in bf16 over fp32 master weights (`mixed_precision`,
+bf16 on CUDA by default); gradients are reduce-scattered after every micro-batch; logprobs are taken a chunk of
+tokens at a time (servers.trainers.policy_model). None of this has run on a GPU yet: it is tested on the CPU with
+gloo (tests/servers/test_fsdp_trainer.py, test_fsdp_scale.py).
+
 Weights leave through directories only (`named_weights` is None): `export_weights` has rank 0 gather the full
-model and write a Hugging Face directory (plus the tokenizer), which the engine loads with `load_weights_from`.
-Checkpoints are the one-process trainer's kind of directory, with the optimizer state gathered in full (by
-parameter name) and every rank's RNG, so they load at any number of ranks. A dead or failing rank makes the call
-raise `RankFailure` and takes the group down; `close` stops the ranks.
+model in the compute dtype and write a Hugging Face directory (plus the tokenizer), which the engine loads with
+`load_weights_from`. A checkpoint holds every rank's shards of the weights and the optimizer state
+(`torch.distributed.checkpoint`, written by each rank on a thread), every rank's RNG, and that same export, so a
+static server can serve it (servers.trainers.fsdp_state). It loads at any number of ranks, and the one-process
+trainer loads it too (and this one the one-process trainer's). A dead or failing rank makes the call raise
+`RankFailure` and takes the group down; `close` stops the ranks.
 """
 
 from __future__ import annotations
@@ -135,7 +143,8 @@ class FSDPTrainer(Trainer):
         return directory
 
     def save(self, directory: Path) -> None:
-        """A checkpoint (servers.checkpoint_dirs makes it atomic): the model, the full optimizer state, step, RNGs."""
+        """A checkpoint (servers.checkpoint_dirs makes it atomic): the ranks' shards of the weights and optimizer, an
+        export a static server serves, step, RNGs. Returns once all of it is on disk."""
         directory = Path(directory)
         self.ranks.call("save", str(directory), self.step_count, self.config, rng_states())
         copy_tokenizer(self.model_dir, directory)

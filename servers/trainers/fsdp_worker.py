@@ -1,10 +1,11 @@
 """One rank of the FSDP2 trainer: its process's main loop and its shard of the policy.
 
 A rank is a process spawned by `servers.trainers.fsdp_ranks.RankGroup`. It joins the torch.distributed group (gloo
-on CPU, nccl on one GPU per rank), loads the policy, shards every decoder layer and then the root with
-`fully_shard` (FSDP2), and then serves commands from the server over its pipe: ("train", plan, S, config),
-("export", dir), ("save", dir, ...), ("load", dir). Each answer is ("ok", result) or ("error", traceback); rank 0
-also sends ("progress", done, total) after every micro-batch.
+on CPU, nccl on one GPU per rank), builds its shard of the policy without ever holding the whole model
+(servers.trainers.fsdp_model: meta device, `fully_shard` with the mixed-precision policy, rank 0's weights
+broadcast), and then serves commands from the server over its pipe: ("train", plan, S, config), ("export", dir),
+("save", dir, ...), ("load", dir). Each answer is ("ok", result) or ("error", traceback); rank 0 also sends
+("progress", done, total) after every micro-batch.
 
 The GRPO math is the one-process trainer's (`servers.trainers.grpo.micro_batch_loss`); what is sharded-specific:
 
@@ -14,8 +15,9 @@ The GRPO math is the one-process trainer's (`servers.trainers.grpo.micro_batch_l
 - **As many micro-batches on every rank.** Each forward and backward is a collective (parameter all-gather,
   gradient reduce-scatter), so a rank with fewer micro-batches than its peers runs padding passes whose loss is
   multiplied by 0 (their gradient is 0 and their metrics are dropped).
-- **One reduction per pass.** Gradients accumulate unreduced over a pass's micro-batches
-  (`set_requires_gradient_sync(False)`) and are reduced in the last backward only.
+- **A reduction per micro-batch.** Every backward reduce-scatters its gradients (in fp32) into this rank's shard
+  of `.grad`, where the pass's micro-batches add up. Turning the sync off until the last micro-batch would save
+  collectives but keep a full unsharded gradient on every rank (+30 GB per rank for a 7B in fp32).
 """
 
 from __future__ import annotations
@@ -32,17 +34,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from transformers.modeling_layers import GradientCheckpointingLayer
 
-from marl.protocol import GRPOConfig
+from marl.protocol import FSDPConfig, GRPOConfig
 from servers.samples import Sample
-from servers.trainers.fsdp_state import load_checkpoint, save_checkpoint, tied_aliases, write_hf_weights
+from servers.trainers.fsdp_model import build_sharded_model, compute_dtype
+from servers.trainers.fsdp_state import load_checkpoint, save_checkpoint, write_hf_weights
 from servers.trainers.grpo import apply_optimizer_hparams, micro_batch_loss
 from servers.trainers.micro_batches import collate
-from servers.trainers.policy_model import load_policy_model, resolve_dtype, set_gradient_checkpointing
+from servers.trainers.policy_model import resolve_dtype, set_gradient_checkpointing
 from servers.trainers.step_metrics import add_pass_stats
 
 __all__ = ["PassResult", "RankPlan", "RankSpec", "ShardedPolicy", "run_rank"]
@@ -64,10 +65,10 @@ class RankSpec:
     """What every rank of a group is started with (plain data: it crosses the process boundary)."""
 
     model_dir: str
-    config: GRPOConfig  # the trainer's section, as at start (the KL reference exists iff kl_coef > 0 then)
+    config: FSDPConfig  # the trainer's section, as at start (the KL reference exists iff kl_coef > 0 then)
     world_size: int
     device_type: str  # "cpu" (gloo) or "cuda" (nccl, GPU `rank`)
-    dtype: str | None = None
+    dtype: str | None = None  # the sharded parameters' (master weights'), fp32 by default
     threads: int | None = None  # torch intra-op threads per rank (CPU)
     timeout_s: float = 600.0  # a collective that waits longer fails (a peer that hangs)
 
@@ -123,15 +124,19 @@ class ShardedPolicy:
             torch.cuda.set_device(rank)
         self.device = torch.device(spec.device_type, rank) if spec.device_type == "cuda" else torch.device("cpu")
         mesh = init_device_mesh(spec.device_type, (spec.world_size,))
-        dtype = resolve_dtype(spec.dtype)
-        policy = load_policy_model(Path(spec.model_dir), dtype, self.device)
-        self.aliases = tied_aliases(policy)
-        self.policy = _shard(policy, mesh)
+        dtype, model_dir = resolve_dtype(spec.dtype), Path(spec.model_dir)
+        #: What the forward runs in, and what exports hold: the engine serves the weights the trainer computes with.
+        self.compute_dtype = compute_dtype(spec.config.mixed_precision, spec.device_type, dtype)
+        self.policy, self.aliases = build_sharded_model(model_dir, mesh, self.device, dtype=dtype,
+                                                        compute=self.compute_dtype)  # fmt: skip
         self.ref: torch.nn.Module | None = None
-        if spec.config.kl_coef > 0:
-            self.ref = _shard(load_policy_model(Path(spec.model_dir), dtype, self.device).requires_grad_(False), mesh)
+        if spec.config.kl_coef > 0:  # frozen: stored in the compute dtype, which is all it is ever used in
+            self.ref = build_sharded_model(model_dir, mesh, self.device, dtype=self.compute_dtype,
+                                           compute=self.compute_dtype)[0].requires_grad_(False)  # fmt: skip
         self.vocab_size = self.policy.get_input_embeddings().num_embeddings
         self.optimizer = self._new_optimizer(spec.config)
+        # Checkpoint shards are written on a thread: its collectives need a group of their own (gloo: CPU state).
+        self.checkpoint_group = dist.new_group(backend="gloo")
 
     def _new_optimizer(self, config: GRPOConfig) -> torch.optim.Optimizer:
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -161,10 +166,10 @@ class ShardedPolicy:
 
     def _accumulate(self, plan: RankPlan, num_samples: int, config: GRPOConfig, *, done: int,
                     total: int) -> dict[str, float]:  # fmt: skip
-        """Forward + backward of this rank's share of L; the gradients are summed over ranks in the last backward."""
+        """Forward + backward of this rank's share of L; every backward adds its gradients, summed over ranks, to this
+        rank's shard of `.grad`."""
         stats: dict[str, float] = {}
         for index, items in enumerate(plan):
-            self.policy.set_requires_gradient_sync(index == len(plan) - 1)
             mb = collate(items or _PADDING, self.device, self.vocab_size)
             loss, mb_stats = micro_batch_loss(self.policy, self.ref, mb, config, num_samples)
             if items is None:
@@ -177,25 +182,14 @@ class ShardedPolicy:
         return stats
 
     def export(self, directory: str) -> None:
-        write_hf_weights(self.policy, self.aliases, Path(directory))
+        write_hf_weights(self.policy, self.aliases, Path(directory), self.compute_dtype)
 
     def save(self, directory: str, step_count: int, config: GRPOConfig, server_rng: dict[str, Any]) -> None:
-        save_checkpoint(self.policy, self.optimizer, self.aliases, Path(directory), step_count=step_count,
-                        config=config, model_dir=Path(self.spec.model_dir), server_rng=server_rng)  # fmt: skip
+        save_checkpoint(self.policy, self.optimizer, self.aliases, Path(directory), export_dtype=self.compute_dtype,
+                        group=self.checkpoint_group, step_count=step_count, config=config,
+                        model_dir=Path(self.spec.model_dir), server_rng=server_rng)  # fmt: skip
 
     def load(self, directory: str, config: GRPOConfig) -> dict[str, Any] | None:
         self.optimizer = self._new_optimizer(config)  # the checkpoint's state, or none if it never stepped
         return load_checkpoint(self.policy, self.optimizer, Path(directory))
 
-
-def _shard(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
-    """FSDP2 on every decoder layer, then the root (embeddings, final norm, head); gradients summed over ranks."""
-    for module in model.modules():
-        if isinstance(module, GradientCheckpointingLayer):
-            fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)  # each rank's loss is already its share of L (divided by S)
-            module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
-    return model

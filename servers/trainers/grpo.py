@@ -16,7 +16,9 @@ Read top to bottom. One `GRPOTrainer.step(batch)` does:
 2. **PPO-clip loss** against the behaviour logprobs recorded by the inference engine (`Sample.logprobs`). For each
    token t of sample s with loss_mask 1 (the model's own tokens)::
 
-       logp_t  = log_softmax(logits_{t-1})[x_t]                 fp32, temperature 1 (`token_logprobs`)
+       logp_t  = log_softmax(logits_{t-1})[x_t]                 fp32, temperature 1 (`token_logprobs`), computed
+                                                                a chunk of tokens at a time, never the [T, V]
+                                                                logits at once (servers.trainers.policy_model)
        ratio_t = exp(logp_t - logp_old_t)
        pg_t    = max(-A_s * ratio_t, -A_s * clip(ratio_t, 1 - clip_eps_low, 1 + clip_eps_high))
        kl_t    = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1     k3 estimator of KL(pi || pi_ref),
@@ -43,9 +45,9 @@ engine's logprobs, so on the first pass ratio = 1 up to kernel noise (`logprob_d
 the engine and the trainer: a large value means they disagree about the model).
 
 Around the algorithm, in their own modules: packing samples into micro-batches (servers.trainers.micro_batches),
-loading the policy in eval mode (servers.trainers.policy_model), the metrics dict (servers.trainers.step_metrics),
-and checkpoints (servers.trainers.trainer_state): `save(dir)` writes a Hugging Face model directory plus the optimizer,
-step count and RNG states. Steps 1-3 are module functions (`grpo_step`, `trainable_items`, `micro_batch_loss`): the
+loading the policy in eval mode and taking its logprobs a chunk of tokens at a time (servers.trainers.policy_model),
+the metrics dict (servers.trainers.step_metrics), and checkpoints (servers.trainers.trainer_state): `save(dir)` writes
+a Hugging Face model directory plus the optimizer, step count and RNG states. Steps 1-3 are module functions (`grpo_step`, `trainable_items`, `micro_batch_loss`): the
 FSDP2 trainer (servers.trainers.fsdp) runs the same ones, step 1 in the server and 2-3 on each rank.
 """
 
@@ -67,15 +69,22 @@ from marl.protocol import GRPOConfig
 from servers.samples import Sample
 from servers.interfaces import Group, TrainBatch, Trainer
 from servers.trainers.trainer_state import (
+    SHARDED_DIR,
     TRAINER_STATE_FILE,
     copy_tokenizer,
+    load_sharded_state,
     read_trainer_state,
     restore_rng_states,
     rng_states,
     write_trainer_state,
 )
 from servers.trainers.micro_batches import MicroBatch, collate, pack_micro_batches, trained_tokens
-from servers.trainers.policy_model import load_policy_model, resolve_dtype, set_gradient_checkpointing
+from servers.trainers.policy_model import (
+    load_policy_model,
+    resolve_dtype,
+    set_gradient_checkpointing,
+    token_logprobs_and_entropy,
+)
 from servers.trainers.step_metrics import PassTotals, add_pass_stats, batch_metrics, idle_pass_metrics
 
 __all__ = [
@@ -107,40 +116,6 @@ MAX_LOG_RATIO = 20.0
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _forward(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    *,
-    keep: torch.Tensor | None = None,
-    with_entropy: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logp[b, t] = log softmax(logits[b, t-1])[input_ids[b, t]] (0 at t = 0 and on padding); optional entropy.
-
-    `keep` ([B, T], nonzero where a logprob is needed, e.g. the loss mask) lets the model project only the positions
-    that predict those tokens onto the vocabulary (`logits_to_keep`). Agents' prompts are long and their replies
-    short, so this saves most of the [T, V] logits: time and, above all, memory. Elsewhere logp is 0.
-    """
-    if keep is None:
-        positions = torch.arange(input_ids.shape[1] - 1, device=input_ids.device)
-    else:
-        positions = keep[:, 1:].bool().any(0).nonzero().squeeze(-1)  # t such that some row trains token t + 1
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                   logits_to_keep=positions).logits  # [B, P, V]: the logits at `positions` predict token t + 1
-    # fp32 whatever the model dtype, temperature 1, no top-p.
-    logp_all = torch.log_softmax(logits.float(), dim=-1)
-    targets = input_ids[:, positions + 1]
-    dense = torch.zeros(input_ids.shape, dtype=logp_all.dtype, device=input_ids.device)
-    logp = dense.index_copy(1, positions + 1, logp_all.gather(-1, targets[..., None]).squeeze(-1))
-    logp = logp * attention_mask.to(logp.dtype)  # aligned with input_ids: logp[:, t] is the logprob of token t
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():  # H_t = -sum_v p_v log p_v, a metric only
-            entropy = dense.index_copy(1, positions + 1, -(logp_all.exp() * logp_all).sum(-1))
-            entropy = entropy * attention_mask.to(entropy.dtype)
-    return logp, entropy
-
-
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Per-token logprobs of `input_ids` under `model`, shape [B, T], fp32, aligned with the tokens.
 
@@ -149,7 +124,7 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     positions are 0. Right padding (attention_mask 0 after the tokens) is expected. Gradients flow unless the
     caller wraps the call in `torch.no_grad()`.
     """
-    return _forward(model, input_ids, attention_mask)[0]
+    return token_logprobs_and_entropy(model, input_ids, attention_mask)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -256,7 +231,8 @@ def micro_batch_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Steps 2-3 on one micro-batch: L_mb = sum_{s in mb} (1/|T_s| sum_t l_t) / S, with S = `num_samples` (all the
     samples of the step, on every rank), so the micro-batches' L_mb add up to L; and the metric sums of mb."""
-    logp, entropy = _forward(policy, mb.input_ids, mb.attention_mask, keep=mb.loss_mask, with_entropy=True)
+    logp, entropy = token_logprobs_and_entropy(policy, mb.input_ids, mb.attention_mask, keep=mb.loss_mask,
+                                               with_entropy=True)  # fmt: skip
     mask = mb.loss_mask
     tokens_per_sample = mask.sum(-1).clamp(min=1.0)  # |T_s|
     stats: dict[str, float] = {}
@@ -273,7 +249,7 @@ def micro_batch_loss(
     # kl_t = exp(logp_ref - logp) - (logp_ref - logp) - 1   (k3, >= 0)
     if ref is not None:
         with torch.no_grad():
-            ref_logp = token_logprobs(ref, mb.input_ids, mb.attention_mask)
+            ref_logp = token_logprobs_and_entropy(ref, mb.input_ids, mb.attention_mask, keep=mask)[0]
         ref_log_ratio = ((ref_logp - logp) * mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         kl_ref = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0
         if config.kl_coef > 0:
@@ -415,10 +391,13 @@ class GRPOTrainer(Trainer):
         """Restore weights, optimizer state, step_count and RNG states written by `save`."""
         directory = Path(directory)
         state = read_trainer_state(directory)
-        loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=self.dtype)
-        with torch.no_grad():
-            self.policy.load_state_dict(loaded.state_dict())
-        del loaded
-        self.optimizer.load_state_dict(state["optimizer"])
+        if (directory / SHARDED_DIR).is_dir():  # the FSDP2 trainer's: fp32 weights and optimizer state by name
+            load_sharded_state(self.policy, self.optimizer, directory, with_optimizer=state["sharded_optimizer"])
+        else:
+            loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=self.dtype)
+            with torch.no_grad():
+                self.policy.load_state_dict(loaded.state_dict())
+            del loaded
+            self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = int(state["step_count"])
         restore_rng_states(state["rng"])

@@ -2,7 +2,9 @@
 
 `GRPOTrainer.save` writes a Hugging Face model directory (loadable by `from_pretrained`, so a checkpoint can be
 served or fine-tuned elsewhere) and adds these; `servers.checkpoint_dirs.CheckpointDir` makes the write atomic, names
-it `step_{n:06d}` and prunes old ones.
+it `step_{n:06d}` and prunes old ones. The FSDP2 trainer's checkpoints add `sharded/` (servers.trainers.fsdp_state):
+the fp32 weights and the optimizer state as `torch.distributed.checkpoint` shards, which `load_sharded_state` reads
+into any model, sharded or not, so either trainer resumes the other's checkpoint.
 """
 
 from __future__ import annotations
@@ -15,12 +17,21 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from marl.protocol import GRPOConfig
 
 __all__ = [
+    "SHARDED_DIR",
     "TRAINER_STATE_FILE",
     "copy_tokenizer",
+    "load_sharded_state",
     "read_trainer_state",
     "restore_rng_states",
     "rng_states",
@@ -31,6 +42,8 @@ log = logging.getLogger(__name__)
 
 #: Optimizer, step count and RNG states, next to the model files of a checkpoint.
 TRAINER_STATE_FILE = "trainer_state.pt"
+#: The FSDP2 trainer's weights and optimizer state, each rank's shards (`torch.distributed.checkpoint`).
+SHARDED_DIR = "sharded"
 #: Tokenizer files copied verbatim from `model_dir` into every checkpoint (copied, not re-saved: a re-save can
 #: change the tokenizer class or its pre-tokenizer).
 TOKENIZER_FILES = (
@@ -63,13 +76,14 @@ def write_trainer_state(
     directory: Path,
     *,
     step_count: int,
-    optimizer: dict[str, Any],
+    optimizer: dict[str, Any] | None,
     config: GRPOConfig,
     model_dir: Path,
     rng: dict[str, Any],
     **extra: Any,
 ) -> None:
-    """`optimizer` is the optimizer's state dict; `rng` what `rng_states` returned; `extra` entries of a backend."""
+    """`optimizer` is the optimizer's state dict (None: kept elsewhere, e.g. sharded); `rng` what `rng_states`
+    returned; `extra` entries of a backend."""
     state = {
         "step_count": step_count,
         "optimizer": optimizer,
@@ -96,6 +110,19 @@ def restore_rng_states(rng: dict[str, Any]) -> None:
     torch.set_rng_state(rng["torch"])
     if rng.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def load_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path, *,
+                       with_optimizer: bool) -> None:  # fmt: skip
+    """Read `directory`'s `sharded/` into `model` and (`with_optimizer`) `optimizer`, resharded to however `model`
+    is split now: one process, or every rank of a group at once (then it is a collective)."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if with_optimizer:  # a fresh optimizer's state is created (by a zero-lr step) to be overwritten
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=Path(directory) / SHARDED_DIR)  # without a process group: by this process alone
+    set_model_state_dict(model, state["model"])
+    if with_optimizer:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def copy_tokenizer(model_dir: Path, target: Path) -> None:

@@ -7,6 +7,7 @@ import asyncio
 import os
 import random
 import signal
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,13 +16,14 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.protocol import GRPOConfig
 from servers.engines.torch_engine import TorchEngine
 from servers.interfaces import Group, SamplingParams, TrainBatch
 from servers.tiny_model import build_tiny_model
-from servers.trainers.trainer_state import TRAINER_STATE_FILE
+from servers.trainers.trainer_state import SHARDED_DIR, TRAINER_STATE_FILE
 from servers.trainers.fsdp import FSDPConfig, FSDPTrainer, RankFailure, plan_micro_batches
 from servers.trainers.grpo import GRPOTrainer, token_logprobs
 from tests.servers.test_grpo_trainer import encode, make_batch, make_sample
@@ -200,19 +202,30 @@ def test_save_then_a_fresh_group_resumes_exactly(sharded, spare_ranks, model_dir
 
 
 def assert_same_checkpoint(a: Path, b: Path) -> None:
+    """Same weights (the export and the fp32 shards), the same optimizer state, step and number of rank RNGs."""
     weights_a, weights_b = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert weights_a.keys() == weights_b.keys()
     assert all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
     state_a = torch.load(a / TRAINER_STATE_FILE, weights_only=False)
     state_b = torch.load(b / TRAINER_STATE_FILE, weights_only=False)
     assert state_a["step_count"] == state_b["step_count"] and len(state_a["rank_rngs"]) == 2
-    opt_a, opt_b = state_a["optimizer"], state_b["optimizer"]
-    groups_a, groups_b = ([{**g, "betas": tuple(g["betas"])} for g in opt["param_groups"]] for opt in (opt_a, opt_b))
-    assert groups_a == groups_b  # betas come back from the broadcast as a list: the same values
+    assert state_a["sharded_optimizer"] and state_b["sharded_optimizer"]
+    sharded_a, sharded_b = read_sharded(a), read_sharded(b)
+    assert sharded_a["model"].keys() == sharded_b["model"].keys()
+    assert all(torch.equal(sharded_a["model"][k], sharded_b["model"][k]) for k in sharded_a["model"])
+    opt_a, opt_b = sharded_a["optimizer"], sharded_b["optimizer"]
+    assert opt_a["param_groups"] == opt_b["param_groups"]
     assert opt_a["state"].keys() == opt_b["state"].keys() and opt_a["state"]
     for name, st in opt_a["state"].items():
         for key, value in st.items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt_b["state"][name][key])), (name, key)
+
+
+def read_sharded(checkpoint: Path) -> dict:
+    """A checkpoint's `sharded/` (every rank's shards) as one plain state dict."""
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(checkpoint / SHARDED_DIR, Path(scratch) / "full.pt")
+        return torch.load(Path(scratch) / "full.pt", weights_only=False)
 
 
 def test_checkpoints_cross_between_one_process_and_ranks(ranks, model_dir, tokenizer, tmp_path):
