@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: setup test test-slow demo bench bench-smoke fuzz vllm clean
+.PHONY: setup test lint test-slow demo bench bench-smoke fuzz vllm clean
 
 $(BIN)/marl: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -18,8 +18,12 @@ $(BIN)/marl: pyproject.toml
 setup: $(BIN)/marl
 
 # The tests include the vLLM engine's: its environment is built on first use (make vllm, about 2.5 min).
-test: setup vllm
+test: setup vllm lint
 	$(BIN)/python -m pytest -q
+
+# ruff's rules and exceptions are in pyproject.toml ([tool.ruff]); `make test` runs this first.
+lint: setup
+	$(BIN)/ruff check .
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow

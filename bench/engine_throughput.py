@@ -251,8 +251,8 @@ def time_weight_syncs(engine, model_dir: Path, scratch: Path, repeats: int) -> l
 
 def vllm_bench(args: argparse.Namespace) -> None:
     from servers.engines.vllm_engine import vllm_engine_factory
-    from servers.models import load_tokenizer
     from servers.entrypoint import torch_engine_factory
+    from servers.models import load_tokenizer
 
     levels = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -311,7 +311,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--torch-agents", type=int, default=16, help="--engine vllm: agents of the torch comparison")
     parser.add_argument("--weight-syncs", type=int, default=3, help="--engine vllm: weight syncs timed")
     parser.add_argument("--repeats", type=int, default=2,
-                        help="--engine vllm: runs of each side per level, alternating; the best of each counts (shared CPUs)")
+                        help="--engine vllm: runs of each side per level, alternating; the best of each counts"
+                             " (shared CPUs)")
     parser.add_argument("--load", action="store_true", help=argparse.SUPPRESS)  # the agents' process (stdin: spec)
     parser.add_argument("--smoke", action="store_true", help="a few seconds, tiny model, no vLLM: does the bench run?")
     args = parser.parse_args()

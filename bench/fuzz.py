@@ -74,8 +74,12 @@ def fuzz(target: Target, examples: int, seed: int = 0) -> dict:
     import schemathesis
     from hypothesis import strategies as st
     from schemathesis import GenerationMode
-    from schemathesis.checks import (content_type_conformance, not_a_server_error, response_schema_conformance,
-                                     status_code_conformance)
+    from schemathesis.checks import (
+        content_type_conformance,
+        not_a_server_error,
+        response_schema_conformance,
+        status_code_conformance,
+    )
 
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
     schema = schemathesis.openapi.from_url(target.url + "/openapi.json")

@@ -83,7 +83,7 @@ def measure(client: SwarmClient, proxy: httpx.Client, requests: int, max_tokens:
 
     for i in range(warmup + requests):
         episode_id, lease = client.begin_episode()
-        lease_s = timed(lambda: chat(lease))
+        lease_s = timed(lambda lease=lease: chat(lease))
         client.abort_episode(episode_id)
         sample = {"lease": lease_s, "episode": timed(episode), "proxy": timed(via_proxy)}
         if i >= warmup:

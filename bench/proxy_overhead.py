@@ -57,8 +57,8 @@ def serve_marl(port: int, model_dir: str, data_dir: str) -> None:
     import uvicorn
     from transformers import AutoTokenizer
 
-    from servers.interfaces import GenerationChunk, InferenceEngine
     from servers.entrypoint import ServeOptions, build_app
+    from servers.interfaces import GenerationChunk, InferenceEngine
 
     class ZeroWorkEngine(InferenceEngine):
         """Answers every prompt with one token, instantly: the benchmark measures the proxy, not a model."""
@@ -193,7 +193,8 @@ def main() -> None:
                 proc.wait(timeout=20)
         bare, marl = rows
         print(f"\nmarl / bare: throughput {marl['rps'] / bare['rps']:.2f}x,"
-              f" p50 latency {marl['p50_ms'] / bare['p50_ms']:.2f}x, p99 latency {marl['p99_ms'] / bare['p99_ms']:.2f}x")
+              f" p50 latency {marl['p50_ms'] / bare['p50_ms']:.2f}x,"
+              f" p99 latency {marl['p99_ms'] / bare['p99_ms']:.2f}x")
 
 
 async def no_auth(http, worker_id, i) -> dict:

@@ -105,7 +105,8 @@ def report(args: argparse.Namespace) -> None:
             if row is None:
                 cells.append(f"{'-':>20} {'-':>6} {'-':>5}")
                 continue
-            cells.append(f"{row['mean_reward']:>20.3f} {percent(row['valid_reply_rate']):>6} {percent(row['win_rate']):>5}")
+            valid, won = percent(row["valid_reply_rate"]), percent(row["win_rate"])
+            cells.append(f"{row['mean_reward']:>20.3f} {valid:>6} {won:>5}")
         label = f"v{start}" if start == end else f"v{start}-{end}"
         print(f"{label:>10} {len(rows):>6} " + " ".join(cells))
     winners = Counter(g.winner for g in games)

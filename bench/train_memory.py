@@ -40,7 +40,8 @@ def one_setting(model_dir: Path, tokens: int, samples: int, checkpointing: bool)
         ids = [(7919 * (t + 1000 * i)) % vocab for t in range(tokens)]
         mask = [1 if t % 200 >= 176 else 0 for t in range(tokens)]  # 24 trained tokens every 200: ~12%
         batch.append(Sample(episode_id=f"e{i}", agent="werewolf", token_ids=ids, loss_mask=mask,
-                            logprobs=[-1.0 * m for m in mask], reward=float(i % 2), policy_version=0, num_calls=25))  # fmt: skip
+                            logprobs=[-1.0 * m for m in mask], reward=float(i % 2), policy_version=0,
+                            num_calls=25))
     start = time.perf_counter()
     trainer.step(TrainBatch(step=1, groups=[Group(job="bench", task_id="t", agent="werewolf", samples=batch)]))
     return {"seconds": time.perf_counter() - start, "peak_rss_gb": peak_rss_gb(), "rss_after_load_gb": loaded}

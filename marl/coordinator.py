@@ -38,13 +38,13 @@ import httpx
 import openai
 
 from envs.base import GameEnv
-from marl.client import EpisodeOutput, SwarmClient, SwarmError
+from marl.client import EpisodeOutput, SwarmError
 from marl.decision_log import DecisionLog
 from marl.endpoints import HeldLease, SnapshotPoolEndpoint, SnapshotSource, StaticEndpoint, legacy_endpoint
 from marl.game_record import GameRecord
 from marl.game_table import GameFailed, GameSettings, GameTable, Seat
 from marl.monitor import ServerMonitor
-from marl.protocol import EngineState, EpisodeLease, ErrorCode
+from marl.protocol import EngineState, ErrorCode
 from marl.two_phase import Part, commit_game
 
 if TYPE_CHECKING:

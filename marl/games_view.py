@@ -57,7 +57,8 @@ def pick_game(games: list[GameRecord], which: str | None) -> int:
     except ValueError:
         rows = [i for i, game in enumerate(games) if game.task_id == which]
         if not rows:
-            raise GamesViewError(f"no game of task {safe(which)!r} and not a row number (0 to {len(games) - 1})")
+            raise GamesViewError(
+                f"no game of task {safe(which)!r} and not a row number (0 to {len(games) - 1})") from None
         return rows[-1]
     if not -len(games) <= index < len(games):
         raise GamesViewError(f"no row {index}: the run has {len(games)} games (rows 0 to {len(games) - 1},"

@@ -111,7 +111,8 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server on port {self.port} exited with {self.proc.returncode}; see {self.log_path}")
+                raise RuntimeError(f"server on port {self.port} exited with {self.proc.returncode};"
+                                   f" see {self.log_path}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return

@@ -263,7 +263,7 @@ def print_once(sources: list[Source], console: Console | None = None) -> None:
         view.close()
 
 
-# --- the terminal UI ---------------------------------------------------------------------------------------------------
+# --- the terminal UI ----------------------------------------------------------------------------------------------
 
 
 class ServerPanel(Static):

@@ -268,8 +268,8 @@ class TrainConfig(_Strict):
     keep_checkpoints: Int = Field(2, ge=1)
     seed: Int = Field(0, ge=0, le=SEED_MAX)
     # The trainer
-    trainer: Literal["grpo", "fsdp"] = Field("grpo", description="Which trainer steps the policy; its knobs are the section"
-                                                         " of the same name.")
+    trainer: Literal["grpo", "fsdp"] = Field("grpo", description="Which trainer steps the policy; its knobs are the"
+                                                               " section of the same name.")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig, description="The GRPO trainer's settings.")
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig, description="The FSDP2 trainer's settings: GRPO's, sharded"
                                                                      " over `ranks` processes.")

@@ -35,8 +35,8 @@ import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from marl.endpoints import StaticEndpoint
-from marl.game_table import GameFailed, GameTable
 from marl.game_record import GameRecord
+from marl.game_table import GameFailed, GameTable
 from marl.launch import MAX_RESTARTS, ServerProcess, ServerWatch
 from marl.topology import Problem, TopologyError
 from marl.topology.spec import RaySpec
@@ -80,7 +80,8 @@ class _ServerActor:
 
 
 @ray.remote(num_cpus=0, max_retries=0, scheduling_strategy="SPREAD")
-def _play_game(table: GameTable, task_id: str, seed: int, leases: dict, statics: dict[str, StaticEndpoint]) -> GameRecord:
+def _play_game(table: GameTable, task_id: str, seed: int, leases: dict,
+               statics: dict[str, StaticEndpoint]) -> GameRecord:
     # Never retried by Ray: a replay would add calls to leases that already have some; marl.games replays a failed
     # game itself, on new leases.
     try:

@@ -53,8 +53,8 @@ from rich.text import Text
 
 from marl.client import SwarmClient
 from marl.coordinator import Coordinator, GameSettings
-from marl.endpoints import Endpoint, SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
 from marl.decision_log import DecisionLog
+from marl.endpoints import Endpoint, SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
 from marl.eval.periodic import PeriodicEval
 from marl.game_record import GameRecord, append_game
 from marl.games import FailedAttempt, play_games, tasks
@@ -62,8 +62,8 @@ from marl.launch import SERVERS_FILE, ServerProcess, Supervisor
 from marl.league import SnapshotPool, snapshot_pools
 from marl.monitor import ServerMonitor, ServerView
 from marl.plot import percent, plot_run, summarize_games
-from marl.terminal import safe
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, ServerStatus
+from marl.terminal import safe
 from marl.topology import ServerKind, ServerSpec, Topology
 from marl.two_phase import redrive
 

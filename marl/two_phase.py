@@ -108,7 +108,8 @@ def redrive(decisions: DecisionLog, admin_token: str | Mapping[str, str | None] 
     with _executor(io, 4) as pool:
         for game in decisions.unfinished():
             decision = game.decision or decisions.decide(game.game_id, commit=False)
-            pending = _on_each(game.participants, lambda who: _apply(decision, who, token_of(who), timeout), pool)
+            pending = _on_each(game.participants,
+                               lambda who, decision=decision: _apply(decision, who, token_of(who), timeout), pool)
             if not pending:
                 decisions.done(game.game_id)
             outcomes[game.game_id] = GameCommit(decision, [n for n in game.participants if n not in pending], pending)

@@ -27,8 +27,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from servers.samples import Sample
 from servers.ledger import EpisodeRow, Ledger
+from servers.samples import Sample
 
 OPEN, CLOSE = "[[", "]]"
 

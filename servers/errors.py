@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from marl.protocol import EngineState, ErrorCode, ErrorInfo, ErrorResponse, ErrorType, error_type_of
 
+
 @dataclass
 class Refusal(Exception):
     """A request the server turns down: becomes an `ErrorResponse` with HTTP status `status`."""

@@ -25,10 +25,10 @@ from starlette.routing import BaseRoute, Match
 from marl import protocol as p
 from marl.protocol import EPISODE_KEY_PREFIX, EngineState, ErrorCode
 from servers import openapi
+from servers.chat_completions import ChatService
 from servers.errors import Refusal, refusal_response
 from servers.http_guards import Authorize, CatchUnexpected, RequestGate, Scope
 from servers.openapi import BEARER, errors
-from servers.chat_completions import ChatService
 from servers.static_server import StaticServer
 from servers.trainable_server import TrainableServer
 

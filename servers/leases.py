@@ -6,8 +6,8 @@ closed episodes are remembered for a while so a late caller learns *why* it was 
 written a lease is *sealed*: it takes no new calls and never expires, and it closes only once the write has
 committed.
 
-A lease is also what a data-plane call runs under (`servers.chat_completions`): it gives the call its history (for prompt
-splicing), counts it as busy while the model works, and keeps the finished call for the episode's samples.
+A lease is also what a data-plane call runs under (`servers.chat_completions`): it gives the call its history (for
+prompt splicing), counts it as busy while the model works, and keeps the finished call for the episode's samples.
 """
 
 from __future__ import annotations

@@ -234,7 +234,8 @@ class Ledger:
     def episodes(self, limit: int = 20, episode_id: str | None = None) -> list[EpisodeRow]:
         """The latest ended episodes, newest first (or the one whose id starts with `episode_id`)."""
         query = ("SELECT e.episode_id, e.job, e.task_id, e.reward, e.agent_rewards, e.num_calls, e.ended_at,"
-                 " COUNT(s.id), MIN(s.consumed_step), e.metadata FROM episodes e LEFT JOIN samples s USING (episode_id)")
+                 " COUNT(s.id), MIN(s.consumed_step), e.metadata"
+                 " FROM episodes e LEFT JOIN samples s USING (episode_id)")
         if episode_id is not None:
             rows = self.db.execute(query + " WHERE e.episode_id LIKE ? GROUP BY e.episode_id LIMIT ?",
                                    (episode_id.replace("%", "") + "%", limit)).fetchall()

@@ -14,9 +14,9 @@ import logging
 import time
 
 from marl.decision_record import Decision, DecisionLogUnreadable, read_decision
+from servers.episode_recorder import EpisodeRecorder
 from servers.ledger import LedgerThread
 from servers.prepared import Overdue, PreparedEpisodes
-from servers.episode_recorder import EpisodeRecorder
 from servers.telemetry import Counters
 
 log = logging.getLogger("marl.server")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pydantic import TypeAdapter
 
 from marl.protocol import EpisodePhase
-from servers.samples import Sample
 from servers.ledger import Ledger, RecordedEpisode, trainable_tokens
+from servers.samples import Sample
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS prepared (

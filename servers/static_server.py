@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import NoReturn
 
 from marl.protocol import EngineState, ErrorCode, MonitorSnapshot, ServerStatus
+from servers.chat_completions import ChatService
 from servers.chat_format import ChatFormatter
 from servers.errors import Refusal
 from servers.interfaces import InferenceEngine
 from servers.lifecycle import EngineFactory
 from servers.prometheus_metrics import MetricsReading, render
 from servers.samples import CallRecord
-from servers.chat_completions import ChatService
 from servers.telemetry import Telemetry
 
 log = logging.getLogger("marl.server")

@@ -21,9 +21,9 @@ from marl.protocol import RUNNING_STATES, EngineState, TrainingProgress
 from servers.interfaces import Group, TrainBatch, Trainer
 from servers.ledger import GroupKey, LedgerThread
 from servers.lifecycle import EngineLifecycle
-from servers.training_record import TrainingRecord
 from servers.rollout_pool import RolloutPool
 from servers.telemetry import Telemetry
+from servers.training_record import TrainingRecord
 
 log = logging.getLogger("marl.server")
 

@@ -20,17 +20,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 from marl.protocol import EngineState, MonitorSnapshot, ServerStatus, TrainConfig
+from servers.chat_completions import ChatService
+from servers.episode_recorder import EpisodeRecorder
 from servers.ledger import Ledger, LedgerThread
 from servers.lifecycle import EngineFactory, EngineLifecycle, TrainerFactory
-from servers.prometheus_metrics import MetricsReading, render
 from servers.overdue import OverdueResolver
 from servers.prepared import PreparedEpisodes
-from servers.episode_recorder import EpisodeRecorder
-from servers.training_record import TrainingRecord
+from servers.prometheus_metrics import MetricsReading, render
 from servers.rollout_pool import RolloutPool
-from servers.chat_completions import ChatService
 from servers.telemetry import Telemetry
 from servers.train_loop import BatchWakeup, TrainLoop
+from servers.training_record import TrainingRecord
 
 
 class TrainableServer:

@@ -14,9 +14,9 @@ import uvicorn
 
 from marl.launch import ServerProcess, free_port
 from marl.protocol import TrainConfig
+from servers.entrypoint import ServeOptions, build_server
 from servers.http_routes import create_app
 from servers.lifecycle import TrainerFactory
-from servers.entrypoint import ServeOptions, build_server
 from servers.tiny_model import build_tiny_model
 
 ADMIN = "-test-admin-token"  # a leading dash: a token must never be read as a command-line option

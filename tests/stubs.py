@@ -1,8 +1,8 @@
 """The real swarm server app over stub backends, in this process: client tests that run the real protocol in
 milliseconds.
 
-`stub_server(model_dir, data_dir)` serves `servers.entrypoint.build_app(...)` (the app `marl serve` runs) on 127.0.0.1 on a
-free port, with a `StubEngine` (a real tokenizer and chat template, fixed reply tokens with logprobs, no model) and
+`stub_server(model_dir, data_dir)` serves `servers.entrypoint.build_app(...)` (the app `marl serve` runs) on 127.0.0.1
+on a free port, with a `StubEngine` (a real tokenizer and chat template, fixed reply tokens with logprobs, no model) and
 a `StubTrainer` (returns metrics at once, checkpoints a small file). `StubBackends` holds the knobs a test turns:
 hold the boot in BOOTING, make it fail, hold a training step in WEIGHT_SYNCING, slow generation down. `RequestLog`
 records what the server received; `recorded_episodes` reads what it stored.
@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-
 from conftest import ADMIN
+
 from marl.launch import free_port
 from marl.protocol import TrainConfig
-from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams, TrainBatch, Trainer
 from servers.entrypoint import ServeOptions, build_app
+from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams, TrainBatch, Trainer
 
 SERVED_NAME = "tiny"
 REPLY_TEXT = "yes"  # what every generation says (then the end-of-sequence token)

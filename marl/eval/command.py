@@ -37,7 +37,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="games in flight (default 4)")
     parser.add_argument("--run-dir", help="the run whose checkpoints to play (default: run.run_dir)")
     parser.add_argument("--out", help="where eval.json, eval.csv and eval.png go (default: <run dir>/eval)")
-    parser.add_argument("--role", help="the one role whose win rate eval.png shows (default: every evaluated role, side by side)")
+    parser.add_argument("--role", help="the one role whose win rate eval.png shows (default: every evaluated role,"
+                                       " side by side)")
     parser.add_argument("--max-servers", type=int, default=4,
                         help="static servers running at once (default 4); a matrix restarts the others as needed")
     parser.set_defaults(func=run_eval_command, trailing="pairs")

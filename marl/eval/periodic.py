@@ -27,8 +27,15 @@ from pathlib import Path
 from marl.eval.pairings import EvalFailed, EvalSettings, Pairing, checkpointed_roles, fleet_devices, play_pairing
 from marl.eval.stats import summarize
 from marl.game_record import GameRecord
-from marl.snapshots import INITIAL, LATEST, SnapshotError, StaticFleet, checkpoint_source, checkpoints_of, \
-    resolve_snapshot
+from marl.snapshots import (
+    INITIAL,
+    LATEST,
+    SnapshotError,
+    StaticFleet,
+    checkpoint_source,
+    checkpoints_of,
+    resolve_snapshot,
+)
 from marl.topology import Topology
 
 log = logging.getLogger("marl.eval")

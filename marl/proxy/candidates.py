@@ -11,8 +11,14 @@ import asyncio
 
 import httpx
 
-from marl.protocol import (AGENT_HEADER, ROUTE_CHAT, ChatCompletionRequest, ChatCompletionResponse, EpisodeLease,
-                           ErrorCode)
+from marl.protocol import (
+    AGENT_HEADER,
+    ROUTE_CHAT,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    EpisodeLease,
+    ErrorCode,
+)
 from marl.proxy.errors import ProxyError, upstream_error
 
 _CHAT_PATH = ROUTE_CHAT.removeprefix("/v1")  # a lease's base_url ends with /v1

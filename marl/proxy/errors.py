@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from marl.protocol import EngineState, ErrorCode, ErrorInfo, ErrorResponse, error_type_of
 
+
 class ProxyError(Exception):
     """The app gets HTTP `status` with this error instead of a completion."""
 
@@ -21,8 +22,8 @@ class ProxyError(Exception):
         self.retry_after_s, self.state, self.param = retry_after_s, state, param
 
     def info(self) -> ErrorInfo:
-        return ErrorInfo(message=self.message, type=error_type_of(self.code).value, code=self.code.value, param=self.param,
-                         state=self.state, retry_after_s=self.retry_after_s)
+        return ErrorInfo(message=self.message, type=error_type_of(self.code).value, code=self.code.value,
+                         param=self.param, state=self.state, retry_after_s=self.retry_after_s)
 
 
 def upstream_error(response: httpx.Response) -> ProxyError:

@@ -53,7 +53,8 @@ RewardFunction = Callable[[ChatCompletionRequest, list[Candidate]], Sequence[flo
 
 async def score(reward: RewardFunction, request: ChatCompletionRequest, candidates: list[Candidate]) -> list[float]:
     """Run `reward` (a blocking one on a worker thread) and check it returned one finite number per candidate."""
-    if inspect.iscoroutinefunction(reward) or inspect.iscoroutinefunction(getattr(reward, "__call__", None)):
+    # an object whose __call__ is async is awaited too (callable() cannot tell)
+    if inspect.iscoroutinefunction(reward) or inspect.iscoroutinefunction(getattr(reward, "__call__", None)):  # noqa: B004
         result = await reward(request, candidates)
     else:
         result = await asyncio.to_thread(reward, request, candidates)

@@ -160,7 +160,8 @@ def _placement_rules(s: ServerSpec) -> list[Rule]:
                   for key in ("api_key_env", "admin_token_env") if getattr(s, key) is not None]
     for key, url in (("url", s.url), ("swarm_url", s.swarm_url)):
         if url is not None and not re.match(r"^https?://[^/\s]+", url):
-            rules.append(((key,), f"{url!r} is not an http(s) URL, e.g. http://host:8000{'/v1' if key == 'url' else ''}"))
+            example = "http://host:8000" + ("/v1" if key == "url" else "")
+            rules.append(((key,), f"{url!r} is not an http(s) URL, e.g. {example}"))
     return rules
 
 

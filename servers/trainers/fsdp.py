@@ -36,14 +36,14 @@ from pathlib import Path
 import torch
 
 from marl.protocol import FSDPConfig
-from servers.samples import Sample
 from servers.interfaces import TrainBatch, Trainer
-from servers.trainers.trainer_state import copy_tokenizer, restore_rng_states, rng_states
+from servers.samples import Sample
 from servers.trainers.fsdp_ranks import RankFailure, RankGroup
 from servers.trainers.fsdp_worker import PassResult, RankPlan, RankSpec
 from servers.trainers.grpo import grpo_step
 from servers.trainers.micro_batches import check_token_ids, pack_micro_batches
 from servers.trainers.step_metrics import PassTotals, add_pass_stats
+from servers.trainers.trainer_state import copy_tokenizer, restore_rng_states, rng_states
 
 __all__ = ["FSDPConfig", "FSDPTrainer", "RankFailure", "plan_micro_batches"]
 

@@ -47,8 +47,9 @@ the engine and the trainer: a large value means they disagree about the model).
 Around the algorithm, in their own modules: packing samples into micro-batches (servers.trainers.micro_batches),
 loading the policy in eval mode and taking its logprobs a chunk of tokens at a time (servers.trainers.policy_model),
 the metrics dict (servers.trainers.step_metrics), and checkpoints (servers.trainers.trainer_state): `save(dir)` writes
-a Hugging Face model directory plus the optimizer, step count and RNG states. Steps 1-3 are module functions (`grpo_step`, `trainable_items`, `micro_batch_loss`): the
-FSDP2 trainer (servers.trainers.fsdp) runs the same ones, step 1 in the server and 2-3 on each rank.
+a Hugging Face model directory plus the optimizer, step count and RNG states. Steps 1-3 are module functions
+(`grpo_step`, `trainable_items`, `micro_batch_loss`): the FSDP2 trainer (servers.trainers.fsdp) runs the same ones,
+step 1 in the server and 2-3 on each rank.
 """
 
 from __future__ import annotations
@@ -66,8 +67,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from marl.protocol import GRPOConfig
-from servers.samples import Sample
 from servers.interfaces import Group, TrainBatch, Trainer
+from servers.samples import Sample
+from servers.trainers.micro_batches import MicroBatch, collate, pack_micro_batches, trained_tokens
+from servers.trainers.policy_model import (
+    load_policy_model,
+    resolve_dtype,
+    set_gradient_checkpointing,
+    token_logprobs_and_entropy,
+)
+from servers.trainers.step_metrics import PassTotals, add_pass_stats, batch_metrics, idle_pass_metrics
 from servers.trainers.trainer_state import (
     SHARDED_DIR,
     TRAINER_STATE_FILE,
@@ -78,14 +87,6 @@ from servers.trainers.trainer_state import (
     rng_states,
     write_trainer_state,
 )
-from servers.trainers.micro_batches import MicroBatch, collate, pack_micro_batches, trained_tokens
-from servers.trainers.policy_model import (
-    load_policy_model,
-    resolve_dtype,
-    set_gradient_checkpointing,
-    token_logprobs_and_entropy,
-)
-from servers.trainers.step_metrics import PassTotals, add_pass_stats, batch_metrics, idle_pass_metrics
 
 __all__ = [
     "ADV_EPS",

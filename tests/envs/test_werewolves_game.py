@@ -3,8 +3,8 @@ and the seer's server each receive their own linked episode, tagged with their o
 
 from __future__ import annotations
 
-
 from conftest import LocalServer, ledger_samples, trainable
+
 from envs.werewolves import Werewolves
 from marl.coordinator import Coordinator, GameSettings
 from servers.tiny_model import build_tiny_model
@@ -45,7 +45,7 @@ def test_llm_werewolves_and_seer_train_on_their_own_servers(tmp_path):
     for server, data, role in (("wolves_model", "wolves", "werewolf"), ("seer_model", "seer", "seer")):
         rows = samples(tmp_path / data)
         assert {episode for episode, *_ in rows} == {result.episodes[server]}  # exactly this game's episode
-        for _, task, agent, reward, sample_calls, episode_calls in rows:
+        for _, task, agent, reward, _sample_calls, _episode_calls in rows:
             assert (task, agent) == ("ww-0", role)  # only its own role's calls
             assert reward == result.role_rewards[role]
         assert sum(r[4] for r in rows) == rows[0][5] > 0  # every call of the episode is in some sample

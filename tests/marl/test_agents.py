@@ -8,8 +8,8 @@ import types
 import httpx
 import openai
 import pytest
-
 from conftest import LocalServer, admin_http, start_rolling, wait_state
+
 from envs.base import play
 from envs.signalling import SignallingGame
 from marl.agents import LLMAgent, ScriptedAgent

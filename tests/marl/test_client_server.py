@@ -5,8 +5,8 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from conftest import ADMIN
+
 from marl import EpisodeOutput, ErrorCode, SwarmClient, SwarmRefused
 
 

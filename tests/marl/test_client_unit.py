@@ -25,12 +25,12 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import ADMIN
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from pydantic import ValidationError
+from stubs import REPLY_TEXT, AppServer, StubServer, recorded_episodes, stub_server
 
-import marl
-from conftest import ADMIN
 from marl.client import EpisodeOutput, SwarmClient, SwarmError, SwarmRefused, SwarmTimeout
 from marl.launch import free_port
 from marl.protocol import (
@@ -50,7 +50,6 @@ from marl.protocol import (
     ErrorInfo,
     TrainConfig,
 )
-from stubs import REPLY_TEXT, AppServer, StubServer, recorded_episodes, stub_server
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 from conftest import ADMIN, LocalServer, admin_http, ledger_samples, server_process, trainable, wait_state
+
 from envs.signalling import SignallingGame
 from marl import SwarmClient
 from marl.coordinator import Coordinator, GameFailed, GameSettings, linked_servers_of
@@ -217,7 +218,8 @@ def test_stopping_cancels_the_games_waiting_for_a_lease(tiny_model, tmp_path):
 
 def test_only_servers_playing_a_dealt_role_are_leased_on():
     nowhere = f"http://127.0.0.1:{free_port()}"  # leasing here would fail every game
-    endpoints = {name: TrainableEndpoint(name, client=SwarmClient(nowhere, admin_token=ADMIN)) for name in ("a", "ghost")}
+    endpoints = {name: TrainableEndpoint(name, client=SwarmClient(nowhere, admin_token=ADMIN))
+                 for name in ("a", "ghost")}
     endpoints["frozen"] = StaticEndpoint("frozen", base_url=nowhere + "/v1")
     roles = {"speaker": "a", "listener": "frozen", "observer": "ghost"}  # SignallingGame() deals no observer
     assert linked_servers_of(SignallingGame(num_items=3), roles, endpoints) == ["a"]
@@ -287,7 +289,8 @@ def test_a_game_with_only_static_servers_leases_nothing(tiny_model, tmp_path):
     with LocalServer(tiny_model, tmp_path / "c", static=True) as c:
         with admin_http(c.url) as http:
             wait_state(http, "STATIC")
-        frozen = StaticEndpoint("frozen", base_url=c.url + "/v1", model="tiny", policy_version=7, snapshot_of="speaker_model")
+        frozen = StaticEndpoint("frozen", base_url=c.url + "/v1", model="tiny", policy_version=7,
+                                snapshot_of="speaker_model")
         coordinator = Coordinator(env_factory=lambda: SignallingGame(num_items=3),
                                   role_servers={"speaker": "frozen", "listener": None},
                                   endpoints={"frozen": frozen}, settings=GameSettings(max_tokens=6, temperature=0.0))

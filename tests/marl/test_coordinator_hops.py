@@ -10,11 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from conftest import trainable
+from stubs import stub_server
+
 from envs.signalling import SignallingGame
 from marl import two_phase
 from marl.coordinator import Coordinator, GameSettings
 from marl.protocol import ROUTE_BEGIN, ROUTE_STATUS
-from stubs import stub_server
 
 pytestmark = pytest.mark.timeout(120)
 

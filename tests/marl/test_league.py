@@ -6,14 +6,14 @@ import shutil
 from collections import Counter
 
 from conftest import LocalServer, trainable
+from test_coordinator import episode_rows
+
 from envs.signalling import SignallingGame
 from marl.coordinator import Coordinator, GameSettings
 from marl.endpoints import SnapshotPoolEndpoint, StaticEndpoint
 from marl.league import SnapshotPool
 from marl.snapshots import Snapshot, StaticFleet
 from marl.topology import PastOfSpec
-
-from test_coordinator import episode_rows
 
 
 class FakeFleet:
@@ -73,10 +73,10 @@ def test_latest_pool_serves_the_newest_and_stops_a_snapshot_only_once_no_game_ho
     checkpoint(tmp_path, 2)
     pool.refresh()
     assert pool.versions() == [1, 2] and fleet.stopped == [0]
-    held = None
-    while held is None or held.policy_version != 1:  # a game that drew v1 and is still playing
-        if held is not None:
-            game.__exit__(None, None, None)
+    game = pool.draw()
+    held = game.__enter__()
+    while held.policy_version != 1:  # a game that drew v1 and is still playing
+        game.__exit__(None, None, None)
         game = pool.draw()
         held = game.__enter__()
     checkpoint(tmp_path, 3)

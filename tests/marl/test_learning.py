@@ -6,6 +6,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from conftest import ADMIN
+
 from marl import SwarmClient
 
 TARGET = {i for i in range(512) if i % 4 == 0}  # about a quarter of the vocabulary: chance is ~0.25

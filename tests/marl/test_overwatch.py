@@ -19,7 +19,7 @@ from marl.overwatch import OverwatchApp, ServerView, Source, resolve_sources, sp
 from marl.plot import plot_run
 from marl.protocol import MonitorSnapshot
 from servers.episode_view import CLOSE, OPEN, list_episodes, safe, show_episode, spans
-from tests.conftest import ADMIN, admin_http, play_episode, start_rolling, wait_state, wait_version
+from tests.conftest import ADMIN, admin_http, play_episode, start_rolling, wait_version
 
 
 def scrape(http) -> dict[tuple[str, tuple], float]:

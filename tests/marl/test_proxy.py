@@ -18,10 +18,18 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from conftest import (
+    ADMIN,
+    LocalServer,
+    admin_http,
+    ledger_samples,
+    play_episode,
+    start_rolling,
+    wait_state,
+    wait_version,
+)
 from fastapi import FastAPI, Header
 
-from conftest import ADMIN, LocalServer, admin_http, ledger_samples, play_episode, start_rolling, wait_state, \
-    wait_version
 from marl.launch import free_port
 from marl.protocol import AssistantMessage, ChatCompletionRequest, ChatCompletionResponse, Choice, ErrorCode, Usage
 from marl.proxy.app import ProxyOptions, build_app

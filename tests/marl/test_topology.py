@@ -166,14 +166,14 @@ def test_overrides_are_merged_and_interpolated():
 def test_name_defaults_to_file_stem_and_env_interpolation(tmp_path, monkeypatch):
     monkeypatch.setenv("TOPO_TEST_URL", "http://big-box:9000/v1")
     path = tmp_path / "my-exp.yaml"
-    path.write_text(textwrap.dedent(f"""\
+    path.write_text(textwrap.dedent("""\
         servers:
-          big: {{url: "${{oc.env:TOPO_TEST_URL,http://localhost:8000/v1}}", model: Qwen/Qwen3-235B-A22B}}
+          big: {url: "${oc.env:TOPO_TEST_URL,http://localhost:8000/v1}", model: Qwen/Qwen3-235B-A22B}
         roles:
-          speaker: {{server: big}}
-          listener: {{server: big}}
-        env: {{class: envs.signalling:SignallingGame}}
-        run: {{games: 8}}
+          speaker: {server: big}
+          listener: {server: big}
+        env: {class: envs.signalling:SignallingGame}
+        run: {games: 8}
         """))
     topo = Topology.load(path)
     assert topo.name == "my-exp" and topo.spec.run.run_dir == Path("runs/my-exp")
@@ -292,7 +292,8 @@ CASES = {
                         ["not an import path 'module:Class' or 'module:factory'",
                          "did you mean 'topo_standin_env:Game'"]),
     "factory arg typo": ({"env.class": "topo_standin_env:make_game", "env.args": {"num_itemz": 3}},
-                         "env.args.num_itemz", ["make_game() takes no argument 'num_itemz'", "did you mean 'num_items'"]),
+                         "env.args.num_itemz",
+                         ["make_game() takes no argument 'num_itemz'", "did you mean 'num_items'"]),
     "env constructor fails": ({"env.args": {"num_items": 0}}, "env.args",
                               ["constructing the env failed", "Game(num_items=0) raised ValueError",
                                "num_items must be 1 or more"]),
@@ -460,7 +461,8 @@ def test_real_tictactoe_factory_in_a_topology():
     data = {"name": "ttt", "servers": {"m": {"model": "smollm2-135m", "trainable": False}},
             "roles": {"player_1": {"server": "m"}, "player_2": {"scripted": True}},
             "env": {"class": "envs.adapter:text_tictactoe"}, "run": {"games": 2}}
-    assert Topology.from_dict(data).dealt_roles() == {"player_1": RoleInfo("player_1"), "player_2": RoleInfo("player_2")}
+    expected = {"player_1": RoleInfo("player_1"), "player_2": RoleInfo("player_2")}
+    assert Topology.from_dict(data).dealt_roles() == expected
 
 
 def test_trainable_server_of_an_undealt_role_is_refused_at_its_line(tmp_path, env_path):

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ADMIN, LocalServer, admin_http, start_rolling
+
 from marl import SwarmClient
 from marl.client import SwarmError
 from marl.decision_log import Decision, DecisionLog
@@ -192,7 +192,7 @@ def test_a_server_killed_between_prepare_and_commit_gets_the_episode_after_its_r
     decisions = DecisionLog(tmp_path / "decisions.sqlite")
     episodes = game(servers)
     parts = {name: Part(client, "t", episode_id, 1.0) for name, (client, episode_id) in episodes.items()}
-    for name, part in parts.items():
+    for part in parts.values():
         part.client.prepare_episode("t", part.episode_id, 1.0, game_id="g1", decision_log=str(decisions.path))
     decisions.begin("g1", {})
     servers.kill("b")  # between prepare and commit
@@ -233,7 +233,7 @@ def test_the_driver_and_its_redrive_commit_a_game_whose_server_died_after_the_fi
 def test_a_game_decided_before_a_restart_past_the_deadline_is_committed_from_the_log(servers, tmp_path):
     decisions = DecisionLog(tmp_path / "decisions.sqlite")
     episodes = game(servers)
-    for name, (client, episode_id) in episodes.items():
+    for client, episode_id in episodes.values():
         client.prepare_episode("t", episode_id, 1.0, game_id="g3", prepare_timeout_s=2,
                                decision_log=str(decisions.path))
     decisions.decide("g3", commit=True)
@@ -247,7 +247,7 @@ def test_a_game_decided_before_a_restart_past_the_deadline_is_committed_from_the
 
 def test_without_a_decision_both_servers_presume_abort(servers):
     episodes = game(servers)
-    for name, (client, episode_id) in episodes.items():
+    for client, episode_id in episodes.values():
         client.prepare_episode("t", episode_id, 1.0, game_id="g4", prepare_timeout_s=2)  # no decision log
     servers.kill("b")
     time.sleep(2.5)
@@ -255,7 +255,7 @@ def test_without_a_decision_both_servers_presume_abort(servers):
     wait_for(lambda: outcomes(servers, episodes) == {"aborted"}, "both servers to abort")
     for name, (_, episode_id) in episodes.items():
         with servers.client(name) as client:
-            assert code_of(lambda: client.commit_episode(episode_id)) is ErrorCode.EPISODE_ABORTED
+            assert code_of(lambda: client.commit_episode(episode_id)) is ErrorCode.EPISODE_ABORTED  # noqa: B023 (called at once)
 
 
 def test_a_prepare_that_fails_aborts_the_game_everywhere(servers, tmp_path):

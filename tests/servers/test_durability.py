@@ -6,8 +6,9 @@ import json
 import sqlite3
 
 from conftest import admin_http, play_episode, server_process, start_rolling, wait_version
-from servers.samples import Sample
+
 from servers.ledger import GroupKey, Ledger
+from servers.samples import Sample
 
 
 def test_sigkill_right_after_end_loses_nothing_and_trains_once(tiny_model, tmp_path):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import admin_http, start_rolling, wait_state
+
 from marl.protocol import ErrorCode, ErrorType
 from servers.errors import Refusal
 

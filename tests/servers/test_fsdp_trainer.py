@@ -23,9 +23,9 @@ from marl.protocol import GRPOConfig
 from servers.engines.torch_engine import TorchEngine
 from servers.interfaces import Group, SamplingParams, TrainBatch
 from servers.tiny_model import build_tiny_model
-from servers.trainers.trainer_state import SHARDED_DIR, TRAINER_STATE_FILE
 from servers.trainers.fsdp import FSDPConfig, FSDPTrainer, RankFailure, plan_micro_batches
 from servers.trainers.grpo import GRPOTrainer, token_logprobs
+from servers.trainers.trainer_state import SHARDED_DIR, TRAINER_STATE_FILE
 from tests.servers.test_grpo_trainer import encode, make_batch, make_sample
 
 #: Micro-batches of at most 40 tokens (each rank runs several, some ranks padding passes), recomputed activations,

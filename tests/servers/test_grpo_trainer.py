@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.protocol import GRPOConfig
-from servers.samples import Sample
 from servers.checkpoint_dirs import CheckpointDir
 from servers.interfaces import Group, TrainBatch
+from servers.samples import Sample
 from servers.tiny_model import build_tiny_model
 from servers.trainers import grpo
 from servers.trainers.grpo import (

@@ -5,9 +5,9 @@ from __future__ import annotations
 import sqlite3
 
 import torch
+from conftest import admin_http, play_episode, server_process, start_rolling, wait_version
 from safetensors.torch import load_file
 
-from conftest import admin_http, play_episode, server_process, start_rolling, wait_version
 from marl.protocol import TrainConfig
 from servers.checkpoint_dirs import CheckpointDir
 from servers.interfaces import Group, TrainBatch

@@ -8,11 +8,11 @@ import httpx
 import openai
 import pytest
 import torch
+from conftest import admin_http, play_episode, start_rolling, wait_state, wait_version
 from transformers import AutoModelForCausalLM
 
-from conftest import admin_http, play_episode, start_rolling, wait_state, wait_version
-from servers.ledger import Ledger
 from servers.entrypoint import default_trainer_factory
+from servers.ledger import Ledger
 from servers.trainers.grpo import token_logprobs
 
 CLIENT = "client-a"

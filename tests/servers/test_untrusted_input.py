@@ -18,12 +18,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from conftest import ADMIN, LocalServer, admin_http, start_rolling
+from stubs import AppServer
+
 from marl import SwarmClient
 from marl.protocol import ErrorCode
 from servers.entrypoint import ServeOptions, build_app
-from stubs import AppServer
 
 CLIENT = "client-h"
 CONTROL_IDS = {0, 1, 2}  # the tiny model's <|endoftext|>, <|im_start|>, <|im_end|>

@@ -22,15 +22,15 @@ import openai
 import pytest
 import torch
 import uvicorn
+from conftest import ADMIN, admin_http, wait_state, wait_version
 from transformers import AutoModelForCausalLM
 
-from conftest import ADMIN, admin_http, wait_state, wait_version
 from marl.launch import free_port
 from marl.protocol import ErrorCode, TrainConfig
 from servers.engines.vllm_engine import vllm_engine_factory
 from servers.engines.vllm_process import VLLM_PYTHON_ENV, vllm_python
-from servers.ledger import Ledger
 from servers.entrypoint import ServeOptions, build_app, default_trainer_factory
+from servers.ledger import Ledger
 from servers.tiny_model import build_tiny_model
 from servers.trainers.grpo import token_logprobs
 
