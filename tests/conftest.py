@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from marl.launch import ServerProcess, free_port
@@ -25,6 +26,16 @@ ADMIN = "-test-admin-token"  # a leading dash: a token must never be read as a c
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models train faster on one intra-op thread, and much faster when other processes share the 2 cores
+    (a module opts in with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 class LocalServer:

@@ -33,12 +33,7 @@ from tests.servers.test_grpo_trainer import encode, make_batch, make_sample
 KNOBS = dict(learning_rate=1e-3, micro_batch_tokens=40, gradient_checkpointing=True, kl_coef=0.05, ppo_epochs=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -29,13 +29,7 @@ from servers.trainers.grpo import (
 # --------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models: one intra-op thread is faster, and much faster when other processes share the 2 cores.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
