@@ -32,15 +32,54 @@ def _megabytes(text: str) -> float:
 def _serve(args: argparse.Namespace) -> None:
     # marl/ imports servers/ only in the server-side commands: `serve` (starting a server process is what it is
     # for) and `episode` (reading a server's ledger).
-    from servers.entrypoint import ServeOptions, serve
+    from servers.entrypoint import serve
 
-    serve(ServeOptions(
+    try:
+        options = _serve_options(args)
+    except ValueError as exc:
+        print(f"marl serve: {exc}", file=sys.stderr)
+        sys.exit(2)
+    serve(options)
+
+
+def _serve_options(args: argparse.Namespace):
+    """`marl serve`'s arguments as `ServeOptions`; ValueError naming the flag for a bad --vllm-* value."""
+    from servers.entrypoint import ServeOptions
+
+    return ServeOptions(
         model=args.model, port=args.port, host=args.host, admin_token=args.admin_token,
         data_dir=Path(args.data_dir) if args.data_dir else None, static=args.static,
         served_model_name=args.served_model_name, public_url=args.public_url, device=args.device,
-        prefix_cache_gb=args.prefix_cache_gb, engine=args.engine, max_body_mb=args.max_body_mb,
-        log_level=args.log_level,
-    ))
+        prefix_cache_gb=args.prefix_cache_gb, engine=args.engine, vllm=_vllm_settings(args),
+        max_body_mb=args.max_body_mb, log_level=args.log_level,
+    )
+
+
+#: The `VLLMSettings` that `--vllm-KEY` flags set (--vllm-arg, repeated, gives extra_args).
+_VLLM_KEYS = ("max_model_len", "gpu_memory_utilization", "kv_cache_gb", "tensor_parallel_size", "data_parallel_size",
+              "dtype", "max_num_seqs", "sleep_between_steps")
+
+
+def _vllm_flag(key: str) -> str:
+    return "--vllm-arg" if key == "extra_args" else f"--vllm-{key.replace('_', '-')}"
+
+
+def _vllm_settings(args: argparse.Namespace):
+    """The --vllm-* flags as `VLLMSettings` (None when none is given); ValueError naming the flag of a bad value."""
+    from servers.engines.vllm_process import VLLMSettings, VLLMSettingsError
+
+    given = {key: getattr(args, f"vllm_{key}") for key in _VLLM_KEYS if getattr(args, f"vllm_{key}") is not None}
+    if args.vllm_arg:
+        given["extra_args"] = tuple(args.vllm_arg)
+    if not given:
+        return None
+    if args.engine != "vllm":
+        raise ValueError(f"{', '.join(map(_vllm_flag, given))}: only with --engine vllm (add it, or drop them)")
+    sleep = given.pop("sleep_between_steps", "auto")
+    try:
+        return VLLMSettings(**given, sleep_between_steps={"auto": None, "true": True, "false": False}[sleep])
+    except VLLMSettingsError as exc:
+        raise ValueError("; ".join(f"{_vllm_flag(key)}: {message}" for key, message in exc.problems)) from None
 
 
 def _status(args: argparse.Namespace) -> None:
@@ -160,10 +199,35 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--engine", choices=["torch", "vllm"], default="torch",
                        help="torch: transformers in this process; vllm: vLLM in a subprocess of its own virtualenv"
                             " (`make vllm` builds .venv-vllm; or point $MARL_VLLM_PYTHON at one)")
+    _add_vllm_flags(serve)
     serve.add_argument("--max-body-mb", type=_megabytes, default=16.0,
                        help="largest request body accepted, in MB (413 beyond; default: 16)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
+
+
+def _add_vllm_flags(serve: argparse.ArgumentParser) -> None:
+    vllm = serve.add_argument_group("vLLM (with --engine vllm)", "How vLLM runs; a topology server's vllm: section"
+                                    " sets the same keys (docs/backends.md). Left out: the device's defaults.")
+    vllm.add_argument("--vllm-max-model-len", type=int, metavar="TOKENS",
+                      help="longest prompt + completion (default: the model's context; a longer one is capped to it)")
+    vllm.add_argument("--vllm-gpu-memory-utilization", type=float, metavar="FRACTION",
+                      help="share of the GPU vLLM may take, in (0, 1]; vLLM refuses to start unless that much is free"
+                           " (default on CUDA: 0.5 for a trainable server, whose trainer shares the GPU; 0.9 static)")
+    vllm.add_argument("--vllm-kv-cache-gb", type=float, metavar="GB",
+                      help="KV cache size, which wins over the utilization for it (default: 1 on the CPU; on CUDA,"
+                           " what the utilization leaves)")
+    vllm.add_argument("--vllm-tensor-parallel-size", type=int, metavar="N", help="GPUs per model replica (default 1)")
+    vllm.add_argument("--vllm-data-parallel-size", type=int, metavar="N", help="model replicas (default 1)")
+    vllm.add_argument("--vllm-dtype", metavar="DTYPE", help="auto, bfloat16, float16, half, float32 or float (default:"
+                                                            " float32 on the CPU, bfloat16 on CUDA)")
+    vllm.add_argument("--vllm-max-num-seqs", type=int, metavar="N", help="sequences run at once (default: vLLM's)")
+    vllm.add_argument("--vllm-sleep-between-steps", choices=["auto", "true", "false"],
+                      help="sleep mode (CUDA only): vLLM frees the GPU for each training step (default auto: on CUDA"
+                           " for a trainable server)")
+    vllm.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                      help="one more argument for vLLM's command line, as is; repeat it. Write --vllm-arg=--flag"
+                           " (with '=') for an argument that starts with '-'")
 
 
 def _add_status(sub: argparse._SubParsersAction) -> None:

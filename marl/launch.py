@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from marl.topology.spec import VLLMSpec
+
 #: glibc malloc settings for server processes (the environment overrides them): few arenas, so the tensors that the
 #: engine, trainer and HTTP threads free go back to one pool instead of staying resident per thread.
 _ALLOCATOR_ENV = {"MALLOC_ARENA_MAX": "2"}
@@ -50,15 +52,16 @@ def _die_with_parent() -> None:
 class ServerProcess:
     """One `marl serve` subprocess; its output goes to `log_path`.
 
-    `host`: the interface it listens on (default: loopback only). `die_with_parent`: on Linux, the server is killed
+    `host`: the interface it listens on (default: loopback only). `vllm`: a topology server's `vllm:` section, passed
+    as `--vllm-*` flags. `die_with_parent`: on Linux, the server is killed
     when the thread that started it dies (a Ray actor's, marl/ray_cluster.py: a restarted actor must never find the
     old server still on its data dir); that thread must live as long as the server.
     """
 
     def __init__(self, *, model: str, admin_token: str, data_dir: Path, log_path: Path, static: bool = False,
                  device: str | None = None, served_name: str | None = None, port: int | None = None,
-                 prefix_cache_gb: float | None = None, engine: str = "torch", host: str = "127.0.0.1",
-                 die_with_parent: bool = False):
+                 prefix_cache_gb: float | None = None, engine: str = "torch", vllm: VLLMSpec | None = None,
+                 host: str = "127.0.0.1", die_with_parent: bool = False):
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
@@ -77,6 +80,8 @@ class ServerProcess:
             self.args += ["--prefix-cache-gb", str(prefix_cache_gb)]
         if engine != "torch":
             self.args += ["--engine", engine]
+        if vllm is not None:
+            self.args += vllm_flags(vllm)
         if host != "127.0.0.1":
             self.args += ["--host", host]
         self.die_with_parent = die_with_parent and _PRCTL is not None
@@ -136,6 +141,15 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+def vllm_flags(vllm: VLLMSpec) -> list[str]:
+    """A topology server's `vllm:` section as `marl serve` flags: `--vllm-KEY VALUE` for each key set to other than
+    its default, `--vllm-arg=ARG` for each extra argument (with `=`: an argument may start with '-')."""
+    flags = []
+    for key, value in vllm.model_dump(exclude_defaults=True, exclude={"extra_args"}).items():
+        flags += [f"--vllm-{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return flags + [f"--vllm-arg={arg}" for arg in vllm.extra_args]
 
 
 class ServerWatch:

@@ -13,6 +13,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from marl.protocol import ADMIN_TOKEN_ENV, DEFAULT_MAX_BODY_MB, TrainConfig
+from servers.engines.vllm_process import VLLMSettings
 from servers.http_routes import create_app
 from servers.interfaces import Trainer
 from servers.lifecycle import EngineFactory, TrainerFactory
@@ -33,6 +34,7 @@ class ServeOptions:
     device: str | None = None
     prefix_cache_gb: float | None = None  # None: the engine's default
     engine: str = "torch"  # torch: transformers in this process; vllm: vLLM in a subprocess of its own venv
+    vllm: VLLMSettings | None = None  # engine vllm: how vLLM runs (None: the defaults of the device)
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413) before they are read
     log_level: str = "info"
 
@@ -103,7 +105,9 @@ def engine_factory_for(options: ServeOptions) -> EngineFactory:
     if options.engine == "vllm":
         from servers.engines.vllm_engine import vllm_engine_factory
 
-        return vllm_engine_factory(options.device, work_dir=options.resolved_data_dir() / "vllm")
+        # a trainable server's trainer shares vLLM's GPU (rank 0 and vLLM both take GPU 0)
+        return vllm_engine_factory(options.device, settings=options.vllm, shares_gpu=not options.static,
+                                   work_dir=options.resolved_data_dir() / "vllm")
     return torch_engine_factory(options.device, options.prefix_cache_gb)
 
 

@@ -93,6 +93,10 @@ class InferenceEngine(abc.ABC):
             raise FileNotFoundError(f"no *.safetensors weights in {directory}")
         self.load_weights(item for path in files for item in load_file(path).items())
 
+    def before_training_step(self) -> None:  # noqa: B027 - optional hook
+        """Called right before each training step, with no generation running: an engine that shares its device
+        with the trainer may free memory here (the vLLM engine's sleep mode); the next weight load brings it back."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the model (engine stopped). May block; the server calls it from a worker thread."""
 

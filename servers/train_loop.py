@@ -101,6 +101,7 @@ class TrainLoop:
         claimed = await self._ledger.claim_batch(step, ready)
         batch = TrainBatch(step=step, dropped_stale=dropped, groups=[
             Group(job=k.job, task_id=k.task_id, agent=k.agent, samples=s) for k, s in claimed.items()])
+        await asyncio.to_thread(served.before_training_step)
         metrics = await self._train(batch, trainer)
         if generation != lifecycle.generation:
             return  # stopped meanwhile: the next boot returns the claim to the pool

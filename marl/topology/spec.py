@@ -76,6 +76,61 @@ class PastOfSpec(_Spec):
                                         " of them uniformly.")
 
 
+#: vLLM's --dtype values (as servers.engines.vllm_process.VLLM_DTYPES; marl/ does not import servers/).
+VLLM_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+#: Flags `marl serve` sets on vLLM's command line, which vllm.extra_args may not repeat, and the key that sets each
+#: (as servers.engines.vllm_process.MANAGED_FLAGS; a test keeps the two equal).
+VLLM_MANAGED_FLAGS: dict[str, str | None] = {
+    "--model": None, "--host": None, "--port": None, "--api-key": None, "--worker-extension-cls": None,
+    "--max-model-len": "max_model_len", "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--kv-cache-memory-bytes": "kv_cache_gb", "--tensor-parallel-size": "tensor_parallel_size",
+    "-tp": "tensor_parallel_size", "--data-parallel-size": "data_parallel_size", "-dp": "data_parallel_size",
+    "--dtype": "dtype", "--max-num-seqs": "max_num_seqs", "--enable-sleep-mode": "sleep_between_steps",
+}
+
+
+class VLLMSpec(_Spec):
+    """How vLLM runs for a local server with `engine: vllm` (passed as `marl serve --vllm-*`; docs/backends.md)."""
+
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + completion in tokens (default: the"
+                                      " model's context; a longer one is capped to it). One sequence this long must"
+                                      " fit the KV cache.")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="Share of the GPU's memory vLLM may take (weights, activations, CUDA graphs and,"
+        " without kv_cache_gb, the KV cache); vLLM refuses to start unless that much is free. Default on CUDA: 0.5"
+        " for a trainable server (its trainer's rank 0 shares the GPU and keeps its fp32 weight, gradient and AdamW"
+        " shards there between steps), 0.9 for a static one. With kv_cache_gb set, it is only that start-up check.")
+    kv_cache_gb: float | None = Field(None, gt=0, description="KV cache size in GiB; wins over"
+                                      " gpu_memory_utilization for the KV cache. Default: 1 on the CPU; on CUDA, what"
+                                      " gpu_memory_utilization leaves after the weights and activations.")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs each replica of the model is split across.")
+    data_parallel_size: int = Field(1, ge=1, description="Replicas of the model, each on tensor_parallel_size GPUs.")
+    dtype: Literal[VLLM_DTYPES] | None = Field(None, description="Weights and activations (default: float32 on the"
+                                               " CPU, so logprobs match the trainer's fp32 forward; bfloat16 on CUDA).")
+    max_num_seqs: int | None = Field(None, ge=1, description="Sequences vLLM runs at once (default: vLLM's).")
+    extra_args: list[str] = Field(default_factory=list, description="More arguments for vLLM's command line, appended"
+                                  " as they are, e.g. [--enable-chunked-prefill, --swap-space=8]. The flags marl sets"
+                                  " (the keys above, --model, --host, --port, ...) are refused.")
+    sleep_between_steps: Literal["auto", True, False] = Field(
+        "auto", description="Sleep mode (CUDA only): before each training step vLLM offloads its weights and drops its"
+        " KV cache so the trainer has the GPU, and the weight sync wakes it. auto: on CUDA for a trainable server"
+        " (its trainer shares vLLM's GPU).")
+
+    @field_validator("extra_args")
+    @classmethod
+    def _not_managed(cls, extra_args: list[str]) -> list[str]:
+        problems = []
+        for arg in extra_args:
+            flag = arg.split("=", 1)[0]
+            flag = flag.replace("_", "-") if flag.startswith("--") else flag  # vLLM reads --max_model_len too
+            if flag in VLLM_MANAGED_FLAGS:
+                key = VLLM_MANAGED_FLAGS[flag]
+                problems.append(f"{arg!r}: marl sets {flag} itself" + (f": set vllm.{key} instead" if key else ""))
+        if problems:
+            raise rule_error("; ".join(problems))
+        return extra_args
+
+
 class ServerSpec(_Spec):
     """One model server. Which keys are set decides its kind (see the module docstring)."""
 
@@ -89,6 +144,9 @@ class ServerSpec(_Spec):
                                           "calls that the next turn of a conversation reuses (default 2; 0: off).")
     engine: Literal["torch", "vllm"] | None = Field(None, description="Local: the inference engine: torch (default)"
                                                     " or vllm (a subprocess in its own virtualenv: make vllm).")
+    vllm: VLLMSpec | None = Field(None, description="Local, with engine: vllm: how vLLM runs (max_model_len,"
+                                  " gpu_memory_utilization or kv_cache_gb, parallel sizes, dtype, max_num_seqs,"
+                                  " extra_args, sleep_between_steps).")
     resources: dict[str, Annotated[float, Field(ge=0)]] | None = Field(
         None, description="Local, with run.ray: what the server's Ray actor asks of a node: CPU (default 1), GPU,"
                           " memory (bytes) or any custom resource, e.g. {GPU: 1} or {node_b: 1} (docs/ray.md)."
@@ -126,7 +184,7 @@ class ServerSpec(_Spec):
         if kind_rules:  # its kind cannot be told: the other rules would only guess
             _raise_rules(self, kind_rules)
         _raise_rules(self, [*_placement_rules(self), *_external_rules(self), *_swarm_rules(self),
-                            *_past_of_rules(self), *_train_rules(self)])
+                            *_past_of_rules(self), *_train_rules(self), *_vllm_rules(self)])
         return self
 
 
@@ -152,7 +210,7 @@ def _placement_rules(s: ServerSpec) -> list[Rule]:
         which = "url" if s.kind is ServerKind.EXTERNAL_OPENAI else "swarm_url"
         rules += [((key,), f"{key} only applies to a local server that `marl run` starts, but this server is remote"
                            f" ({which}: is set): remove {key}, or remove {which} to run it locally")
-                  for key in ("device", "port", "prefix_cache_gb", "engine", "resources")
+                  for key in ("device", "port", "prefix_cache_gb", "engine", "vllm", "resources")
                   if getattr(s, key) is not None]
     else:
         rules += [((key,), f"{key} only applies to remote servers (url: or swarm_url:); `marl run` makes its own"
@@ -208,6 +266,20 @@ def _past_of_rules(s: ServerSpec) -> list[Rule]:
         rules.append((("resources",), "a past_of server's snapshots run on the machine of `marl run`, not as Ray"
                                       " actors: remove resources"))
     return rules
+
+
+def _vllm_rules(s: ServerSpec) -> list[Rule]:
+    if s.vllm is None or not s.is_local:
+        return []  # a remote server's vllm: is refused by _placement_rules
+    if s.kind is ServerKind.PAST_SNAPSHOTS:
+        return [(("vllm",), "a past_of server's snapshots are served by the torch engine: remove vllm")]
+    if s.engine != "vllm":
+        return [(("vllm",), f"vllm: applies to engine: vllm, but this server's engine is {s.engine or 'torch'}"
+                            " (the default): set engine: vllm, or remove vllm")]
+    if s.vllm.sleep_between_steps is True and s.device == "cpu":
+        return [(("vllm", "sleep_between_steps"), "sleep mode needs CUDA (the CPU build of vLLM has none): set it"
+                                                  " to auto or false, or device: cuda")]
+    return []
 
 
 def _train_rules(s: ServerSpec) -> list[Rule]:

@@ -9,6 +9,9 @@ prefix caching replace the torch engine's.
 - Weights come as a directory (`takes_tensors = False`): `load_weights_from` keeps a copy of it (hard links when
   possible), then pauses vLLM until its running requests are done, reloads in place, empties the prefix cache and
   resumes. A generation therefore never mixes two policies, and requests that arrive meanwhile wait.
+- Sleep mode (CUDA, when the trainer shares vLLM's GPU: `VLLMLaunch.sleeps_between_steps`): `before_training_step`
+  puts vLLM to sleep (weights offloaded to host memory, KV cache dropped) so the trainer has the GPU, and the next
+  weight load wakes the weights, reloads them and wakes the KV cache.
 - A watcher thread waits on the subprocess. When it dies, requests running on it fail (an engine error: 5xx), new
   ones wait, and it is restarted once with the latest weights; if that fails, or it dies again, the engine is down
   and every call fails at once with the reason (until the engine is stopped and started again).
@@ -24,7 +27,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +35,15 @@ from typing import Any
 import httpx
 
 from servers.engines.model_limits import context_length, eos_token_ids
-from servers.engines.vllm_http import completion_body, generate_one_token, stream_completion, sync_weights
-from servers.engines.vllm_process import VLLMLaunch, VLLMProcess
+from servers.engines.vllm_http import (
+    completion_body,
+    generate_one_token,
+    sleep_for_training,
+    stream_completion,
+    sync_weights,
+    sync_weights_waking,
+)
+from servers.engines.vllm_process import VLLMLaunch, VLLMProcess, VLLMSettings
 from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams
 from servers.models import load_tokenizer
 
@@ -58,22 +68,24 @@ class VLLMEngine(InferenceEngine):
 
     takes_tensors = False
 
-    def __init__(self, model_dir: str | Path, *, device: str | None = None, kv_cache_gb: float = 1.0,
-                 python: Path | None = None, extra_args: Sequence[str] = (), work_dir: Path | None = None,
+    def __init__(self, model_dir: str | Path, *, device: str | None = None, settings: VLLMSettings | None = None,
+                 shares_gpu: bool = False, python: Path | None = None, work_dir: Path | None = None,
                  start_timeout_s: float = 600.0, max_restarts: int = 1) -> None:
         from transformers import AutoConfig
 
         self.model_dir = Path(model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         config = AutoConfig.from_pretrained(self.model_dir).get_text_config()
-        self.context_length = context_length(config, self.tokenizer)
+        settings = settings or VLLMSettings()
+        self.context_length = _served_context(context_length(config, self.tokenizer), settings.max_model_len)
         self.eos_token_ids = eos_token_ids(_generation_config(self.model_dir), config, self.tokenizer)
         self.vocab_size = int(config.vocab_size)
         self.stats = VLLMStats()
         #: Generations sent to vLLM and not finished yet.
         self.running_requests = 0
         self._launch = VLLMLaunch(self.model_dir, self.context_length, device=device or _default_device(),
-                                  kv_cache_gb=kv_cache_gb, python=python, extra_args=tuple(extra_args))
+                                  settings=settings, shares_gpu=shares_gpu, python=python)
+        self._asleep = False  # put to sleep for a training step; the next weight load wakes it
         self._own_work_dir = work_dir is None  # a temporary one is removed on close
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="marl-vllm-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -145,11 +157,24 @@ class VLLMEngine(InferenceEngine):
             started = time.perf_counter()
             self._weights = self._keep(Path(directory))
             try:
-                sync_weights(self._process.url, self._weights)
+                (sync_weights_waking if self._asleep else sync_weights)(self._process.url, self._weights)
             except httpx.HTTPError as exc:
                 raise RuntimeError(self._lost(self._process, exc)) from exc
+            finally:
+                self._asleep = False  # awake, or failed: the failed step stops the engine
             self.stats.weight_loads += 1
             self.stats.last_weight_sync_s = time.perf_counter() - started
+
+    def before_training_step(self) -> None:
+        """With sleep mode, free vLLM's GPU memory for the trainer's step (`load_weights_from` brings it back)."""
+        if not self._launch.sleeps_between_steps:
+            return
+        with self._lock:
+            try:
+                sleep_for_training(self._process.url)
+            except httpx.HTTPError as exc:
+                raise RuntimeError(self._lost(self._process, exc)) from exc
+            self._asleep = True
 
     def close(self) -> None:
         """Stop vLLM (idempotent); calls still running or waiting fail."""
@@ -219,7 +244,7 @@ class VLLMEngine(InferenceEngine):
         """Start vLLM, wait until it serves, load the latest weights into it (if any were loaded) and check that it
         generates."""
         process = VLLMProcess(self._launch, self.work_dir / "vllm.log")
-        self._process = process
+        self._process, self._asleep = process, False
         try:
             process.wait_ready(self._start_timeout_s, cancelled=self._closing.is_set)
             if self._weights is not None:
@@ -299,19 +324,27 @@ def _generation_config(model_dir: Path) -> Any:
         return None
 
 
+def _served_context(model_context: int, wanted: int | None) -> int:
+    """The setting's max_model_len capped to the model's context (vLLM refuses a longer one); default: the model's."""
+    if wanted is not None and wanted > model_context:
+        log.warning("vllm.max_model_len %d is longer than the model's context: serving %d", wanted, model_context)
+    return min(wanted or model_context, model_context)
+
+
 def _default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def vllm_engine_factory(device: str | None = None, *, kv_cache_gb: float = 1.0, python: Path | None = None,
-                        extra_args: Sequence[str] = (), work_dir: Path | None = None, max_restarts: int = 1):
+def vllm_engine_factory(device: str | None = None, *, settings: VLLMSettings | None = None, shares_gpu: bool = False,
+                        python: Path | None = None, work_dir: Path | None = None, max_restarts: int = 1):
     """An `EngineFactory` (`model_dir -> InferenceEngine`) for `servers.entrypoint.build_server`: `marl serve --engine
-    vllm`. `work_dir` holds vLLM's log and the copy of the latest weights (default: a temporary directory)."""
+    vllm`. `shares_gpu`: a trainer uses vLLM's GPU too (see `VLLMLaunch`); `work_dir` holds vLLM's log and the copy
+    of the latest weights (default: a temporary directory)."""
 
     def build(model_dir: Path) -> VLLMEngine:
-        return VLLMEngine(model_dir, device=device, kv_cache_gb=kv_cache_gb, python=python, extra_args=extra_args,
+        return VLLMEngine(model_dir, device=device, settings=settings, shares_gpu=shares_gpu, python=python,
                           work_dir=work_dir, max_restarts=max_restarts)
 
     return build

@@ -5,7 +5,8 @@
   `logprobs_mode` is raw logprobs: log softmax of the unscaled logits, as the trainer computes them) and the usage
   chunk (how many prompt tokens vLLM's prefix cache supplied).
 - Weight sync: the dev routes of `VLLM_SERVER_DEV_MODE` (pause, collective RPC into the worker extension, prefix
-  cache reset, resume).
+  cache reset, resume); with sleep mode (CUDA only), sleep before the training step, then wake the weights, reload,
+  wake the KV cache.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import httpx
 
 from servers.interfaces import GenerationChunk, SamplingParams
 
-__all__ = ["completion_body", "generate_one_token", "stream_completion", "sync_weights"]
+__all__ = ["completion_body", "generate_one_token", "sleep_for_training", "stream_completion", "sync_weights",
+           "sync_weights_waking"]
 
 #: (prompt tokens, of which served from vLLM's prefix cache), once per finished generation.
 UsageSink = Callable[[int, int], None]
@@ -101,14 +103,42 @@ def sync_weights(url: str, weights_dir: Path, timeout_s: float = 600.0) -> None:
     with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
         _checked(http.post("/pause", params={"mode": "wait"}, timeout=None))  # as long as the running requests take
         try:
-            _checked(http.post("/collective_rpc", json={
-                "method": "marl_reload_weights", "kwargs": {"weights_path": str(weights_dir)}}))
+            _reload(http, weights_dir)
             _checked(http.post("/reset_prefix_cache"))
         except BaseException:
             with contextlib.suppress(httpx.HTTPError):
                 http.post("/resume")
             raise
         _checked(http.post("/resume"))
+
+
+def sleep_for_training(url: str, timeout_s: float = 600.0) -> None:
+    """Free vLLM's GPU memory for a training step (sleep mode: `--enable-sleep-mode`, CUDA only): let the running
+    requests finish (`mode=wait`; new ones are held), then offload the weights to host memory and drop the KV cache,
+    prefix cache included (`level=1`)."""
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
+        _checked(http.post("/sleep", params={"level": 1, "mode": "wait"}, timeout=None))
+
+
+def sync_weights_waking(url: str, weights_dir: Path, timeout_s: float = 600.0) -> None:
+    """`sync_weights` for a vLLM that `sleep_for_training` put to sleep: wake the weights' memory, reload them in
+    place, then wake the KV cache, which resumes serving (the sleep already emptied the prefix cache). Waking the
+    weights alone first keeps the KV cache's memory free while the reload runs."""
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
+        try:
+            _checked(http.post("/wake_up", params={"tags": "weights"}))
+            _reload(http, weights_dir)
+            _checked(http.post("/wake_up", params={"tags": "kv_cache"}))
+        except BaseException:
+            with contextlib.suppress(httpx.HTTPError):
+                http.post("/wake_up")  # every tag: serving again rather than asleep for good
+            raise
+
+
+def _reload(http: httpx.Client, weights_dir: Path) -> None:
+    """The reload itself, through the worker extension (paths only cross `collective_rpc`: docs/backends.md)."""
+    _checked(http.post("/collective_rpc", json={
+        "method": "marl_reload_weights", "kwargs": {"weights_path": str(weights_dir)}}))
 
 
 def _checked(response: httpx.Response) -> httpx.Response:

