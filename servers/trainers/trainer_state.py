@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,10 @@ def load_sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if with_optimizer:  # a fresh optimizer's state is created (by a zero-lr step) to be overwritten
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(state, checkpoint_id=Path(directory) / SHARDED_DIR)  # without a process group: by this process alone
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    with warnings.catch_warnings():  # one process loading every shard is what is meant here, not a mistake to warn of
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=Path(directory) / SHARDED_DIR, no_dist=not distributed)
     set_model_state_dict(model, state["model"])
     if with_optimizer:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
