@@ -55,6 +55,20 @@ MAX_ID_LENGTH = 512
 #: digest is what makes a repeated end answerable, and asking for the pool must not make a repeat a different end.)
 INCLUDE_POOL_PARAM = "include_pool"
 
+
+# vLLM's command line, as `marl run` asks `marl serve` for it (a local server's `vllm:` section) and `marl serve`
+# builds it (servers/engines/vllm_process.py): defined once, for both to check against.
+#: vLLM's `--dtype` values (`ModelDType` in vllm/config/model.py, 0.32).
+VLLM_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
+#: Flags marl sets itself, which `extra_args` may not repeat: the setting that gives each, or None (marl's own).
+VLLM_MANAGED_FLAGS: dict[str, str | None] = {
+    "--model": None, "--host": None, "--port": None, "--api-key": None, "--worker-extension-cls": None,
+    "--max-model-len": "max_model_len", "--gpu-memory-utilization": "gpu_memory_utilization",
+    "--kv-cache-memory-bytes": "kv_cache_gb", "--tensor-parallel-size": "tensor_parallel_size",
+    "-tp": "tensor_parallel_size", "--data-parallel-size": "data_parallel_size", "-dp": "data_parallel_size",
+    "--dtype": "dtype", "--max-num-seqs": "max_num_seqs", "--enable-sleep-mode": "sleep_between_steps",
+}
+
 # Numbers on the wire are numbers: no `true` for 1, no "yes" for true, no 1.0 for an int (floats do take ints).
 Int = StrictInt
 Bool = StrictBool

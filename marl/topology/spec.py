@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from marl.protocol import TrainConfig
+from marl.protocol import VLLM_DTYPES, VLLM_MANAGED_FLAGS, TrainConfig
 
 from .importing import import_path_problem
 
@@ -76,17 +76,6 @@ class PastOfSpec(_Spec):
                                         " of them uniformly.")
 
 
-#: vLLM's --dtype values (as servers.engines.vllm_process.VLLM_DTYPES; marl/ does not import servers/).
-VLLM_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
-#: Flags `marl serve` sets on vLLM's command line, which vllm.extra_args may not repeat, and the key that sets each
-#: (as servers.engines.vllm_process.MANAGED_FLAGS; a test keeps the two equal).
-VLLM_MANAGED_FLAGS: dict[str, str | None] = {
-    "--model": None, "--host": None, "--port": None, "--api-key": None, "--worker-extension-cls": None,
-    "--max-model-len": "max_model_len", "--gpu-memory-utilization": "gpu_memory_utilization",
-    "--kv-cache-memory-bytes": "kv_cache_gb", "--tensor-parallel-size": "tensor_parallel_size",
-    "-tp": "tensor_parallel_size", "--data-parallel-size": "data_parallel_size", "-dp": "data_parallel_size",
-    "--dtype": "dtype", "--max-num-seqs": "max_num_seqs", "--enable-sleep-mode": "sleep_between_steps",
-}
 
 
 class VLLMSpec(_Spec):

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from marl.protocol import VLLM_DTYPES, VLLM_MANAGED_FLAGS
+
 __all__ = ["VLLM_DTYPES", "VLLM_PYTHON_ENV", "VLLMLaunch", "VLLMProcess", "VLLMSettings", "VLLMSettingsError",
            "vllm_python"]
 
@@ -41,16 +43,6 @@ _ENGINES_DIR = Path(__file__).resolve().parent
 WORKER_EXTENSION = "vllm_worker_ext.WeightReload"
 #: The server module both builds run (docs/backends.md, "vLLM: its own virtualenv").
 ENTRY_MODULE = "vllm.entrypoints.launchers.api_server.entry"
-#: vLLM's `--dtype` values (`ModelDType` in vllm/config/model.py, 0.32).
-VLLM_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
-#: Flags marl sets itself, which `extra_args` may not repeat: the setting that gives each, or None (marl's own).
-MANAGED_FLAGS: dict[str, str | None] = {
-    "--model": None, "--host": None, "--port": None, "--api-key": None, "--worker-extension-cls": None,
-    "--max-model-len": "max_model_len", "--gpu-memory-utilization": "gpu_memory_utilization",
-    "--kv-cache-memory-bytes": "kv_cache_gb", "--tensor-parallel-size": "tensor_parallel_size",
-    "-tp": "tensor_parallel_size", "--data-parallel-size": "data_parallel_size", "-dp": "data_parallel_size",
-    "--dtype": "dtype", "--max-num-seqs": "max_num_seqs", "--enable-sleep-mode": "sleep_between_steps",
-}
 #: Default `--gpu-memory-utilization` on CUDA: a trainable server's vLLM shares its GPU with the trainer's rank 0,
 #: whose fp32 shards of weights, gradients and AdamW state stay resident between steps, so it takes half; a static
 #: server's vLLM has the GPU to itself but leaves a margin for other processes' CUDA contexts.
@@ -142,9 +134,9 @@ def managed_flag_problems(extra_args: Sequence[object]) -> list[str]:
             continue
         flag = arg.split("=", 1)[0]
         flag = flag.replace("_", "-") if flag.startswith("--") else flag  # vLLM reads --max_model_len too
-        if flag not in MANAGED_FLAGS:
+        if flag not in VLLM_MANAGED_FLAGS:
             continue
-        setting = MANAGED_FLAGS[flag]
+        setting = VLLM_MANAGED_FLAGS[flag]
         use = (f": set {setting} instead (vllm.{setting} in a topology, --vllm-{setting.replace('_', '-')} on"
                " marl serve)") if setting else ""
         problems.append(f"{arg!r}: marl sets {flag} itself{use}")

@@ -18,14 +18,12 @@ from urllib.parse import parse_qsl, urlsplit
 
 import pytest
 
-from marl.topology.spec import VLLM_DTYPES as SPEC_DTYPES
-from marl.topology.spec import VLLM_MANAGED_FLAGS as SPEC_MANAGED_FLAGS
 from servers.engines.vllm_engine import _served_context
 from servers.engines.vllm_http import sleep_for_training, sync_weights, sync_weights_waking
 from servers.engines.vllm_process import (
     ENTRY_MODULE,
-    MANAGED_FLAGS,
     VLLM_DTYPES,
+    VLLM_MANAGED_FLAGS,
     VLLMLaunch,
     VLLMSettings,
     VLLMSettingsError,
@@ -153,9 +151,10 @@ def test_bad_settings_are_refused_naming_the_setting(values, setting, words):
 
 
 def test_the_topology_refuses_what_the_server_refuses():
-    """marl/ may not import servers/, so the topology's spec keeps its own copies of these two tables."""
-    assert SPEC_DTYPES == VLLM_DTYPES
-    assert SPEC_MANAGED_FLAGS == MANAGED_FLAGS
+    """The topology's spec and `marl serve` check against the same two tables, defined once in the protocol."""
+    from marl.topology import spec
+    assert spec.VLLM_DTYPES is VLLM_DTYPES
+    assert spec.VLLM_MANAGED_FLAGS is VLLM_MANAGED_FLAGS
 
 
 # ------------------------------------------------------------------------------------------------------------------
