@@ -400,11 +400,30 @@ class _Slots:
             sem.release()
 
 
+#: Names that left this module, kept for one release: old name -> (module, its name there). Resolved lazily:
+#: `marl.games` imports this module.
+_MOVED = {
+    "play_games": ("marl.games", "play_games"),
+    "tasks": ("marl.games", "tasks"),
+    "RunStats": ("marl.games", "RunStats"),
+    "default_player": ("marl.game_table", "default_player"),
+    "GameResult": ("marl.game_record", "GameRecord"),
+}
+
+
 def __getattr__(name: str) -> Any:
-    """Names that moved to `marl.endpoints`, kept for one release."""
+    """Names that moved (to `marl.endpoints`, `marl.games`, `marl.game_table`, `marl.game_record`), kept for one
+    release with a DeprecationWarning."""
+    import importlib
+    import warnings
+
     if name in ("Endpoint", "SnapshotSource"):
-        import warnings
         new = "one of TrainableEndpoint, StaticEndpoint, SnapshotPoolEndpoint" if name == "Endpoint" else name
         warnings.warn(f"marl.coordinator.{name} moved to marl.endpoints ({new})", DeprecationWarning, stacklevel=2)
         return legacy_endpoint if name == "Endpoint" else SnapshotSource
+    if name in _MOVED:
+        module, new = _MOVED[name]
+        warnings.warn(f"marl.coordinator.{name} moved to {module}.{new} (also importable from marl)",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), new)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

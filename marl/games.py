@@ -12,14 +12,21 @@
   move) fails every attempt at once and ends the run within half a minute (the pauses add up to 20 s).
 - `should_stop()` (asked before every game and twice a second) ends the run early: games still waiting for a lease
   give up, games already playing finish and are reported.
+- A callback that raises (`on_result`, `on_failure`, `should_stop`, or the `schedule` iterator) is never lost: it
+  stops the run as `should_stop` would (games already playing finish, are committed and still go to `on_result`),
+  and once every worker has returned `play_games` raises `CallbackFailed` chained to the first such exception
+  (`exc.__cause__`), with the tallies in `exc.stats`. A finite `schedule` that runs out ends the run normally.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from marl.coordinator import Coordinator, GameCancelled, GameFailed
 from marl.game_record import GameRecord
@@ -53,6 +60,15 @@ class RunStats:
     error: str | None = None  # why the run gave up (a game that failed `max_failures` times in a row)
 
 
+class CallbackFailed(RuntimeError):
+    """A callback of `play_games` raised: the run was stopped. `__cause__` is the callback's own exception, `stats`
+    the run's tallies when it stopped, `callback` which one raised (`on_result`, `on_failure`, `should_stop`)."""
+
+    def __init__(self, callback: str, exc: BaseException, stats: RunStats):
+        super().__init__(f"{callback} raised {exc!r}; the run stopped after {stats.games} games")
+        self.callback, self.stats = callback, stats
+
+
 @dataclass(frozen=True)
 class FailedAttempt:
     task_id: str
@@ -64,25 +80,58 @@ class FailedAttempt:
 class _Games:
     """The shared state of one `play_games` call: slots, tallies, the stop signal."""
 
-    def __init__(self, coordinator: Coordinator, schedule: Iterator[tuple[str, int]], *, games: int | None,
+    def __init__(self, coordinator: Coordinator, schedule: Iterable[tuple[str, int]], *, games: int | None,
                  max_failures: int, should_stop: Callable[[], bool], on_result: Callable[[GameRecord], None],
                  on_failure: Callable[[FailedAttempt], None]):
-        self.coordinator, self.schedule, self.games, self.max_failures = coordinator, schedule, games, max_failures
+        self.coordinator, self.games, self.max_failures = coordinator, games, max_failures
+        self.schedule = iter(schedule)  # a list of (task id, seed) pairs works too
         self.should_stop, self.on_result, self.on_failure = should_stop, on_result, on_failure
         self.stats = RunStats()
         self.started = 0  # games given a slot: finished or in flight (a replay keeps its game's slot)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # reentrant: `call` notes a failure under it while `claim` holds it
         self.stop = threading.Event()  # set: no new game, no replay, and games waiting for a lease give up
+        self.exhausted = False  # the schedule ran out
+        self.callback_error: tuple[str, Exception] | None = None  # the first callback that raised, and its name
+
+    def call(self, name: str, callback: Callable[..., Any], *args: Any) -> Any:
+        """Run a user callback on a worker thread. One that raises stops the run and is kept for `play_games` to
+        raise: left alone, it would end only this worker, with a traceback on stderr, and the run would report
+        success after fewer games than asked."""
+        try:
+            return callback(*args)
+        except Exception as exc:
+            log.error("%s raised %r: stopping the run", name, exc)
+            with self.lock:
+                self.callback_error = self.callback_error or (name, exc)
+            self.stop.set()
+            return None
+
+    def raise_callback_error(self) -> None:
+        """Raise `CallbackFailed` from the first callback that raised, if one did."""
+        if self.callback_error is not None:
+            name, exc = self.callback_error
+            raise CallbackFailed(name, exc, self.stats) from exc
 
     def claim(self) -> tuple[str, int] | None:
-        """A new game's task id and seed, or None when no more games are needed (or the run is stopping)."""
+        """A new game's task id and seed, or None when no more games are needed, the schedule ran out, or the run
+        is stopping."""
+        if self.call("should_stop", self.should_stop):
+            return None
         with self.lock:
-            if self.stop.is_set() or self.should_stop() or (self.games is not None and self.started >= self.games):
+            if self.stop.is_set() or self.exhausted or (self.games is not None and self.started >= self.games):
+                return None
+            game = self.call("schedule", next, self.schedule, None)
+            if game is None:  # a finite schedule ran out (or raised: then the run stops too)
+                self.exhausted = True
                 return None
             self.started += 1
-            return next(self.schedule)
+            return game
 
     def worker(self) -> None:
+        # `call` keeps what escapes a game too (a bug here or in a coordinator subclass): no worker dies unseen.
+        self.call("a game worker", self._work)
+
+    def _work(self) -> None:
         while (game := self.claim()) is not None:
             self.play(*game)
 
@@ -102,7 +151,7 @@ class _Games:
             with self.lock:
                 self.stats.games += 1
                 self.stats.results.append(result)
-            self.on_result(result)
+            self.call("on_result", self.on_result, result)
             return
 
     def failed(self, task_id: str, attempt: int, exc: GameFailed) -> bool:
@@ -116,13 +165,13 @@ class _Games:
                 self.stats.error = f"game {task_id} failed {attempt} times in a row; the last failure: {exc}"
                 self.stop.set()
         log.warning("%s (attempt %d%s)", exc, attempt, ", replaying it" if retrying else "")
-        self.on_failure(FailedAttempt(task_id, attempt, exc, retrying))
+        self.call("on_failure", self.on_failure, FailedAttempt(task_id, attempt, exc, retrying))
         return retrying
 
 
 def play_games(
     coordinator: Coordinator,
-    schedule: Iterator[tuple[str, int]],
+    schedule: Iterable[tuple[str, int]],
     *,
     concurrency: int,
     games: int | None = None,
@@ -130,8 +179,25 @@ def play_games(
     should_stop: Callable[[], bool] = lambda: False,
     on_result: Callable[[GameRecord], None] = lambda result: None,
     on_failure: Callable[[FailedAttempt], None] = lambda failure: None,
+    max_attempts: int | None = None,
 ) -> RunStats:
-    """Play `games` games (None: until `should_stop()`), `concurrency` at a time; see the module docstring."""
+    """Play `games` games (None: until `should_stop()` or the end of a finite `schedule`), `concurrency` at a time;
+    see the module docstring.
+
+    `on_result(record)` gets every game played and committed, `on_failure(attempt)` every failed attempt; both are
+    called on worker threads. Returns the run's tallies; `RunStats.error` says why the run gave up, if it did.
+
+    Raises `CallbackFailed` (chained to the callback's exception) if `on_result`, `on_failure` or `should_stop`
+    raised: the run stopped there, and games already playing were finished and committed first.
+
+    Deprecated, for one release: `on_result(result, error)`, the two-argument callback of `marl.coordinator`'s old
+    `play_games` (called `(record, None)` per game and `(None, GameFailed)` per failed attempt), and `max_attempts`
+    (now `max_failures`); both warn.
+    """
+    on_result, on_failure = _legacy_callbacks(on_result, on_failure)
+    if max_attempts is not None:
+        warnings.warn("play_games(max_attempts=...) is now max_failures=...", DeprecationWarning, stacklevel=2)
+        max_failures = max_attempts
     run = _Games(coordinator, schedule, games=games, max_failures=max_failures, should_stop=should_stop,
                  on_result=on_result, on_failure=on_failure)
     threads = [threading.Thread(target=run.worker, name=f"game-{i}", daemon=True) for i in range(concurrency)]
@@ -141,8 +207,36 @@ def play_games(
         for thread in threads:
             while thread.is_alive():
                 thread.join(timeout=_CHECK_S)
-                if not run.stop.is_set() and should_stop():
+                if not run.stop.is_set() and run.call("should_stop", should_stop):
                     run.stop.set()
     finally:  # Ctrl-C included: no worker starts or replays a game after this
         run.stop.set()
+    run.raise_callback_error()
     return run.stats
+
+
+def _legacy_callbacks(on_result: Callable[..., None], on_failure: Callable[[FailedAttempt], None]
+                      ) -> tuple[Callable[[GameRecord], None], Callable[[FailedAttempt], None]]:
+    """`on_result` and `on_failure` as `play_games` calls them. An `on_result` that takes two arguments is the old
+    shape, `(result, error)`: it warns, and gets `(record, None)` per game and `(None, GameFailed)` per failed
+    attempt (after `on_failure`), as before."""
+    if _required_positional(on_result) != 2:
+        return on_result, on_failure
+    warnings.warn("play_games(on_result=f) with f(result, error) is deprecated: on_result now takes the GameRecord"
+                  " alone, and failed attempts go to on_failure(FailedAttempt)", DeprecationWarning, stacklevel=3)
+
+    def failure(attempt: FailedAttempt) -> None:
+        on_failure(attempt)
+        on_result(None, attempt.error)
+
+    return (lambda record: on_result(record, None)), failure
+
+
+def _required_positional(callback: Callable[..., Any]) -> int | None:
+    """How many positional arguments `callback` requires (None: its signature cannot be read)."""
+    try:
+        parameters = inspect.signature(callback).parameters.values()
+    except (TypeError, ValueError):  # some builtins
+        return None
+    return sum(1 for p in parameters if p.default is p.empty
+               and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))

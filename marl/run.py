@@ -57,7 +57,7 @@ from marl.decision_log import DecisionLog
 from marl.endpoints import Endpoint, SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
 from marl.eval.periodic import PeriodicEval
 from marl.game_record import GameRecord, append_game
-from marl.games import FailedAttempt, play_games, tasks
+from marl.games import CallbackFailed, FailedAttempt, play_games, tasks
 from marl.launch import SERVERS_FILE, ServerProcess, Supervisor
 from marl.league import SnapshotPool, snapshot_pools
 from marl.monitor import ServerMonitor, ServerView
@@ -98,10 +98,10 @@ class _Board:
 
     def record(self, result: GameRecord) -> None:
         with self.lock:
+            append_game(self._file, result)  # first: a game counts once it is in games.jsonl
             self.games += 1
             for role, reward in result.role_rewards.items():
                 self.rewards[role].append(reward)
-            append_game(self._file, result)
 
     def failure(self, failure: FailedAttempt) -> None:
         with self.lock:
@@ -111,7 +111,10 @@ class _Board:
 
     def close(self) -> None:
         with self.lock:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as exc:  # only a line whose write already failed, and ended the run saying so, is lost
+                log.warning("could not close games.jsonl: %s", exc)
 
     def recent_rewards(self, games: int = 50) -> dict[str, float]:
         """Mean reward per role over the last `games` games."""
@@ -248,11 +251,16 @@ class _Session:
         def table() -> Table:
             return self.board.table(self.spec.name, started, self.monitor.views())
 
-        with Live(get_renderable=table, console=self.console, refresh_per_second=1):
-            stats = play_games(self.coordinator, tasks(self.spec.name, run.repeats or 1, run.seed),
-                               concurrency=run.concurrency, games=run.games, max_failures=self.max_failures,
-                               should_stop=self._should_stop, on_result=self.board.record,
-                               on_failure=self.board.failure)
+        try:
+            with Live(get_renderable=table, console=self.console, refresh_per_second=1):
+                stats = play_games(self.coordinator, tasks(self.spec.name, run.repeats or 1, run.seed),
+                                   concurrency=run.concurrency, games=run.games, max_failures=self.max_failures,
+                                   should_stop=self._should_stop, on_result=self.board.record,
+                                   on_failure=self.board.failure)
+        except CallbackFailed as exc:  # e.g. games.jsonl could not be written: the run stops and says so (exit 1)
+            self.console.print()
+            self.error = str(exc)
+            return
         self.console.print()  # the live table's last line has no newline of its own
         self.error = stats.error
 
