@@ -67,7 +67,40 @@ VLLM_MANAGED_FLAGS: dict[str, str | None] = {
     "--kv-cache-memory-bytes": "kv_cache_gb", "--tensor-parallel-size": "tensor_parallel_size",
     "-tp": "tensor_parallel_size", "--data-parallel-size": "data_parallel_size", "-dp": "data_parallel_size",
     "--dtype": "dtype", "--max-num-seqs": "max_num_seqs", "--enable-sleep-mode": "sleep_between_steps",
+    "--weight-transfer-config": "weight_sync",
 }
+#: How a trainer's weights reach vLLM (`vllm.weight_sync`): `disk` writes a safetensors directory that vLLM reloads;
+#: `ipc` (vLLM on the trainer's GPU) and `nccl` (vLLM on GPUs of its own) go through vLLM's weight-transfer engine
+#: (`--weight-transfer-config`, CUDA only), with the disk as the fallback; `auto` picks by device and placement.
+VLLM_WEIGHT_SYNC_MODES = ("auto", "disk", "ipc", "nccl")
+#: Default `--gpu-memory-utilization` on CUDA: a trainable server's vLLM shares its GPU with a trainer rank, whose
+#: fp32 shards of weights and AdamW state stay resident between steps, so it takes half; a static server's vLLM has
+#: the GPU to itself but leaves a margin for other processes' CUDA contexts. `marl plan` checks both against the model.
+VLLM_SHARED_GPU_UTILIZATION = 0.5
+VLLM_OWN_GPU_UTILIZATION = 0.9
+
+# Placement: which GPUs a server's engine and trainer ranks use (a topology server's `placement:`, which `marl run`
+# passes as `marl serve --engine-gpus 0 --trainer-gpus 1,2 --trainer-nodes N`; docs/architecture.md, "Placement").
+#: Where a trainer whose ranks span several nodes listens for the other nodes (`marl trainer-node` connects there).
+TRAINER_RENDEZVOUS_PORT = 29500
+
+
+def gpu_list_text(gpus: list[int] | tuple[int, ...]) -> str:
+    """GPU indices as a flag's value and as CUDA_VISIBLE_DEVICES: [0, 1, 2] -> "0,1,2"."""
+    return ",".join(str(gpu) for gpu in gpus)
+
+
+def parse_gpu_list(text: str) -> list[int]:
+    """A flag's GPU indices: "0,1,4-6" -> [0, 1, 4, 5, 6]. ValueError for a bad, negative or repeated index."""
+    gpus: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"{text!r} is not a list of GPU indices, e.g. 0,1 or 0-7")
+        gpus += range(int(first), int(last if dash else first) + 1)
+    if not gpus or len(set(gpus)) != len(gpus):
+        raise ValueError(f"{text!r}: GPU indices must be given once each, e.g. 0,1 or 0-7")
+    return gpus
 
 # Numbers on the wire are numbers: no `true` for 1, no "yes" for true, no 1.0 for an int (floats do take ints).
 Int = StrictInt

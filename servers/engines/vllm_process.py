@@ -19,6 +19,7 @@ the base environment leaks into vLLM's.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -31,7 +32,13 @@ from pathlib import Path
 
 import httpx
 
-from marl.protocol import VLLM_DTYPES, VLLM_MANAGED_FLAGS
+from marl.protocol import (
+    VLLM_DTYPES,
+    VLLM_MANAGED_FLAGS,
+    VLLM_OWN_GPU_UTILIZATION,
+    VLLM_SHARED_GPU_UTILIZATION,
+    VLLM_WEIGHT_SYNC_MODES,
+)
 
 __all__ = ["VLLM_DTYPES", "VLLM_PYTHON_ENV", "VLLMLaunch", "VLLMProcess", "VLLMSettings", "VLLMSettingsError",
            "vllm_python"]
@@ -43,11 +50,9 @@ _ENGINES_DIR = Path(__file__).resolve().parent
 WORKER_EXTENSION = "vllm_worker_ext.WeightReload"
 #: The server module both builds run (docs/backends.md, "vLLM: its own virtualenv").
 ENTRY_MODULE = "vllm.entrypoints.launchers.api_server.entry"
-#: Default `--gpu-memory-utilization` on CUDA: a trainable server's vLLM shares its GPU with the trainer's rank 0,
-#: whose fp32 shards of weights, gradients and AdamW state stay resident between steps, so it takes half; a static
-#: server's vLLM has the GPU to itself but leaves a margin for other processes' CUDA contexts.
-SHARED_GPU_UTILIZATION = 0.5
-OWN_GPU_UTILIZATION = 0.9
+#: Default `--gpu-memory-utilization` on CUDA (why: marl/protocol.py).
+SHARED_GPU_UTILIZATION = VLLM_SHARED_GPU_UTILIZATION
+OWN_GPU_UTILIZATION = VLLM_OWN_GPU_UTILIZATION
 #: KV cache on the CPU build when neither budget is given (the CPU has no utilization-based sizing worth trusting).
 CPU_KV_CACHE_GB = 1.0
 # The last line of a Python traceback ("RuntimeError: ..."), printed as is or through vLLM's logger at ERROR level.
@@ -95,6 +100,7 @@ class VLLMSettings:
     max_num_seqs: int | None = None  # default: vLLM's
     extra_args: tuple[str, ...] = ()  # appended to vLLM's command line as they are
     sleep_between_steps: bool | None = None  # None: auto, on CUDA when the trainer shares vLLM's GPU
+    weight_sync: str = "auto"  # disk, ipc, nccl; auto: VLLMLaunch.weight_sync
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extra_args", tuple(self.extra_args))
@@ -114,6 +120,12 @@ class VLLMSettings:
         if self.dtype is not None and self.dtype not in VLLM_DTYPES:
             found.append(("dtype", f"unknown dtype {self.dtype!r}: vLLM takes {', '.join(VLLM_DTYPES)}"))
         found += [("extra_args", message) for message in managed_flag_problems(self.extra_args)]
+        if self.weight_sync not in VLLM_WEIGHT_SYNC_MODES:
+            found.append(("weight_sync", f"must be one of {', '.join(VLLM_WEIGHT_SYNC_MODES)}, got"
+                                         f" {self.weight_sync!r}"))
+        elif self.weight_sync == "ipc" and self.tensor_parallel_size * self.data_parallel_size > 1:
+            found.append(("weight_sync", "ipc shares the trainer's tensors on one GPU, and vLLM spans"
+                                         f" {self.tensor_parallel_size * self.data_parallel_size}: use nccl or auto"))
         return found
 
 
@@ -157,6 +169,7 @@ class VLLMLaunch:
     settings: VLLMSettings = field(default_factory=VLLMSettings)
     shares_gpu: bool = False
     python: Path | None = None  # default: vllm_python()
+    cuda_visible_devices: str | None = None  # the server's engine GPUs (servers.placement); None: what it sees
 
     def __post_init__(self) -> None:
         if self.settings.sleep_between_steps and self.on_cpu:
@@ -174,6 +187,25 @@ class VLLMLaunch:
             return self.settings.sleep_between_steps
         return not self.on_cpu and self.shares_gpu
 
+    @property
+    def weight_sync(self) -> str:
+        """How weights reach vLLM (docs/backends.md, "vLLM: the weight-transfer engine"): as set, else (auto) the disk
+        on the CPU build (its transfer routes answer 500), ipc when vLLM shares the trainer's GPU and fits on it (NCCL
+        refuses two ranks on one GPU), nccl when vLLM has GPUs of its own."""
+        if self.settings.weight_sync != "auto":
+            return self.settings.weight_sync
+        if self.on_cpu:
+            return "disk"
+        if self.shares_gpu:
+            return "ipc" if self.settings.tensor_parallel_size * self.settings.data_parallel_size == 1 else "disk"
+        return "nccl"
+
+    @property
+    def dtype(self) -> str:
+        """What vLLM holds the weights in: fp32 on the CPU so logprobs match the trainer's fp32 forward; bf16 on CUDA
+        as the torch engine uses there."""
+        return self.settings.dtype or ("float32" if self.on_cpu else "bfloat16")
+
     def interpreter(self) -> Path:
         python = self.python or vllm_python()
         if not python.exists():
@@ -190,12 +222,11 @@ class VLLMLaunch:
                "--generation-config", "vllm",  # no sampling defaults from generation_config.json: as the torch engine
                "--worker-extension-cls", WORKER_EXTENSION,
                "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
-        return cmd + self._device_args() + self._memory_args() + list(self.settings.extra_args)
+        return cmd + self._device_args() + self._memory_args() + self._transfer_args() + list(self.settings.extra_args)
 
     def _device_args(self) -> list[str]:
         settings = self.settings
-        # fp32 on the CPU so logprobs match the trainer's fp32 forward; bf16 on CUDA as the torch engine uses there.
-        args = ["--dtype", settings.dtype or ("float32" if self.on_cpu else "bfloat16"),
+        args = ["--dtype", self.dtype,
                 "--tensor-parallel-size", str(settings.tensor_parallel_size),
                 "--data-parallel-size", str(settings.data_parallel_size)]
         if self.on_cpu:
@@ -223,12 +254,25 @@ class VLLMLaunch:
             args += ["--gpu-memory-utilization", str(utilization)]
         return args
 
+    def _transfer_args(self) -> list[str]:
+        """vLLM's weight-transfer engine, unless the weights go through the disk (servers.engines.weight_transfer)."""
+        if self.weight_sync == "disk":
+            return []
+        return ["--weight-transfer-config", json.dumps({"backend": self.weight_sync})]
+
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # the pause / collective_rpc / reset_prefix_cache / sleep routes
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # the pause / collective_rpc / reset_prefix_cache / sleep / transfer routes
+        if self.weight_sync == "ipc":  # IPC handles cross HTTP pickled; vLLM unpickles them only with this set
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         env["PYTHONPATH"] = str(_ENGINES_DIR)  # only the worker extension, never the base environment's packages
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the CPU build's legacy KV size would override the settings' one
-        return env
+        return {**env, **gpu_environment(self.cuda_visible_devices)}
+
+
+def gpu_environment(cuda_visible_devices: str | None) -> dict[str, str]:
+    """vLLM sees its engine GPUs only, and its tensor/data-parallel workers number them from 0."""
+    return {} if cuda_visible_devices is None else {"CUDA_VISIBLE_DEVICES": cuda_visible_devices}
 
 
 class VLLMProcess:
