@@ -86,7 +86,30 @@ def run_proxy(args: argparse.Namespace) -> None:
         sys.exit(2)
     print(f"marl proxy: {options.num_repeat} candidates per request on {options.served_model!r} at {args.server};"
           f" serving http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(build_app(options), host=args.host, port=args.port, log_level=args.log_level)
+    _serve_until_signalled(uvicorn.Server(uvicorn.Config(build_app(options), host=args.host, port=args.port,
+                                                         log_level=args.log_level)))
+
+
+def _serve_until_signalled(server: Any) -> None:
+    """Serve until SIGTERM (exit 0) or Ctrl-C (exit 130), each after uvicorn's clean shutdown.
+
+    uvicorn catches both signals, shuts down cleanly, then raises the caught signal again with the handlers it found
+    at start. Under Python's default SIGTERM handler that kills the process: a clean `kill` read as exit -15 (death by
+    signal) by supervisors and CI. So the proxy's own SIGTERM handler is in place: it ends the process with exit 0,
+    also when SIGTERM comes before uvicorn's handlers are installed (nothing is served yet, nothing to clean up).
+    """
+    import signal
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # Ctrl-C, re-raised by uvicorn after its clean shutdown
+        sys.exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def proxy_options(args: argparse.Namespace) -> Any:
