@@ -1,0 +1,52 @@
+"""What `marl plan` prints: per server, a table of its devices at rollouts and at a training step, then disk."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from .memory import GB, Parts
+from .topology_plan import ServerPlan, TopologyPlan
+
+__all__ = ["print_plan"]
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.1f}"
+
+
+def _biggest(parts: Parts | None, n: int = 3) -> str:
+    if parts is None:
+        return ""
+    items = sorted(parts.items, key=lambda item: -item[1])[:n]
+    return ", ".join(f"{what} {_gb(nbytes)}" for what, nbytes in items)
+
+
+def server_table(plan: ServerPlan) -> Table:
+    table = Table(title=f"{plan.server}: {plan.summary}", title_justify="left", show_lines=False)
+    for column in ("device", "GB", "rollouts", "training step", "peak", "fits", "largest parts (GB)"):
+        table.add_column(column, justify="left" if column in ("device", "largest parts (GB)") else "right")
+    for load in plan.devices:
+        fits = load.peak <= load.capacity
+        busiest = load.step if load.step is not None and load.step.total >= load.rollouts.total else load.rollouts
+        table.add_row(load.device, _gb(load.capacity), _gb(load.rollouts.total),
+                      _gb(load.step.total) if load.step is not None else "-", _gb(load.peak),
+                      "[green]yes[/]" if fits else "[red]no[/]", _biggest(busiest))  # fmt: skip
+    return table
+
+
+def print_plan(plan: TopologyPlan, console: Console) -> None:
+    for server in plan.servers:
+        if server.devices:
+            console.print(server_table(server))
+        for note in server.notes:
+            console.print(f"  {note}")
+        if server.disk_per_step.items:
+            console.print(f"  disk per step: {_gb(server.disk_per_step.total)} GB ({_biggest(server.disk_per_step)});"
+                          f" per checkpoint {_gb(server.disk_per_checkpoint.total)} GB")
+        console.print()
+    if plan.skipped:
+        console.print(f"not planned (no placement: their devices are not in the topology): {', '.join(plan.skipped)}")
+    for problem in plan.problems:
+        console.print(f"[red]does not fit:[/] {problem.key}: {problem.message}")
+    if not plan.problems:
+        console.print("[green]fits:[/] every planned device holds its peak")

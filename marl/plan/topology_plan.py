@@ -1,0 +1,402 @@
+"""A topology's memory plan: for each server whose devices are known, what each device holds, and whether it fits.
+
+A local server on the CPU is planned against this machine's memory (all local CPU servers share it). A server on
+GPUs (local with `device: cuda`, or remote / external with a `placement:` that states its box) is planned per GPU:
+the engine's GPUs hold vLLM (or the torch engine), the trainer's GPUs one rank each; a GPU in both holds the two,
+and the check is made at the two moments that matter:
+
+- rollouts: the engine awake, the trainer rank holding its shards between steps; and when vLLM starts (or restarts
+  after a crash) it refuses unless `gpu_memory_utilization` x the GPU is free, with that rank already there;
+- a training step: the trainer rank at its peak, the engine asleep (sleep mode) or awake.
+
+What does not fit becomes a `Problem` at the topology key to change (`servers.S.vllm.max_model_len`, ...), which
+`marl plan` prints and `marl run` refuses to start with.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from marl.protocol import VLLM_OWN_GPU_UTILIZATION, VLLM_SHARED_GPU_UTILIZATION
+from marl.topology.problems import Problem
+
+from .architecture import Architecture, UnknownModel, architecture_of
+from .memory import (
+    GB,
+    GIB,
+    Parts,
+    TrainerSetting,
+    VLLMSetting,
+    disk_per_checkpoint,
+    engine_torch,
+    engine_vllm,
+    engine_vllm_asleep,
+    trainer_rank,
+)
+
+__all__ = ["DeviceLoad", "ServerPlan", "TopologyPlan", "plan_topology"]
+
+#: Conversation length the torch engine's running batch is sized for (a game's conversation, prompt and replies).
+TORCH_ENGINE_TOKENS_PER_SEQUENCE = 2048
+#: The torch engine's largest running batch (servers/engines/torch_engine.py, max_batch_size).
+TORCH_ENGINE_MAX_BATCH = 64
+#: The torch engine's prefix cache when a server does not set prefix_cache_gb (servers/engines/prefix_cache.py).
+DEFAULT_PREFIX_CACHE_GB = 2.0
+
+
+@dataclass
+class DeviceLoad:
+    """One device of a server (a GPU, or the host's memory) at its two moments: rollouts and a training step."""
+
+    device: str
+    capacity: float
+    rollouts: Parts
+    step: Parts | None = None  # None: nothing trains here
+
+    @property
+    def peak(self) -> float:
+        return max(self.rollouts.total, self.step.total if self.step is not None else 0.0)
+
+
+@dataclass
+class ServerPlan:
+    server: str
+    summary: str  # the model and how it runs
+    devices: list[DeviceLoad] = field(default_factory=list)
+    disk_per_step: Parts = field(default_factory=Parts)
+    disk_per_checkpoint: Parts = field(default_factory=Parts)
+    notes: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+
+@dataclass
+class TopologyPlan:
+    servers: list[ServerPlan]
+    skipped: list[str]  # servers whose devices the topology does not state
+
+    @property
+    def problems(self) -> list[Problem]:
+        return [p for s in self.servers for p in s.problems]
+
+
+def plan_topology(spec: Any, *, base_dir: Path | None = None, host_memory: float | None = None,
+                  local_gpu_memory: float | None = None) -> TopologyPlan:  # fmt: skip
+    """Plan every server of a `TopologySpec` whose devices are known (see the module docstring)."""
+    plans, skipped = [], []
+    for name, server in spec.servers.items():
+        plan = _plan_server(name, server, spec, base_dir, local_gpu_memory)
+        (plans.append(plan) if plan is not None else skipped.append(name))
+    cpu_plans = [p for p in plans if p.devices and p.devices[0].device == "host"]
+    if cpu_plans:
+        _check_host(cpu_plans, host_memory if host_memory is not None else _host_memory())
+    return TopologyPlan(plans, skipped)
+
+
+def _plan_server(name: str, server: Any, spec: Any, base_dir: Path | None,
+                 local_gpu_memory: float | None) -> ServerPlan | None:  # fmt: skip
+    key = f"servers.{name}"
+    placement = getattr(server, "placement", None)
+    model = server.model
+    if server.past_of is not None:
+        model = spec.servers[server.past_of.server].model
+    if model is None or (not server.is_local and placement is None):
+        return None
+    try:
+        arch = architecture_of(model, base_dir=base_dir)
+    except UnknownModel as exc:
+        return ServerPlan(name, str(model), problems=[Problem(f"{key}.model", str(exc))])
+    if server.is_local and _device_of(server) == "cpu":
+        return _plan_on_host(name, server, arch, spec)
+    gpu_bytes = _gpu_bytes(placement, local_gpu_memory)
+    if gpu_bytes is None:
+        return ServerPlan(name, arch.name, problems=[Problem(f"{key}.placement.gpu_memory_gb", "the memory of"
+                          " one GPU is needed to plan a CUDA server (none is visible here): e.g. gpu_memory_gb: 80")])
+    return _plan_on_gpus(name, server, arch, gpu_bytes, spec)
+
+
+def _device_of(server: Any) -> str:
+    if server.device is not None:
+        return "cuda" if server.device.startswith("cuda") else "cpu"
+    import torch  # the default of `marl serve`: cuda when available
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gpu_bytes(placement: Any, local_gpu_memory: float | None) -> float | None:
+    if placement is not None and getattr(placement, "gpu_memory_gb", None):
+        return placement.gpu_memory_gb * 1e9
+    if local_gpu_memory is not None:
+        return local_gpu_memory
+    import torch
+
+    return float(torch.cuda.get_device_properties(0).total_memory) if torch.cuda.is_available() else None
+
+
+def _host_memory() -> float:
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _check_host(plans: list[ServerPlan], host_memory: float) -> None:
+    """Every local CPU server shares this machine's memory. What they hold for certain (weights, trainer state) must
+    fit, or the plan is refused at the largest server; their peaks, which count caches at their budgets and a full
+    micro-batch, only earn a warning (the OS can page, and short games never reach them)."""
+    for plan in plans:
+        plan.devices[0].capacity = host_memory
+    certain = sum(_certain(p.devices[0].rollouts) for p in plans)
+    peak = sum(p.devices[0].peak for p in plans)
+    largest = max(plans, key=lambda p: p.devices[0].peak)
+    if certain > host_memory:
+        largest.problems.append(Problem(f"servers.{largest.server}", f"the local CPU servers hold {certain / GB:.1f}"
+                                        f" GiB of weights and trainer state at once, more than this machine's"
+                                        f" {host_memory / GB:.1f} GB: run fewer or smaller models here, or move one"
+                                        " to a GPU box"))  # fmt: skip
+    elif peak > host_memory:
+        largest.notes.append(f"warning: at their peaks the local CPU servers may need {peak / GB:.1f} GB, more than"
+                             f" this machine's {host_memory / GB:.1f} GB: lower prefix_cache_gb or train"
+                             " micro_batch_tokens if they page")
+
+
+def _certain(parts: Parts) -> float:
+    return sum(nbytes for what, nbytes in parts.items if "cache" not in what)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Trainer settings from a server's train: section
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def trainer_setting(server: Any, *, on_gpu: bool, ranks: int | None = None) -> TrainerSetting | None:
+    train = getattr(server, "train", None)
+    if not server.trainable or train is None:
+        return None
+    section = train.trainer_section
+    sharded = train.trainer == "fsdp"
+    mixed = getattr(section, "mixed_precision", "fp32")
+    bf16 = sharded and (mixed == "bf16" or (mixed == "auto" and on_gpu))
+    return TrainerSetting(ranks=(ranks or section.ranks) if sharded else 1, compute_bytes=2 if bf16 else 4,
+                          micro_batch_tokens=section.micro_batch_tokens, checkpointing=section.gradient_checkpointing,
+                          kl_reference=section.kl_coef > 0, sharded=sharded, on_gpu=on_gpu)  # fmt: skip
+
+
+def _disk(plan: ServerPlan, server: Any, arch: Architecture, setting: TrainerSetting | None, *,
+          weights_through_disk: bool) -> None:  # fmt: skip
+    if setting is None:
+        return
+    p = arch.parameter_count()
+    if weights_through_disk:
+        plan.disk_per_step.add("weights for the engine", p * setting.compute_bytes)
+    if server.train.save_freq:
+        checkpoint = disk_per_checkpoint(arch, sharded=setting.sharded, export_bytes=setting.compute_bytes)
+        plan.disk_per_checkpoint = checkpoint
+        every = server.train.save_freq
+        plan.disk_per_step.add(f"checkpoint every {every} steps", checkpoint.total / every)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A server on this machine's CPU
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _calls_at_once(name: str, spec: Any) -> int:
+    """How many of this server's calls can run at once: its agents in every game in flight, up to the engine's batch."""
+    seats = sum(role.count or 1 for role in spec.roles.values() if role.server == name)
+    return max(1, min(TORCH_ENGINE_MAX_BATCH, spec.run.concurrency * max(seats, 1)))
+
+
+def _plan_on_host(name: str, server: Any, arch: Architecture, spec: Any) -> ServerPlan:
+    copies = server.past_of.k if server.past_of is not None else 1
+    plan = ServerPlan(name, f"{arch.name} ({arch.parameter_count() / 1e9:.2f}B) on the CPU"
+                      + (f", {copies} snapshots" if copies > 1 else ""))  # fmt: skip
+    if server.engine == "vllm":
+        kv = server.vllm.kv_cache_gb if server.vllm and server.vllm.kv_cache_gb else 1.0
+        engine = Parts().add("vLLM weights (fp32)", 4 * arch.parameter_count()).add("vLLM KV cache", kv * GIB)
+    else:
+        prefix = server.prefix_cache_gb if server.prefix_cache_gb is not None else DEFAULT_PREFIX_CACHE_GB
+        engine = engine_torch(arch, weight_bytes=4, sequences=_calls_at_once(name, spec),
+                              tokens_per_sequence=TORCH_ENGINE_TOKENS_PER_SEQUENCE, prefix_cache_bytes=prefix * GIB,
+                              on_gpu=False)  # fmt: skip
+    rollouts = Parts().extend(engine, prefix="engine: ") if copies == 1 else Parts().add(
+        f"{copies} engines", copies * engine.total)
+    setting = trainer_setting(server, on_gpu=False)
+    step = None
+    if setting is not None:
+        resident, peak = trainer_rank(arch, setting)
+        rollouts.add(f"trainer ({setting.ranks} ranks) between steps", setting.ranks * resident.total)
+        step = Parts().extend(engine, prefix="engine: ").extend(peak, prefix="trainer: ")
+        if setting.ranks > 1:  # every rank peaks at once, on the same host
+            step.add(f"trainer: ranks 1-{setting.ranks - 1}", (setting.ranks - 1) * peak.total)
+    plan.devices.append(DeviceLoad("host", 0.0, rollouts, step))
+    _disk(plan, server, arch, setting, weights_through_disk=server.engine == "vllm" or (
+        setting is not None and setting.sharded))  # fmt: skip
+    if not plan.problems:
+        plan.notes.append(f"torch engine sized for {TORCH_ENGINE_TOKENS_PER_SEQUENCE}-token conversations"
+                          if server.engine != "vllm" else "vLLM's CPU build: KV cache from vllm.kv_cache_gb (1 GiB)")
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A server on GPUs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _GPUs:
+    engine: list[int]
+    trainer: list[int]
+    shared: set[int]
+
+
+def _gpus(server: Any, setting: TrainerSetting | None, replicas: int) -> _GPUs:
+    """The placement's GPUs, or what `marl serve` does without one: the engine on GPUs 0.., rank r on GPU r."""
+    placement = getattr(server, "placement", None)
+    engine = list(getattr(placement, "engine_gpus", None) or range(replicas))
+    trainer = list(getattr(placement, "trainer_gpus", None) or (range(setting.ranks) if setting else []))
+    return _GPUs(engine, trainer, set(engine) & set(trainer))
+
+
+def _vllm_setting(server: Any, arch: Architecture, gpu_bytes: float, shared: bool) -> tuple[VLLMSetting, int]:
+    """vLLM's settings as `marl serve` would start it on this server's GPUs, and the max_model_len it serves."""
+    v = server.vllm
+
+    def get(setting: str, default: Any) -> Any:
+        value = getattr(v, setting, None) if v is not None else None
+        return default if value is None else value
+
+    default_utilization = VLLM_SHARED_GPU_UTILIZATION if shared else VLLM_OWN_GPU_UTILIZATION
+    kv_gb = get("kv_cache_gb", None)
+    setting = VLLMSetting(
+        gpu_bytes=gpu_bytes, utilization=get("gpu_memory_utilization", default_utilization),
+        kv_cache_bytes=kv_gb * GIB if kv_gb is not None else None, tensor_parallel=get("tensor_parallel_size", 1),
+        weight_bytes=4 if get("dtype", "auto") in ("float32", "float") else 2,
+        max_num_seqs=get("max_num_seqs", VLLMSetting.max_num_seqs),
+        cuda_graphs="--enforce-eager" not in get("extra_args", []),
+    )  # fmt: skip
+    return setting, min(get("max_model_len", arch.context_length), arch.context_length)
+
+
+def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, spec: Any) -> ServerPlan:
+    key = f"servers.{name}"
+    placement = getattr(server, "placement", None)
+    per_node = len(placement.trainer_gpus or []) if placement is not None else 0
+    setting = trainer_setting(server, on_gpu=True, ranks=per_node * placement.nodes if per_node else None)
+    uses_vllm = server.engine == "vllm" or not server.is_local
+    v = server.vllm
+    replicas = (v.tensor_parallel_size * v.data_parallel_size) if v is not None else 1
+    gpus = _gpus(server, setting, replicas)
+    plan = ServerPlan(name, f"{arch.name} ({arch.parameter_count() / 1e9:.1f}B), "
+                      + ("vLLM" if uses_vllm else "torch engine") + f" on GPUs {_ids(gpus.engine)}"
+                      + (f", {setting.ranks} trainer ranks on GPUs {_ids(gpus.trainer)}" if setting else ""))
+    if uses_vllm:
+        vllm_setting, max_model_len = _vllm_setting(server, arch, gpu_bytes, bool(gpus.shared) and setting is not None)
+        engine, kv = engine_vllm(arch, vllm_setting)
+        _check_kv(plan, key, arch, vllm_setting, kv, max_model_len)
+        v = server.vllm
+        sleeps = setting is not None and bool(gpus.shared) if v is None or v.sleep_between_steps == "auto" \
+            else bool(v.sleep_between_steps)
+        engine_in_step = engine_vllm_asleep(engine) if sleeps else engine.total
+    else:
+        prefix = server.prefix_cache_gb if server.prefix_cache_gb is not None else DEFAULT_PREFIX_CACHE_GB
+        engine = engine_torch(arch, weight_bytes=2, sequences=_calls_at_once(name, spec),
+                              tokens_per_sequence=TORCH_ENGINE_TOKENS_PER_SEQUENCE, prefix_cache_bytes=prefix * GIB,
+                              on_gpu=True)  # fmt: skip
+        vllm_setting, sleeps, engine_in_step = None, False, engine.total
+    resident, peak = trainer_rank(arch, setting) if setting is not None else (Parts(), Parts())
+    for group in _alike(sorted(set(gpus.engine) | set(gpus.trainer)), gpus):
+        load = _gpu_load(group, gpu_bytes, gpus, engine, engine_in_step, resident, peak, sleeps)
+        plan.devices.append(load)
+        plan.problems += _gpu_problems(key, load, group[0] in gpus.shared, vllm_setting, resident, gpu_bytes)
+    _disk(plan, server, arch, setting, weights_through_disk=_weights_through_disk(server, uses_vllm, setting))
+    if setting is not None:
+        plan.notes.append(_host_note(arch, sleeps))
+    return plan
+
+
+def _host_note(arch: Architecture, sleeps: bool) -> str:
+    read = arch.parameter_count() * arch.weights_bytes_per_param / GB
+    asleep = f"; each vLLM asleep keeps its weights there ({arch.parameter_count() * 2 / GB:.0f} GB)" if sleeps else ""
+    return f"host memory: rank 0 reads the model ({read:.0f} GB){asleep}"
+
+
+def _ids(gpus: list[int]) -> str:
+    """0-7 for a run of GPUs, 0,2,5 otherwise."""
+    if len(gpus) > 2 and gpus == list(range(gpus[0], gpus[-1] + 1)):
+        return f"{gpus[0]}-{gpus[-1]}"
+    return ",".join(map(str, gpus)) if gpus else "-"
+
+
+def _weights_through_disk(server: Any, uses_vllm: bool, setting: TrainerSetting | None) -> bool:
+    if setting is None:
+        return False
+    if uses_vllm:
+        mode = getattr(server.vllm, "weight_sync", "auto") if server.vllm is not None else "auto"
+        return mode == "disk"  # auto on CUDA: vLLM's weight-transfer engine (ipc or nccl)
+    return setting.sharded  # the one-process trainer hands the torch engine its tensors
+
+
+def _alike(gpu_ids: list[int], gpus: _GPUs) -> list[list[int]]:
+    """GPUs grouped by what they hold (engine, trainer, or both): one row and one check per group."""
+    groups: dict[tuple[bool, bool], list[int]] = {}
+    for gpu in gpu_ids:
+        groups.setdefault((gpu in gpus.engine, gpu in gpus.trainer), []).append(gpu)
+    return list(groups.values())
+
+
+def _gpu_load(group: list[int], gpu_bytes: float, gpus: _GPUs, engine: Parts, engine_in_step: float,
+              resident: Parts, peak: Parts, sleeps: bool) -> DeviceLoad:  # fmt: skip
+    rollouts, step, gpu = Parts(), None, group[0]
+    if gpu in gpus.engine:
+        rollouts.extend(engine, prefix="engine: ")
+    if gpu in gpus.trainer:
+        rollouts.extend(resident, prefix="trainer between steps: ")
+        step = Parts().extend(peak, prefix="trainer step: ")
+        if gpu in gpus.engine:
+            step.add("engine asleep" if sleeps else "engine (awake)", engine_in_step)
+    return DeviceLoad(("GPU " if len(group) == 1 else "GPUs ") + _ids(group), gpu_bytes, rollouts, step)
+
+
+def _gpu_problems(key: str, load: DeviceLoad, shared: bool, vllm: VLLMSetting | None, resident: Parts,
+                  gpu_bytes: float) -> list[Problem]:  # fmt: skip
+    gb = gpu_bytes / GB
+    if vllm is not None and shared and vllm.utilization * gpu_bytes + resident.total > gpu_bytes:
+        most = max(0.0, (gpu_bytes - resident.total) / gpu_bytes)
+        return [Problem(f"{key}.vllm.gpu_memory_utilization", f"{load.device}: vLLM starts only when"
+                        f" {vllm.utilization:.2f} x {gb:.0f} GB is free, but the trainer rank there holds"
+                        f" {resident.total / GB:.1f} GB between steps: set it to at most {most - 0.005:.2f}, or give"
+                        " the trainer other GPUs (placement.trainer_gpus)")]  # fmt: skip
+    problems = []
+    if load.step is not None and load.step.total > gpu_bytes:
+        what, most = max(load.step.items, key=lambda item: item[1])
+        problems.append(Problem(f"{key}.train", f"{load.device}: a training step needs {load.step.total / GB:.1f} GB"
+                                f" of {gb:.0f} GB (most: {what}, {most / GB:.1f} GB): lower micro_batch_tokens, turn"
+                                " on gradient_checkpointing, or shard over more GPUs (fsdp ranks,"
+                                " placement.trainer_gpus)"))  # fmt: skip
+    if load.rollouts.total > gpu_bytes:
+        problems.append(Problem(f"{key}.placement", f"{load.device}: holds {load.rollouts.total / GB:.1f} GB during"
+                                f" rollouts, more than its {gb:.0f} GB: give the engine and the trainer separate"
+                                " GPUs, or lower vllm.gpu_memory_utilization"))  # fmt: skip
+    return problems
+
+
+def _check_kv(plan: ServerPlan, key: str, arch: Architecture, s: VLLMSetting, kv: float, max_model_len: int) -> None:
+    per_token = arch.kv_bytes_per_token(s.weight_bytes, s.tensor_parallel)
+    one_sequence = max_model_len * per_token
+    if kv < one_sequence:
+        fits = int(max(kv, 0) // per_token)
+        where = "kv_cache_gb" if s.kv_cache_bytes is not None else "gpu_memory_utilization"
+        plan.problems.append(Problem(f"{key}.vllm.max_model_len", f"one {max_model_len}-token sequence needs"
+                                     f" {one_sequence / GB:.2f} GB of KV cache per GPU, but vLLM has"
+                                     f" {max(kv, 0) / GB:.2f} GB for it (vllm.{where} {_setting_text(s)}):"
+                                     f" set max_model_len to at most {fits}, raise vllm.{where}, or split the model"
+                                     " over more GPUs (vllm.tensor_parallel_size)"))  # fmt: skip
+        return
+    plan.notes.append(f"KV cache {kv / GB:.1f} GB per GPU: {kv / per_token / 1000:.0f}k tokens,"
+                      f" {kv / one_sequence:.0f} sequences of the full {max_model_len} tokens")
+
+
+def _setting_text(s: VLLMSetting) -> str:
+    if s.kv_cache_bytes is not None:
+        return f"= {s.kv_cache_bytes / GIB:.1f} GiB"
+    return f"= {s.utilization:.2f} of {s.gpu_bytes / GB:.0f} GB"
