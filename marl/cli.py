@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -51,8 +52,43 @@ def _serve_options(args: argparse.Namespace):
         data_dir=Path(args.data_dir) if args.data_dir else None, static=args.static,
         served_model_name=args.served_model_name, public_url=args.public_url, device=args.device,
         prefix_cache_gb=args.prefix_cache_gb, engine=args.engine, vllm=_vllm_settings(args),
-        max_body_mb=args.max_body_mb, log_level=args.log_level,
+        placement=_placement(args), max_body_mb=args.max_body_mb, log_level=args.log_level,
     )
+
+
+def _placement(args: argparse.Namespace):
+    """--engine-gpus, --trainer-gpus, --trainer-nodes, --rendezvous-port as a `Placement` (ValueError: bad flag)."""
+    from servers.placement import Placement
+
+    gpus = {key: tuple(value) for key in ("engine_gpus", "trainer_gpus") if (value := getattr(args, key)) is not None}
+    if gpus and args.device == "cpu":
+        raise ValueError(f"{', '.join('--' + key.replace('_', '-') for key in gpus)}: --device cpu uses no GPU")
+    if args.trainer_nodes < 1:
+        raise ValueError(f"--trainer-nodes: must be >= 1, got {args.trainer_nodes}")
+    return Placement(**gpus, nodes=args.trainer_nodes, rendezvous_port=args.rendezvous_port)
+
+
+def _gpu_list(text: str) -> list[int]:
+    from marl.protocol import parse_gpu_list
+
+    try:
+        return parse_gpu_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _trainer_node(args: argparse.Namespace) -> None:
+    # server-side, like `serve`: this machine runs ranks of a server's trainer
+    from marl.protocol import ADMIN_TOKEN_ENV
+    from servers.trainers.fsdp_nodes import run_trainer_node
+
+    token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
+    if not token:
+        print(f"marl trainer-node: give the server's admin token (--admin-token or ${ADMIN_TOKEN_ENV})",
+              file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_trainer_node(args.server, args.port, args.node_rank, token.encode(), once=args.once)
 
 
 #: The `VLLMSettings` that `--vllm-KEY` flags set (--vllm-arg, repeated, gives extra_args).
@@ -200,6 +236,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        help="torch: transformers in this process; vllm: vLLM in a subprocess of its own virtualenv"
                             " (`make vllm` builds .venv-vllm; or point $MARL_VLLM_PYTHON at one)")
     _add_vllm_flags(serve)
+    _add_placement_flags(serve)
     serve.add_argument("--max-body-mb", type=_megabytes, default=16.0,
                        help="largest request body accepted, in MB (413 beyond; default: 16)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -228,6 +265,38 @@ def _add_vllm_flags(serve: argparse.ArgumentParser) -> None:
     vllm.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                       help="one more argument for vLLM's command line, as is; repeat it. Write --vllm-arg=--flag"
                            " (with '=') for an argument that starts with '-'")
+
+
+def _add_placement_flags(serve: argparse.ArgumentParser) -> None:
+    from marl.protocol import TRAINER_RENDEZVOUS_PORT
+
+    gpus = serve.add_argument_group("Placement", "Which of the GPUs this server sees its engine and trainer ranks use,"
+                                    " e.g. 0,1 or 0-7; a topology server's placement: sets them (docs/architecture.md,"
+                                    " \"Placement\"). Left out: the engine on GPU 0, trainer rank r on GPU r.")
+    gpus.add_argument("--engine-gpus", type=_gpu_list, metavar="GPUS",
+                      help="the engine's GPUs (vLLM: tensor x data parallel size of them; torch: one)")
+    gpus.add_argument("--trainer-gpus", type=_gpu_list, metavar="GPUS",
+                      help="the trainer's GPUs on each node, one FSDP rank each (trainer grpo: one)")
+    gpus.add_argument("--trainer-nodes", type=int, default=1, metavar="N",
+                      help="machines the FSDP ranks span; each other one runs `marl trainer-node` (default 1)")
+    gpus.add_argument("--rendezvous-port", type=int, default=TRAINER_RENDEZVOUS_PORT, metavar="PORT",
+                      help=f"with --trainer-nodes > 1: where other nodes connect (default {TRAINER_RENDEZVOUS_PORT})")
+
+
+def _add_trainer_node(sub: argparse._SubParsersAction) -> None:
+    from marl.protocol import TRAINER_RENDEZVOUS_PORT
+
+    node = sub.add_parser("trainer-node", help="run this machine's ranks of a server's FSDP trainer (multi-node)",
+                          description="Join the FSDP trainer of a server started with --trainer-nodes N (a topology's"
+                                      " placement.nodes) as node N-1 or lower: this machine runs its share of the"
+                                      " ranks, for every trainer the server starts, until interrupted.")
+    node.add_argument("--server", required=True, metavar="HOST", help="the server's machine, as this one reaches it")
+    node.add_argument("--port", type=int, default=TRAINER_RENDEZVOUS_PORT,
+                      help=f"the server's --rendezvous-port (default {TRAINER_RENDEZVOUS_PORT})")
+    node.add_argument("--node-rank", type=int, required=True, metavar="N", help="this node's number, 1 .. nodes-1")
+    node.add_argument("--admin-token", help="the server's admin token (default: $MARL_ADMIN_TOKEN)")
+    node.add_argument("--once", action="store_true", help="leave after the first trainer's ranks exit")
+    node.set_defaults(func=_trainer_node)
 
 
 def _add_status(sub: argparse._SubParsersAction) -> None:
@@ -323,8 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     from marl.eval.command import add_eval_parser
     from marl.proxy import add_proxy_parser
 
-    for add in (_add_serve, _add_status, _add_topology, _add_run, _add_overwatch, _add_plot, _add_games,
-                _add_episode, add_eval_parser, add_proxy_parser):
+    for add in (_add_serve, _add_trainer_node, _add_status, _add_topology, _add_run, _add_overwatch,
+                _add_plot, _add_games, _add_episode, add_eval_parser, add_proxy_parser):
         add(sub)
     return parser
 

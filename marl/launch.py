@@ -19,7 +19,8 @@ from pathlib import Path
 
 import httpx
 
-from marl.topology.spec import VLLMSpec
+from marl.protocol import TRAINER_RENDEZVOUS_PORT, gpu_list_text
+from marl.topology.spec import PlacementSpec, VLLMSpec
 
 #: glibc malloc settings for server processes (the environment overrides them): few arenas, so the tensors that the
 #: engine, trainer and HTTP threads free go back to one pool instead of staying resident per thread.
@@ -53,7 +54,8 @@ class ServerProcess:
     """One `marl serve` subprocess; its output goes to `log_path`.
 
     `host`: the interface it listens on (default: loopback only). `vllm`: a topology server's `vllm:` section, passed
-    as `--vllm-*` flags. `die_with_parent`: on Linux, the server is killed
+    as `--vllm-*` flags; `placement` as --engine-gpus, --trainer-gpus, --trainer-nodes. `environment`: more variables
+    for it (a Ray actor's CUDA_VISIBLE_DEVICES). `die_with_parent`: on Linux, the server is killed
     when the thread that started it dies (a Ray actor's, marl/ray_cluster.py: a restarted actor must never find the
     old server still on its data dir); that thread must live as long as the server.
     """
@@ -61,7 +63,8 @@ class ServerProcess:
     def __init__(self, *, model: str, admin_token: str, data_dir: Path, log_path: Path, static: bool = False,
                  device: str | None = None, served_name: str | None = None, port: int | None = None,
                  prefix_cache_gb: float | None = None, engine: str = "torch", vllm: VLLMSpec | None = None,
-                 host: str = "127.0.0.1", die_with_parent: bool = False):
+                 placement: PlacementSpec | None = None, host: str = "127.0.0.1", die_with_parent: bool = False,
+                 environment: Mapping[str, str] | None = None):
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
@@ -82,6 +85,9 @@ class ServerProcess:
             self.args += ["--engine", engine]
         if vllm is not None:
             self.args += vllm_flags(vllm)
+        if placement is not None:
+            self.args += placement_flags(placement)
+        self.extra_environment = dict(environment or {})
         if host != "127.0.0.1":
             self.args += ["--host", host]
         self.die_with_parent = die_with_parent and _PRCTL is not None
@@ -107,10 +113,14 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:
             # Own process group: Ctrl-C in the terminal reaches `marl run`, which then stops servers in order.
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env={**_ALLOCATOR_ENV, **os.environ, "PYTHONUNBUFFERED": "1",
-                                              "MARL_ADMIN_TOKEN": self.admin_token},
+                                         env=self.environment(),
                                          preexec_fn=_die_with_parent if self.die_with_parent else None)
         return self
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: ours, with its admin token and `environment`."""
+        return {**_ALLOCATOR_ENV, **os.environ, "PYTHONUNBUFFERED": "1", "MARL_ADMIN_TOKEN": self.admin_token,
+                **self.extra_environment}
 
     def wait_healthy(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -150,6 +160,20 @@ def vllm_flags(vllm: VLLMSpec) -> list[str]:
     for key, value in vllm.model_dump(exclude_defaults=True, exclude={"extra_args"}).items():
         flags += [f"--vllm-{key.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
     return flags + [f"--vllm-arg={arg}" for arg in vllm.extra_args]
+
+
+def placement_flags(placement: PlacementSpec) -> list[str]:
+    """A topology server's `placement:` as `marl serve` flags (gpu_memory_gb is `marl plan`'s alone)."""
+    flags = []
+    if placement.engine_gpus is not None:
+        flags += ["--engine-gpus", gpu_list_text(placement.engine_gpus)]
+    if placement.trainer_gpus is not None:
+        flags += ["--trainer-gpus", gpu_list_text(placement.trainer_gpus)]
+    if placement.nodes > 1:
+        flags += ["--trainer-nodes", str(placement.nodes)]
+        if placement.rendezvous_port != TRAINER_RENDEZVOUS_PORT:
+            flags += ["--rendezvous-port", str(placement.rendezvous_port)]
+    return flags
 
 
 class ServerWatch:

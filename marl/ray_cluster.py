@@ -7,7 +7,8 @@ run without it never imports ray (docs/ray.md).
 - `RayCluster.launch(name, options, resources)` makes one `_ServerActor`, placed by the server's `resources` (CPU
   defaults to 1) and named `<run id>.<server>` in the namespace `marl`. On its node the actor runs `marl serve` as a
   subprocess (`marl.launch.ServerProcess`, listening on the node's IP, killed with the actor however it dies) on the
-  run's data dir for that server, with the run's admin token.
+  run's data dir for that server, with the run's admin token. It sees only the GPUs Ray gave the actor
+  (CUDA_VISIBLE_DEVICES; empty without `resources: {GPU: n}`), and its `placement` indices number those from 0.
 - Deaths: when its `marl serve` dies, the actor exits; Ray restarts a dead actor (`max_restarts=MAX_RESTARTS`) on a node
   that has its resources, and the new actor starts `marl serve` again on the same data dir, so the server resumes from
   its ledger and checkpoints, as `marl.launch.Supervisor` does locally. `RaySupervisor` sees each new incarnation,
@@ -27,7 +28,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,8 @@ class _ServerActor:
     """One `marl serve` on the node Ray placed this actor on; it lives and dies with its server process."""
 
     def __init__(self, options: dict[str, Any]):
-        self.process = ServerProcess(host=ray.util.get_node_ip_address(), die_with_parent=True, **options).start()
+        self.process = ServerProcess(host=ray.util.get_node_ip_address(), die_with_parent=True,
+                                     environment=server_gpu_environment(ray.get_gpu_ids()), **options).start()
         self.process.wait_healthy()
         self.incarnation = uuid.uuid4().hex  # new at every (re)start: how the driver tells a restart
         self.stopping = False
@@ -77,6 +79,12 @@ class _ServerActor:
                                    " restart it\n")
                 os._exit(1)
             time.sleep(_WATCH_S)
+
+
+def server_gpu_environment(gpu_ids: Sequence[int | str]) -> dict[str, str]:
+    """What GPUs a server actor's `marl serve` sees: the ones Ray gave the actor (`resources: {GPU: n}`), which its
+    `placement` indices number from 0; none for an actor without GPUs (Ray would leave it seeing all of its node's)."""
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in gpu_ids)}
 
 
 @ray.remote(num_cpus=0, max_retries=0, scheduling_strategy="SPREAD")

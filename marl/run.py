@@ -229,7 +229,7 @@ class _Session:
         options = dict(model=server.model, admin_token=self.token, data_dir=self.run_dir / "servers" / name,
                        log_path=self.run_dir / "logs" / f"{name}.log", static=not server.trainable,
                        device=server.device, port=server.port, prefix_cache_gb=server.prefix_cache_gb,
-                       engine=server.engine or "torch", vllm=server.vllm)
+                       engine=server.engine or "torch", vllm=server.vllm, placement=server.placement)
         if self.cluster is not None:
             return self.cluster.launch(name, options, server.resources)
         process = ServerProcess(**options).start()

@@ -6,7 +6,7 @@ import logging
 import os
 import secrets
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
@@ -17,6 +17,7 @@ from servers.engines.vllm_process import VLLMSettings
 from servers.http_routes import create_app
 from servers.interfaces import Trainer
 from servers.lifecycle import EngineFactory, TrainerFactory
+from servers.placement import Placement, visible_devices
 from servers.static_server import StaticServer
 from servers.trainable_server import TrainableServer
 
@@ -35,6 +36,7 @@ class ServeOptions:
     prefix_cache_gb: float | None = None  # None: the engine's default
     engine: str = "torch"  # torch: transformers in this process; vllm: vLLM in a subprocess of its own venv
     vllm: VLLMSettings | None = None  # engine vllm: how vLLM runs (None: the defaults of the device)
+    placement: Placement = field(default_factory=Placement)  # which GPUs the engine and trainer ranks use
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413) before they are read
     log_level: str = "info"
 
@@ -59,27 +61,31 @@ def torch_engine_factory(device: str | None, prefix_cache_gb: float | None = Non
     return build
 
 
-def _grpo_trainer(model_dir: Path, section, device: str | None) -> Trainer:
+def _grpo_trainer(model_dir: Path, section, device: str | None, placement: Placement, authkey: bytes) -> Trainer:
     from servers.trainers.grpo import GRPOTrainer
 
-    return GRPOTrainer(model_dir, section, device=device)
+    return GRPOTrainer(model_dir, section, device=placement.trainer_device(device))  # in this process: cuda:<gpu>
 
 
-#: `TrainConfig.trainer` -> how to build that trainer from the model dir, its config section and the device.
-def _fsdp_trainer(model_dir: Path, section, device: str | None) -> Trainer:
+def _fsdp_trainer(model_dir: Path, section, device: str | None, placement: Placement, authkey: bytes) -> Trainer:
     from servers.trainers.fsdp import FSDPTrainer
 
-    return FSDPTrainer(model_dir, section, device=device)
+    # the admin token lets the ranks of other nodes in (placement.nodes > 1)
+    return FSDPTrainer(model_dir, section, device=device, placement=placement, authkey=authkey)
 
 
+#: `TrainConfig.trainer` -> how to build that trainer from the model dir, its config section, the device, the
+#: placement and the server's admin token.
 TRAINERS = {"grpo": _grpo_trainer, "fsdp": _fsdp_trainer}
 
 
-def default_trainer_factory(device: str | None) -> TrainerFactory:
+def default_trainer_factory(device: str | None, placement: Placement | None = None,
+                            authkey: bytes = b"") -> TrainerFactory:  # fmt: skip
     """Builds the trainer the synced config names (`config.trainer`), with its section (e.g. `config.grpo`)."""
+    placement = placement or Placement()
 
     def build(model_dir: Path, config: TrainConfig) -> Trainer:
-        return TRAINERS[config.trainer](model_dir, config.trainer_section, device)
+        return TRAINERS[config.trainer](model_dir, config.trainer_section, device, placement, authkey)
 
     return build
 
@@ -105,10 +111,18 @@ def engine_factory_for(options: ServeOptions) -> EngineFactory:
     if options.engine == "vllm":
         from servers.engines.vllm_engine import vllm_engine_factory
 
-        # a trainable server's trainer shares vLLM's GPU (rank 0 and vLLM both take GPU 0)
-        return vllm_engine_factory(options.device, settings=options.vllm, shares_gpu=not options.static,
-                                   work_dir=options.resolved_data_dir() / "vllm")
-    return torch_engine_factory(options.device, options.prefix_cache_gb)
+        return vllm_engine_factory(options.device, settings=options.vllm, work_dir=options.resolved_data_dir() / "vllm",
+                                   **vllm_placement(options))
+    return torch_engine_factory(options.placement.engine_device(options.device), options.prefix_cache_gb)
+
+
+def vllm_placement(options: ServeOptions) -> dict:
+    """What vLLM's launch takes from the placement: `shares_gpu`, whether a trainer uses one of its GPUs (sleep mode
+    and the default memory share follow from it), and `cuda_visible_devices`, its GPUs."""
+    placement = options.placement
+    gpus = None if placement.engine_gpus is None or options.device == "cpu" else placement.engine_gpus
+    return {"shares_gpu": not options.static and placement.shares_gpu(),
+            "cuda_visible_devices": None if gpus is None else visible_devices(gpus)}
 
 
 def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None = None,
@@ -116,6 +130,7 @@ def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None 
     """The server `options` describe, and its admin token. The factories default to the torch engine and the
     trainer the config names; tests and benches pass their own (a stub engine, a slow trainer)."""
     served_name = options.served_name()
+    token = admin_token(options)
     engine_factory = engine_factory or engine_factory_for(options)
     if options.static:
         server = StaticServer(model=options.model, served_name=served_name, resolve_model=resolve,
@@ -123,9 +138,10 @@ def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None 
     else:
         server = TrainableServer(model=options.model, served_name=served_name, data_dir=options.resolved_data_dir(),
                                  resolve_model=resolve, engine_factory=engine_factory,
-                                 trainer_factory=trainer_factory or default_trainer_factory(options.device),
+                                 trainer_factory=trainer_factory or default_trainer_factory(
+                                     options.device, options.placement, token.encode()),
                                  public_url=options.public_url)
-    return server, admin_token(options)
+    return server, token
 
 
 def build_app(options: ServeOptions, *, engine_factory=None, trainer_factory=None) -> FastAPI:

@@ -11,6 +11,8 @@ Decisions (also in the messages):
   must be one (a remote swarm server keeps its checkpoints on its own machine). One that never checkpoints
   (`save_freq: 0`) leaves only the initial model to play: a warning.
 - `run.eval_every` evaluates checkpoints too: every trainable server must be local and save checkpoints.
+- Under `run.ray`, a local server sees only the GPUs its actor asks for (`resources: {GPU: n}`; none without it):
+  `device: cuda` needs some, and its `placement` GPUs index those n.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class Findings:
 def check_spec(spec: TopologySpec, findings: Findings) -> None:
     """Run every check; fills in the defaults of `run.repeats` and `run.run_dir`."""
     for check in (check_names, check_role_players, check_unused_servers, check_repeats, check_stop,
-                  check_urls, check_past_of, check_eval_every):
+                  check_urls, check_past_of, check_eval_every, check_ray_gpus):
         check(spec, findings)
     if spec.run.run_dir is None:
         spec.run.run_dir = Path("runs") / spec.name
@@ -176,3 +178,22 @@ def check_eval_every(spec: TopologySpec, findings: Findings) -> None:
             findings.warn(["run", "eval_every"], f"{every} is not a multiple of servers.{name}.train.save_freq"
                                                  f" ({server.train.save_freq}): each evaluation plays the newest"
                                                  " checkpoint at that point")
+
+
+def check_ray_gpus(spec: TopologySpec, findings: Findings) -> None:
+    """Under run.ray a server actor's `marl serve` sees the GPUs Ray gave it, and no others."""
+    if spec.run.ray is None:
+        return
+    for name, server in spec.servers.items():
+        if not server.is_local or server.kind is ServerKind.PAST_SNAPSHOTS:
+            continue
+        granted = int((server.resources or {}).get("GPU", 0))
+        placed = server.placement and [*(server.placement.engine_gpus or []), *(server.placement.trainer_gpus or [])]
+        if server.device == "cuda" and granted == 0:
+            findings.bad(["servers", name, "device"], "under run.ray a server sees only the GPUs its actor asks"
+                                                      " for: add resources: {GPU: n}, or device: cpu")
+        if placed and max(placed) >= granted:
+            findings.bad(["servers", name, "placement"], f"under run.ray the server sees the {granted} GPU(s) of"
+                                                         f" resources.GPU, numbered from 0, but placement uses GPU"
+                                                         f" {max(placed)}: ask for resources: {{GPU:"
+                                                         f" {max(placed) + 1}}} or more, or renumber")

@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from marl.protocol import VLLM_DTYPES, VLLM_MANAGED_FLAGS, TrainConfig
+from marl.protocol import TRAINER_RENDEZVOUS_PORT, VLLM_DTYPES, VLLM_MANAGED_FLAGS, TrainConfig
 
 from .importing import import_path_problem
 
@@ -79,7 +79,8 @@ class PastOfSpec(_Spec):
 
 
 class VLLMSpec(_Spec):
-    """How vLLM runs for a local server with `engine: vllm` (passed as `marl serve --vllm-*`; docs/backends.md)."""
+    """How vLLM runs for a local server with `engine: vllm` (passed as `marl serve --vllm-*`; docs/backends.md), or
+    on a remote swarm or external server (there it only informs `marl plan`)."""
 
     max_model_len: int | None = Field(None, ge=1, description="Longest prompt + completion in tokens (default: the"
                                       " model's context; a longer one is capped to it). One sequence this long must"
@@ -103,7 +104,7 @@ class VLLMSpec(_Spec):
     sleep_between_steps: Literal["auto", True, False] = Field(
         "auto", description="Sleep mode (CUDA only): before each training step vLLM offloads its weights and drops its"
         " KV cache so the trainer has the GPU, and the weight sync wakes it. auto: on CUDA for a trainable server"
-        " (its trainer shares vLLM's GPU).")
+        " whose placement.engine_gpus and trainer_gpus overlap (both default to GPU 0); off when they are disjoint.")
 
     @field_validator("extra_args")
     @classmethod
@@ -118,6 +119,42 @@ class VLLMSpec(_Spec):
         if problems:
             raise rule_error("; ".join(problems))
         return extra_args
+
+
+GPUIndices = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class PlacementSpec(_Spec):
+    """Which GPUs of its machine a server's engine and trainer ranks use (docs/architecture.md, "Placement").
+
+    Indices count the GPUs `marl serve` sees (under Ray: the ones Ray gave its actor). Local servers get them as
+    CUDA_VISIBLE_DEVICES of every process they start; for a remote swarm or external server they only describe its
+    machine to `marl plan`. Left out: the engine on GPU 0 and trainer rank r on GPU r, as without placement.
+    """
+
+    gpu_memory_gb: float | None = Field(None, gt=0, description="Memory of one GPU in GB, for `marl plan` (default"
+                                        " for a local server: what torch.cuda reports).")
+    engine_gpus: GPUIndices | None = Field(None, description="GPUs of the inference engine: one for the torch"
+                                           " engine; vllm.tensor_parallel_size x data_parallel_size for vLLM"
+                                           " (default: [0]).")
+    trainer_gpus: GPUIndices | None = Field(None, description="GPUs of the trainer, one rank per GPU on each node:"
+                                            " train.fsdp.ranks = nodes x their number (ranks defaults to it); one"
+                                            " for trainer: grpo (default: rank r on GPU r).")
+    nodes: int = Field(1, ge=1, description="Machines the trainer's ranks span (trainer_gpus on each). The server's"
+                       " machine is node 0; each other runs `marl trainer-node --server HOST --node-rank N`.")
+    rendezvous_port: int = Field(TRAINER_RENDEZVOUS_PORT, ge=1, le=65535, description="With nodes > 1: the port"
+                                 " where the server waits for the other nodes' ranks (`marl trainer-node`).")
+
+    @model_validator(mode="after")
+    def _unique(self) -> PlacementSpec:
+        _raise_rules(self, [((key,), f"GPU {gpus[i]} is listed twice: list each GPU once, e.g. [0, 1]")
+                            for key in ("engine_gpus", "trainer_gpus") if (gpus := getattr(self, key))
+                            for i in range(len(gpus)) if gpus[i] in gpus[:i]])
+        return self
+
+    def shares_gpu(self) -> bool:
+        """Do the engine and the trainer use a GPU in common (the defaults: GPU 0 both)?"""
+        return bool(set(self.engine_gpus or [0]) & set(self.trainer_gpus or [0]))
 
 
 class ServerSpec(_Spec):
@@ -135,7 +172,12 @@ class ServerSpec(_Spec):
                                                     " or vllm (a subprocess in its own virtualenv: make vllm).")
     vllm: VLLMSpec | None = Field(None, description="Local, with engine: vllm: how vLLM runs (max_model_len,"
                                   " gpu_memory_utilization or kv_cache_gb, parallel sizes, dtype, max_num_seqs,"
-                                  " extra_args, sleep_between_steps).")
+                                  " extra_args, sleep_between_steps). Remote swarm or external: how the vLLM"
+                                  " there runs, for `marl plan` (marl run starts nothing there).")
+    placement: PlacementSpec | None = Field(None, description="Which GPUs the engine and the trainer's ranks use"
+                                            " (engine_gpus, trainer_gpus, nodes, gpu_memory_gb). Local: set for"
+                                            " every process the server starts; remote swarm or external: describes"
+                                            " that machine for `marl plan`.")
     resources: dict[str, Annotated[float, Field(ge=0)]] | None = Field(
         None, description="Local, with run.ray: what the server's Ray actor asks of a node: CPU (default 1), GPU,"
                           " memory (bytes) or any custom resource, e.g. {GPU: 1} or {node_b: 1} (docs/ray.md)."
@@ -174,6 +216,8 @@ class ServerSpec(_Spec):
             _raise_rules(self, kind_rules)
         _raise_rules(self, [*_placement_rules(self), *_external_rules(self), *_swarm_rules(self),
                             *_past_of_rules(self), *_train_rules(self), *_vllm_rules(self)])
+        _raise_rules(self, _gpu_rules(self))  # after the others: they read train and vllm as valid
+        _default_ranks(self)
         return self
 
 
@@ -199,8 +243,8 @@ def _placement_rules(s: ServerSpec) -> list[Rule]:
         which = "url" if s.kind is ServerKind.EXTERNAL_OPENAI else "swarm_url"
         rules += [((key,), f"{key} only applies to a local server that `marl run` starts, but this server is remote"
                            f" ({which}: is set): remove {key}, or remove {which} to run it locally")
-                  for key in ("device", "port", "prefix_cache_gb", "engine", "vllm", "resources")
-                  if getattr(s, key) is not None]
+                  for key in ("device", "port", "prefix_cache_gb", "engine", "resources")
+                  if getattr(s, key) is not None]  # vllm: and placement: describe the remote machine (marl plan)
     else:
         rules += [((key,), f"{key} only applies to remote servers (url: or swarm_url:); `marl run` makes its own"
                            " tokens for the servers it starts: remove it")
@@ -259,7 +303,7 @@ def _past_of_rules(s: ServerSpec) -> list[Rule]:
 
 def _vllm_rules(s: ServerSpec) -> list[Rule]:
     if s.vllm is None or not s.is_local:
-        return []  # a remote server's vllm: is refused by _placement_rules
+        return []  # a remote server's vllm: only describes the vLLM there (for marl plan)
     if s.kind is ServerKind.PAST_SNAPSHOTS:
         return [(("vllm",), "a past_of server's snapshots are served by the torch engine: remove vllm")]
     if s.engine != "vllm":
@@ -279,6 +323,66 @@ def _train_rules(s: ServerSpec) -> list[Rule]:
     if not s.trainable and s.train is not None:
         return [(("train",), "a static server does not train: remove train:, or set trainable: true")]
     return []
+
+
+def _gpu_rules(s: ServerSpec) -> list[Rule]:
+    """placement: against the server's kind, device, engine and trainer."""
+    p = s.placement
+    if p is None:
+        return []
+    if s.kind is ServerKind.PAST_SNAPSHOTS:
+        return [(("placement",), "a past_of server's snapshots are placed by marl run, one process each: remove"
+                                 " placement")]
+    rules: list[Rule] = [(("placement", key), f"device: cpu uses no GPU: remove placement.{key}, or set device:"
+                                              " cuda")
+                         for key in ("engine_gpus", "trainer_gpus") if s.device == "cpu" and getattr(p, key)]
+    return rules + _engine_gpu_rules(s, p) + _trainer_gpu_rules(s, p)
+
+
+def _engine_gpu_rules(s: ServerSpec, p: PlacementSpec) -> list[Rule]:
+    if p.engine_gpus is None:
+        return []
+    count = len(p.engine_gpus)
+    if s.engine == "vllm" or (not s.is_local and s.vllm is not None):
+        vllm = s.vllm or VLLMSpec()
+        want = vllm.tensor_parallel_size * vllm.data_parallel_size
+        if count != want:
+            return [(("placement", "engine_gpus"), f"vLLM runs on vllm.tensor_parallel_size x data_parallel_size ="
+                                                   f" {want} GPUs, but engine_gpus lists {count}: list {want}, or"
+                                                   " change those sizes")]
+    elif s.is_local and count > 1:
+        return [(("placement", "engine_gpus"), f"the torch engine runs on one GPU, but engine_gpus lists {count}:"
+                                               " list one, or use engine: vllm with vllm.tensor_parallel_size")]
+    return []
+
+
+def _trainer_gpu_rules(s: ServerSpec, p: PlacementSpec) -> list[Rule]:
+    gpus, nodes = ("placement", "trainer_gpus"), ("placement", "nodes")
+    if not s.trainable or s.train is None:
+        return ([(gpus, "a static server does not train: remove placement.trainer_gpus")] * (p.trainer_gpus is not None)
+                + [(nodes, "a static server has no trainer ranks to spread: remove placement.nodes")] * (p.nodes > 1))
+    train, per_node = s.train, len(p.trainer_gpus or ())
+    if train.trainer == "grpo":
+        return ([(gpus, f"trainer: grpo trains in one process on one GPU, but trainer_gpus lists {per_node}: list"
+                        " one, or set train.trainer: fsdp (one rank per GPU)")] * (per_node > 1)
+                + [(nodes, "trainer: grpo trains on one machine: set train.trainer: fsdp to spread ranks over"
+                           " nodes, or remove placement.nodes")] * (p.nodes > 1))
+    ranks, given = train.fsdp.ranks, "ranks" in train.fsdp.model_fields_set
+    if per_node and given and ranks != p.nodes * per_node:
+        return [(gpus, f"train.fsdp.ranks is {ranks}, but nodes x len(trainer_gpus) = {p.nodes} x {per_node} ="
+                       f" {p.nodes * per_node} ranks (one per GPU): make them equal, or leave train.fsdp.ranks"
+                       " out (it defaults to that)")]
+    if not per_node and ranks % p.nodes:
+        return [(nodes, f"train.fsdp.ranks = {ranks} does not split evenly over {p.nodes} nodes: give a multiple"
+                        " of nodes, or trainer_gpus (ranks = nodes x their number)")]
+    return []
+
+
+def _default_ranks(s: ServerSpec) -> None:
+    """train.fsdp.ranks left out follows the placement: one rank per trainer GPU on each node."""
+    p, train = s.placement, s.train
+    if p and p.trainer_gpus and train and train.trainer == "fsdp" and "ranks" not in train.fsdp.model_fields_set:
+        train.fsdp.ranks = p.nodes * len(p.trainer_gpus)
 
 
 class RoleSpec(_Spec):

@@ -70,7 +70,8 @@ class VLLMEngine(InferenceEngine):
 
     def __init__(self, model_dir: str | Path, *, device: str | None = None, settings: VLLMSettings | None = None,
                  shares_gpu: bool = False, python: Path | None = None, work_dir: Path | None = None,
-                 start_timeout_s: float = 600.0, max_restarts: int = 1) -> None:
+                 start_timeout_s: float = 600.0, max_restarts: int = 1,
+                 cuda_visible_devices: str | None = None) -> None:  # fmt: skip
         from transformers import AutoConfig
 
         self.model_dir = Path(model_dir)
@@ -84,7 +85,8 @@ class VLLMEngine(InferenceEngine):
         #: Generations sent to vLLM and not finished yet.
         self.running_requests = 0
         self._launch = VLLMLaunch(self.model_dir, self.context_length, device=device or _default_device(),
-                                  settings=settings, shares_gpu=shares_gpu, python=python)
+                                  settings=settings, shares_gpu=shares_gpu, python=python,
+                                  cuda_visible_devices=cuda_visible_devices)  # fmt: skip
         self._asleep = False  # put to sleep for a training step; the next weight load wakes it
         self._own_work_dir = work_dir is None  # a temporary one is removed on close
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="marl-vllm-"))
@@ -338,13 +340,14 @@ def _default_device() -> str:
 
 
 def vllm_engine_factory(device: str | None = None, *, settings: VLLMSettings | None = None, shares_gpu: bool = False,
-                        python: Path | None = None, work_dir: Path | None = None, max_restarts: int = 1):
+                        python: Path | None = None, work_dir: Path | None = None, max_restarts: int = 1,
+                        cuda_visible_devices: str | None = None):  # fmt: skip
     """An `EngineFactory` (`model_dir -> InferenceEngine`) for `servers.entrypoint.build_server`: `marl serve --engine
     vllm`. `shares_gpu`: a trainer uses vLLM's GPU too (see `VLLMLaunch`); `work_dir` holds vLLM's log and the copy
-    of the latest weights (default: a temporary directory)."""
+    of the latest weights (default: a temporary directory); `cuda_visible_devices`: vLLM's GPUs (servers.placement)."""
 
     def build(model_dir: Path) -> VLLMEngine:
         return VLLMEngine(model_dir, device=device, settings=settings, shares_gpu=shares_gpu, python=python,
-                          work_dir=work_dir, max_restarts=max_restarts)
+                          work_dir=work_dir, max_restarts=max_restarts, cuda_visible_devices=cuda_visible_devices)
 
     return build

@@ -37,8 +37,10 @@ import torch
 
 from marl.protocol import FSDPConfig
 from servers.interfaces import TrainBatch, Trainer
+from servers.placement import Placement
 from servers.samples import Sample
-from servers.trainers.fsdp_ranks import RankFailure, RankGroup
+from servers.trainers.fsdp_nodes import NodeRendezvous
+from servers.trainers.fsdp_ranks import RankFailure, RankGroup, RankLayout
 from servers.trainers.fsdp_worker import PassResult, RankPlan, RankSpec
 from servers.trainers.grpo import grpo_step
 from servers.trainers.micro_batches import check_token_ids, pack_micro_batches
@@ -67,6 +69,20 @@ def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int) -> list[
     return [plan + [None] * (width - len(plan)) for plan in plans]
 
 
+def rank_layout(ranks: int, placement: Placement, authkey: bytes | None) -> RankLayout:
+    """`fsdp.ranks` laid out by the server's placement: nodes x trainer GPUs (or ranks / nodes per node)."""
+    per_node = len(placement.trainer_gpus) if placement.trainer_gpus else ranks // placement.nodes
+    if per_node * placement.nodes != ranks:
+        raise ValueError(f"fsdp.ranks={ranks}, but the server's placement gives {placement.nodes} node(s) x"
+                         f" {per_node} trainer GPUs = {per_node * placement.nodes} ranks: make them equal")
+    rendezvous = None
+    if placement.nodes > 1:
+        if not authkey:
+            raise ValueError("a trainer on several nodes needs the server's admin token to let them in")
+        rendezvous = NodeRendezvous(placement.rendezvous_port, authkey)
+    return RankLayout(per_node, placement.nodes, placement.trainer_gpus, rendezvous)
+
+
 class FSDPTrainer(Trainer):
     """GRPO + PPO-clip with the policy sharded over `config.ranks` processes (CPU with gloo, or a GPU each).
 
@@ -83,21 +99,26 @@ class FSDPTrainer(Trainer):
         dtype: torch.dtype | str | None = None,
         threads_per_rank: int | None = None,
         timeout_s: float = 600.0,
+        placement: Placement | None = None,
+        authkey: bytes | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.config = config  # read at every step: a caller may swap it between steps (not `ranks`)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device_type = torch.device(device).type
-        if device_type == "cuda" and torch.cuda.device_count() < config.ranks:
-            raise ValueError(f"fsdp.ranks={config.ranks} needs as many GPUs; {torch.cuda.device_count()} visible")
-        if device_type == "cpu" and threads_per_rank is None:
-            threads_per_rank = max(1, (os.cpu_count() or 1) // config.ranks)  # the ranks share the cores
+        layout = rank_layout(config.ranks, placement or Placement(), authkey)
+        gpus_needed = max(layout.trainer_gpus) + 1 if layout.trainer_gpus else layout.local_world_size
+        if device_type == "cuda" and torch.cuda.device_count() < gpus_needed:
+            raise ValueError(f"fsdp.ranks={config.ranks} on this node needs GPUs 0..{gpus_needed - 1};"
+                             f" {torch.cuda.device_count()} visible")
+        if device_type == "cpu" and threads_per_rank is None:  # this node's ranks share its cores
+            threads_per_rank = max(1, (os.cpu_count() or 1) // layout.local_world_size)
         self._with_ref = config.kl_coef > 0  # the ranks hold the frozen reference iff asked for at start
         spec = RankSpec(model_dir=str(self.model_dir), config=config, world_size=config.ranks,
                         device_type=device_type, dtype=None if dtype is None else str(dtype),
                         threads=threads_per_rank, timeout_s=timeout_s)  # fmt: skip
-        self.ranks = RankGroup(spec, start_timeout_s=timeout_s)
+        self.ranks = RankGroup(spec, start_timeout_s=timeout_s, layout=layout)
         self.vocab_size = int(self.ranks.started[0]["vocab_size"])
         self.step_count = 0
 

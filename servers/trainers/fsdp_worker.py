@@ -1,11 +1,14 @@
 """One rank of the FSDP2 trainer: its process's main loop and its shard of the policy.
 
-A rank is a process spawned by `servers.trainers.fsdp_ranks.RankGroup`. It joins the torch.distributed group (gloo
-on CPU, nccl on one GPU per rank), builds its shard of the policy without ever holding the whole model
-(servers.trainers.fsdp_model: meta device, `fully_shard` with the mixed-precision policy, rank 0's weights
-broadcast), and then serves commands from the server over its pipe: ("train", plan, S, config), ("export", dir),
-("save", dir, ...), ("load", dir). Each answer is ("ok", result) or ("error", traceback); rank 0 also sends
-("progress", done, total) after every micro-batch.
+A rank is a process spawned by `servers.trainers.fsdp_ranks.RankGroup` (or, on another node, by `marl trainer-node`:
+servers.trainers.fsdp_nodes). Where it runs is a `RankPlace`, torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), which it exports before anything touches CUDA, together with its node's
+trainer GPUs as CUDA_VISIBLE_DEVICES (all of them: NCCL sees its peers on the node; LOCAL_RANK picks the rank's
+own, `cuda:LOCAL_RANK`). It joins the torch.distributed group (gloo on CPU, nccl on one GPU per rank), builds its
+shard of the policy without ever holding the whole model (servers.trainers.fsdp_model: meta device, `fully_shard`
+with the mixed-precision policy, rank 0's weights broadcast), and then serves commands from the server over its
+pipe: ("train", plan, S, config), ("export", dir), ("save", dir, ...), ("load", dir). Each answer is ("ok", result)
+or ("error", traceback); rank 0 also sends ("progress", done, total) after every micro-batch.
 
 The GRPO math is the one-process trainer's (`servers.trainers.grpo.micro_batch_loss`); what is sharded-specific:
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +50,7 @@ from servers.trainers.micro_batches import collate
 from servers.trainers.policy_model import resolve_dtype, set_gradient_checkpointing
 from servers.trainers.step_metrics import add_pass_stats
 
-__all__ = ["PassResult", "RankPlan", "RankSpec", "ShardedPolicy", "run_rank"]
+__all__ = ["PassResult", "RankPlace", "RankPlan", "RankSpec", "ShardedPolicy", "run_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -67,23 +71,59 @@ class RankSpec:
     model_dir: str
     config: FSDPConfig  # the trainer's section, as at start (the KL reference exists iff kl_coef > 0 then)
     world_size: int
-    device_type: str  # "cpu" (gloo) or "cuda" (nccl, GPU `rank`)
+    device_type: str  # "cpu" (gloo) or "cuda" (nccl, GPU `LOCAL_RANK` of the node's trainer GPUs)
     dtype: str | None = None  # the sharded parameters' (master weights'), fp32 by default
     threads: int | None = None  # torch intra-op threads per rank (CPU)
     timeout_s: float = 600.0  # a collective that waits longer fails (a peer that hangs)
 
 
-def run_rank(rank: int, spec: RankSpec, store_port: int, conn: Connection) -> None:
+#: torchrun's names for where a rank runs; each rank exports them (and CUDA_VISIBLE_DEVICES) and reports them.
+PLACE_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "CUDA_VISIBLE_DEVICES")
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank runs, in torchrun's terms. MASTER_ADDR:MASTER_PORT is the group's rendezvous (a TCPStore that
+    the server hosts); `cuda_visible_devices`: the node's trainer GPUs (None: the parent's, as without placement)."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    cuda_visible_devices: str | None = None
+
+    def environment(self, world_size: int) -> dict[str, str]:
+        env = {"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank), "WORLD_SIZE": str(world_size),
+               "LOCAL_WORLD_SIZE": str(self.local_world_size), "MASTER_ADDR": self.master_addr,
+               "MASTER_PORT": str(self.master_port)}
+        if self.cuda_visible_devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
+        return env
+
+
+def enter_place(place: RankPlace, world_size: int) -> None:
+    """Export the rank's place. CUDA reads CUDA_VISIBLE_DEVICES once, when it initialises: this must come first."""
+    if torch.cuda.is_initialized():
+        raise RuntimeError("CUDA was initialised before this rank's CUDA_VISIBLE_DEVICES was set")
+    os.environ.update(place.environment(world_size))
+
+
+def run_rank(place: RankPlace, spec: RankSpec, conn: Connection) -> None:
     """The process of one rank: join the group, shard the policy, answer commands until told to close."""
     try:
+        enter_place(place, spec.world_size)
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
-        dist.init_process_group("nccl" if spec.device_type == "cuda" else "gloo", store=store, rank=rank,
+        store = dist.TCPStore(place.master_addr, place.master_port, is_master=False,
+                              timeout=timedelta(seconds=spec.timeout_s))  # fmt: skip
+        dist.init_process_group("nccl" if spec.device_type == "cuda" else "gloo", store=store, rank=place.rank,
                                 world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))  # fmt: skip
-        report = (lambda done, total: conn.send(("progress", done, total))) if rank == 0 else None
-        policy = ShardedPolicy(rank, spec, report)
-        conn.send(("ok", {"vocab_size": policy.vocab_size}))
+        report = (lambda done, total: conn.send(("progress", done, total))) if place.rank == 0 else None
+        policy = ShardedPolicy(place.rank, spec, report, local_rank=place.local_rank)
+        conn.send(("ok", {"vocab_size": policy.vocab_size, "device": str(policy.device),
+                          "env": {key: os.environ.get(key) for key in PLACE_ENV}}))
         _serve(policy, conn)
     except Exception:  # the server reads the traceback; the group is torn down by then
         _send_quietly(conn, ("error", traceback.format_exc()))
@@ -116,13 +156,15 @@ def _send_quietly(conn: Connection, message: tuple) -> None:
 class ShardedPolicy:
     """This rank's shard of the policy (and of the frozen KL reference), its optimizer, and the passes of a step."""
 
-    def __init__(self, rank: int, spec: RankSpec, report: Callable[[int, int], None] | None) -> None:
+    def __init__(self, rank: int, spec: RankSpec, report: Callable[[int, int], None] | None, *,
+                 local_rank: int | None = None) -> None:  # fmt: skip
         self.rank = rank
         self.spec = spec
         self._report = report
+        local_rank = rank if local_rank is None else local_rank  # the rank's GPU among its node's trainer GPUs
         if spec.device_type == "cuda":
-            torch.cuda.set_device(rank)
-        self.device = torch.device(spec.device_type, rank) if spec.device_type == "cuda" else torch.device("cpu")
+            torch.cuda.set_device(local_rank)
+        self.device = torch.device("cuda", local_rank) if spec.device_type == "cuda" else torch.device("cpu")
         mesh = init_device_mesh(spec.device_type, (spec.world_size,))
         dtype, model_dir = resolve_dtype(spec.dtype), Path(spec.model_dir)
         #: What the forward runs in, and what exports hold: the engine serves the weights the trainer computes with.

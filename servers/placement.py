@@ -1,0 +1,69 @@
+"""Which GPUs a server's engine and trainer ranks use (`marl serve --engine-gpus/--trainer-gpus/--trainer-nodes`).
+
+Indices count the GPUs this server process sees: all of the machine's, or those of its own CUDA_VISIBLE_DEVICES
+(under Ray, the GPUs Ray gave its actor). A process the server starts (vLLM, a trainer rank) gets the GPUs it may
+use as CUDA_VISIBLE_DEVICES, mapped through the server's own list, so index 1 under CUDA_VISIBLE_DEVICES=4,5 is
+physical GPU 5. In this process (the torch engine, the one-process trainer) an index is simply `cuda:<index>`.
+
+Nothing set is the behaviour from before placement existed: the engine on GPU 0, rank r on GPU r, one node.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from marl.protocol import TRAINER_RENDEZVOUS_PORT, gpu_list_text
+
+__all__ = ["Placement", "visible_devices"]
+
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+
+def visible_devices(gpus: Sequence[int], environ: Mapping[str, str] | None = None) -> str:
+    """CUDA_VISIBLE_DEVICES for a child that may use `gpus` (indices into what this process sees)."""
+    environ = os.environ if environ is None else environ
+    ours = environ.get(CUDA_VISIBLE_DEVICES)
+    if ours is None:
+        return gpu_list_text(list(gpus))
+    seen = [device.strip() for device in ours.split(",") if device.strip()]
+    missing = [gpu for gpu in gpus if gpu >= len(seen)]
+    if missing:
+        raise ValueError(f"GPUs {gpu_list_text(missing)} asked for, but this server sees only {len(seen)}"
+                         f" (CUDA_VISIBLE_DEVICES={ours!r}): index the GPUs it sees, from 0")
+    return ",".join(seen[gpu] for gpu in gpus)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A server's GPUs (None: the default) and how many nodes its trainer's ranks span."""
+
+    engine_gpus: tuple[int, ...] | None = None
+    trainer_gpus: tuple[int, ...] | None = None
+    nodes: int = 1
+    rendezvous_port: int = TRAINER_RENDEZVOUS_PORT  # with nodes > 1: where `marl trainer-node` connects
+
+    def __post_init__(self) -> None:
+        for name in ("engine_gpus", "trainer_gpus"):
+            if (gpus := getattr(self, name)) is not None:
+                object.__setattr__(self, name, tuple(gpus))
+        if self.nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {self.nodes}")
+
+    def shares_gpu(self) -> bool:
+        """Do the engine and the trainer use a GPU in common? (by default both take GPU 0)"""
+        return bool(set(self.engine_gpus or (0,)) & set(self.trainer_gpus or (0,)))
+
+    def engine_device(self, device: str | None) -> str | None:
+        """The in-process engine's torch device: `cuda:<first engine GPU>` when GPUs are placed and the device is
+        CUDA (or left to default), else `device` as given."""
+        if self.engine_gpus is None or device == "cpu":
+            return device
+        return f"cuda:{self.engine_gpus[0]}"
+
+    def trainer_device(self, device: str | None) -> str | None:
+        """The one-process trainer's device: its one trainer GPU, as `engine_device`."""
+        if self.trainer_gpus is None or device == "cpu":
+            return device
+        return f"cuda:{self.trainer_gpus[0]}"
