@@ -31,6 +31,11 @@ ROUTE_ABORT = "/episodes/{episode_id}/abort"
 ROUTE_RENEW = "/episodes/{episode_id}/renew"
 ROUTE_HEALTH = "/health"
 ROUTE_CHAT = "/v1/chat/completions"
+ROUTE_RESPONSES = "/v1/responses"  # OpenAI Responses API, translated to chat completions
+ROUTE_MESSAGES = "/v1/messages"  # Anthropic Messages API, translated to chat completions
+ROUTE_COMPLETIONS = "/v1/completions"  # text or token-id prompt in, token ids and logprobs out
+#: The data-plane routes that run a model call under a lease key (an Authorization bearer, or Anthropic `x-api-key`).
+DATA_PLANE_CALL_ROUTES = (ROUTE_CHAT, ROUTE_RESPONSES, ROUTE_MESSAGES, ROUTE_COMPLETIONS)
 ROUTE_MODELS = "/v1/models"
 ROUTE_METRICS = "/metrics"  # Prometheus text format, no auth (counts only, as vLLM's)
 
@@ -191,6 +196,7 @@ class ErrorCode(enum.StrEnum):
     INVALID_REQUEST = "invalid_request"  # body or parameters fail validation
     INVALID_MESSAGES = "invalid_messages"  # messages cannot be rendered into a prompt
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens over the model's context
+    UNSUPPORTED_VALUE = "unsupported_value"  # a parameter value this server does not support (it says which)
     # 401 / 403: who is asking
     UNAUTHORIZED = "unauthorized"  # control plane: missing or wrong admin token
     INVALID_API_KEY = "invalid_api_key"  # data plane: missing, unknown or dead episode key
@@ -634,6 +640,7 @@ class Choice(BaseModel):
     finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: ChoiceLogprobs | None = None
     token_ids: list[int] | None = None  # with return_token_ids
+    stop_reason: str | None = None  # vLLM extension: the stop string that ended the reply, if one did
 
 
 class Usage(BaseModel):

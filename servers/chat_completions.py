@@ -20,11 +20,14 @@ from typing import Protocol
 
 from marl import protocol as p
 from marl.protocol import EngineState, ErrorCode
+from servers import tool_choice
 from servers.chat_format import ChatFormatter, PromptError, PromptTooLong, StreamDecoder, parse_tool_calls
+from servers.engine_call import EngineCall
 from servers.errors import Refusal
 from servers.interfaces import InferenceEngine, SamplingParams
 from servers.samples import CallRecord
 from servers.telemetry import Telemetry
+from servers.tool_choice import ToolChoice, ToolChoiceError, ToolTextHoldback
 
 
 class ServedModel(Protocol):
@@ -73,22 +76,32 @@ class ChatService:
         before the body is read); a lease that dies while the call runs keeps nothing of it (`CallSession.record`).
         `agent` (the `X-Marl-Agent` header) tags the call; without it, the body's `user`; else `DEFAULT_AGENT`.
         """
-        engine, formatter = self._ready_engine()
-        if body.model not in (self.model.served_name, self.model.model):
-            raise Refusal(404, ErrorCode.MODEL_NOT_FOUND, f"model '{body.model}' is not served here; this server"
-                          f" serves '{self.model.served_name}' (see GET /v1/models)", param="model")
+        call = await self.start(body, session, agent)
+        return call.stream() if body.stream else await call.complete()
+
+    async def start(self, body: p.ChatCompletionRequest, session: CallSession, agent: str | None) -> ChatCall:
+        """The call, its prompt rendered into ids, ready to run: the one way every chat-shaped API reaches the
+        engine (the Responses and Messages APIs are translated into `body`)."""
+        engine, formatter = self.ready_engine()
+        self.check_model(body.model)
+        choice = _tool_choice(body)
         try:
-            prompt_ids = await asyncio.to_thread(formatter.prompt_ids, body, list(session.calls),
-                                                 engine.context_length)
+            prefill, prompt_ids = await asyncio.to_thread(_prompt, formatter, body, choice, list(session.calls),
+                                                          engine.context_length)
         except PromptError as exc:
             raise Refusal(400, ErrorCode.INVALID_MESSAGES, str(exc), param="messages") from exc
         except PromptTooLong as exc:
             raise _too_long(f"at least {exc.tokens}", body, engine.context_length) from exc
         params = _sampling_params(body, len(prompt_ids), engine.context_length)
-        call = ChatCall(self, session, body, prompt_ids, params, agent or body.user or p.DEFAULT_AGENT)
-        return call.stream() if body.stream else await call.complete()
+        return ChatCall(self, session, body, prompt_ids, params, agent or body.user or p.DEFAULT_AGENT, choice,
+                        prefill)
 
-    def _ready_engine(self) -> tuple[InferenceEngine, ChatFormatter]:
+    def check_model(self, model: str) -> None:
+        if model not in (self.model.served_name, self.model.model):
+            raise Refusal(404, ErrorCode.MODEL_NOT_FOUND, f"model '{model}' is not served here; this server"
+                          f" serves '{self.model.served_name}' (see GET /v1/models)", param="model")
+
+    def ready_engine(self) -> tuple[InferenceEngine, ChatFormatter]:
         engine, formatter, state = self.model.engine, self.model.formatter, self.model.state
         if engine is None or formatter is None:
             if state == EngineState.BOOTING:
@@ -126,84 +139,77 @@ def _too_long(prompt_tokens: str, body: p.ChatCompletionRequest, context_length:
                    f" is {context_length} tokens: shorten the conversation or lower max_tokens", param="messages")
 
 
-class ChatCall:
-    """One chat completion: runs the engine, records exactly what it produced, shapes the OpenAI reply."""
+class ChatCall(EngineCall):
+    """One chat completion: its prompt, the tool choice it honours, and the OpenAI reply it shapes."""
 
     def __init__(self, service: ChatService, session: CallSession, body: p.ChatCompletionRequest,
-                 prompt_ids: list[int], params: SamplingParams, agent: str):
-        self.service, self.session, self.body = service, session, body
-        self.prompt_ids, self.params, self.agent = prompt_ids, params, agent
-        model = service.model
-        self.engine, self.formatter, self.model_name = model.engine, model.formatter, model.served_name
-        self.version = model.policy_version  # weights change only once the leases drained: one version per call
+                 prompt_ids: list[int], params: SamplingParams, agent: str, choice: ToolChoice, prefill: str):
+        super().__init__(service, session, prompt_ids, params, agent)
+        self.body, self.choice, self.prefill = body, choice, prefill
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.finish = "length"
-
-    async def _chunks(self) -> AsyncIterator[list[int]]:
-        """Run the engine (the session counts as busy meanwhile); record the call once it finishes."""
-        with self.session.busy():
-            async for chunk in self.engine.generate(self.prompt_ids, self.params):
-                self.ids += chunk.token_ids
-                self.logprobs += chunk.logprobs
-                if chunk.finish_reason:
-                    self.finish = chunk.finish_reason
-                yield chunk.token_ids
-        self.service.finished(self.session, CallRecord(
-            agent=self.agent, prompt_ids=self.prompt_ids, completion_ids=self.ids, logprobs=self.logprobs,
-            policy_version=self.version))
 
     async def complete(self) -> p.ChatCompletionResponse:
+        await self.run()
+        return self.response()
+
+    async def events(self) -> AsyncIterator[str | p.ChatCompletionResponse]:
+        """The reply's text as it comes (str deltas), then the whole response. Text that may belong to a tool call
+        is held back (`ToolTextHoldback`); a forced tool call streams no text. Raises what the engine raised."""
+        decoder = StreamDecoder(self.formatter, self.params.stop)
+        holdback = ToolTextHoldback() if self.body.tools and self.choice.mode == "auto" else None
+        sent = ""
+        async for ids in self.chunks():
+            text = decoder.push(ids)
+            if holdback is not None:
+                text = holdback.push(text)
+            if text and not self.choice.forced:
+                sent += text
+                yield text
+        response = self.response()
+        content = response.choices[0].message.content or ""
+        if len(content) > len(sent) and content.startswith(sent):
+            yield content[len(sent):]
+        yield response
+
+    async def stream(self) -> AsyncIterator[str]:
+        """The chat completion's server-sent events."""
+        yield self._sse(p.DeltaMessage(role="assistant", content=""))
         try:
-            async for _ in self._chunks():
-                pass
-        except Exception as exc:
-            raise self._failed(exc) from exc
+            async for event in self.events():
+                if isinstance(event, str):
+                    yield self._sse(p.DeltaMessage(content=event))
+                else:
+                    choice = event.choices[0]
+        except Exception as exc:  # the status line is sent already: report in-band, as OpenAI does
+            yield f"data: {json.dumps({'error': self.failed(exc).info().model_dump(mode='json')})}\n\n"
+            return
+        if choice.message.tool_calls:
+            calls = [dict(index=i, **c.model_dump()) for i, c in enumerate(choice.message.tool_calls)]
+            yield self._sse(p.DeltaMessage(tool_calls=calls))
+        yield self._sse(p.DeltaMessage(), choice.finish_reason, token_ids=choice.token_ids)
+        if self.body.stream_options and self.body.stream_options.include_usage:
+            usage = p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model_name, choices=[],
+                                          usage=self.usage())
+            yield f"data: {usage.model_dump_json(exclude_none=True)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def response(self) -> p.ChatCompletionResponse:
         message, finish = self._message()
         token_ids = self.body.return_token_ids
         return p.ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model_name,
             choices=[p.Choice(message=message, finish_reason=finish, logprobs=self._logprobs(),
-                              token_ids=self.ids if token_ids else None)],
-            usage=self._usage(), prompt_token_ids=self.prompt_ids if token_ids else None)
+                              token_ids=self.ids if token_ids else None, stop_reason=self._stop_string())],
+            usage=self.usage(), prompt_token_ids=self.prompt_ids if token_ids else None)
 
-    def _failed(self, exc: Exception) -> Refusal:
-        """A failed generation, kept in the server's error log too: `last_error` then says why (a dead engine)."""
-        refusal = _generation_failed(exc)
-        self.service.telemetry.errors.report(refusal.message)
-        return refusal
-
-    async def stream(self) -> AsyncIterator[str]:
-        yield self._sse(p.DeltaMessage(role="assistant", content=""))
-        decoder = StreamDecoder(self.formatter, self.params.stop)
-        try:
-            async for ids in self._chunks():
-                text = "" if self.body.tools else decoder.push(ids)  # tool calls are parsed from the whole reply
-                if text:
-                    yield self._sse(p.DeltaMessage(content=text))
-        except Exception as exc:  # the status line is sent already: report in-band, as OpenAI does
-            yield f"data: {json.dumps({'error': self._failed(exc).info().model_dump(mode='json')})}\n\n"
-            return
-        if self.body.tools:
-            message, finish = self._message()
-            calls = [dict(index=i, **c.model_dump()) for i, c in enumerate(message.tool_calls or [])]
-            yield self._sse(p.DeltaMessage(content=message.content, tool_calls=calls or None))
-        else:
-            finish = self.finish
-            if rest := decoder.finish():
-                yield self._sse(p.DeltaMessage(content=rest))
-        yield self._sse(p.DeltaMessage(), finish, token_ids=self.ids if self.body.return_token_ids else None)
-        if self.body.stream_options and self.body.stream_options.include_usage:
-            usage = p.ChatCompletionChunk(id=self.id, created=self.created, model=self.model_name, choices=[],
-                                          usage=self._usage())
-            yield f"data: {usage.model_dump_json(exclude_none=True)}\n\n"
-        yield "data: [DONE]\n\n"
-
-    def _usage(self) -> p.Usage:
-        return p.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.ids),
-                       total_tokens=len(self.prompt_ids) + len(self.ids))
+    def _stop_string(self) -> str | None:
+        """The stop string the reply was cut at, if any (the Messages API reports it)."""
+        if not self.params.stop:
+            return None
+        whole = self.formatter.reply_text(self.ids, ())
+        cut = len(self.formatter.reply_text(self.ids, self.params.stop))
+        return next((s for s in self.params.stop if whole.startswith(s, cut)), None) if cut < len(whole) else None
 
     def _logprobs(self) -> p.ChoiceLogprobs | None:
         if not self.body.logprobs:
@@ -213,7 +219,14 @@ class ChatCall:
 
     def _message(self) -> tuple[p.AssistantMessage, str]:
         text = self.formatter.reply_text(self.ids, self.params.stop)
-        content, tool_calls = parse_tool_calls(text) if self.body.tools else (text, [])
+        if self.choice.forced:  # the reply is the prefilled opening plus what the model wrote after it
+            content, tool_calls = parse_tool_calls(self.prefill + text)
+            if not tool_calls:
+                content, tool_calls = None, self.formatter.tool_call_format.parse_forced(self.prefill + text)
+        elif self.body.tools and self.choice.parses_calls:
+            content, tool_calls = parse_tool_calls(text)
+        else:
+            content, tool_calls = text, []
         finish = "tool_calls" if tool_calls else self.finish
         return p.AssistantMessage(content=content, tool_calls=tool_calls or None), finish
 
@@ -223,5 +236,21 @@ class ChatCall:
         return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
 
-def _generation_failed(exc: Exception) -> Refusal:
-    return Refusal(500, ErrorCode.ENGINE_ERROR, f"generation failed: {exc}")
+def _tool_choice(body: p.ChatCompletionRequest) -> ToolChoice:
+    try:
+        return tool_choice.resolve(body)
+    except ToolChoiceError as exc:
+        raise Refusal(400, ErrorCode.INVALID_REQUEST, str(exc), param="tool_choice") from exc
+
+
+def _prompt(formatter: ChatFormatter, body: p.ChatCompletionRequest, choice: ToolChoice, history: list[CallRecord],
+            context_length: int) -> tuple[str, list[int]]:
+    """(the text prefilled for a forced tool call, the prompt's ids): run in a worker thread."""
+    prefill = ""
+    if choice.forced:
+        if formatter.tool_call_format is None:
+            raise Refusal(400, ErrorCode.UNSUPPORTED_VALUE, f"tool_choice {body.tool_choice!r} is not supported for"
+                          " this model: its chat template writes no <tool_call> blocks, so a tool call cannot be"
+                          " forced; use 'auto'", param="tool_choice")
+        prefill = formatter.tool_call_format.forced_prefix(choice)
+    return prefill, formatter.prompt_ids(body, history, context_length, prefill)

@@ -13,6 +13,7 @@ its character count alone proves it (`PromptTooLong`), so a huge prompt costs no
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
@@ -22,6 +23,7 @@ from typing import Any
 from marl.protocol import ChatCompletionRequest, FunctionCall, ToolCall
 from servers.control_tokens import Control, ControlTokens, ControlTokenText
 from servers.samples import CallRecord
+from servers.tool_choice import ToolCallFormat
 
 
 class PromptError(ValueError):
@@ -60,8 +62,7 @@ class ChatFormatter:
         def template(inputs: tuple[list[dict], list[dict] | None]) -> str:
             messages, tools = inputs
             try:
-                return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                          tokenize=False)
+                return self._apply_template(messages, tools, generation_prompt=True)
             except Exception as exc:  # jinja errors: the messages do not fit the model's template
                 raise PromptError(f"the model's chat template rejected these messages: {exc}") from exc
 
@@ -71,17 +72,37 @@ class ChatFormatter:
             raise PromptError(str(exc)) from exc
         return RenderedPrompt(text, controls)
 
+    def _apply_template(self, messages: list[dict], tools: list[dict] | None, *, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=generation_prompt,
+                                                  tokenize=False)
+
+    @functools.cached_property
+    def tool_call_format(self) -> ToolCallFormat | None:
+        """How this template writes a tool call (what a forced `tool_choice` prefills); None: no Hermes blocks."""
+        return ToolCallFormat.probe(lambda messages, tools: self._apply_template(messages, tools,
+                                                                                 generation_prompt=False))
+
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(
             ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
-    def prompt_ids(self, request: ChatCompletionRequest, history: list[CallRecord], context_length: int) -> list[int]:
+    def prompt_ids(self, request: ChatCompletionRequest, history: list[CallRecord], context_length: int,
+                   prefill: str = "") -> list[int]:
         """Token ids of the prompt, reusing the exact ids of the longest earlier call the prompt extends.
 
-        Raises `PromptTooLong` when the prompt provably has `context_length` tokens or more, before tokenizing it.
+        `prefill` is text the reply starts with, written for the model (a forced tool call's opening): it is
+        tokenized as text at the end of the prompt. Raises `PromptTooLong` when the prompt provably has
+        `context_length` tokens or more, before tokenizing it.
         """
         prompt = self.render(request)
+        return self.spliced_ids(RenderedPrompt(prompt.text + prefill, prompt.controls), history, context_length)
+
+    def text_prompt_ids(self, text: str, history: list[CallRecord], context_length: int) -> list[int]:
+        """Token ids of a raw text prompt (`/v1/completions`): text is text, so it holds no control tokens."""
+        return self.spliced_ids(RenderedPrompt(text, ()), history, context_length)
+
+    def spliced_ids(self, prompt: RenderedPrompt, history: list[CallRecord], context_length: int) -> list[int]:
         best: CallRecord | None = None
         for call in history:
             if not call.text:

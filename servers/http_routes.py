@@ -19,13 +19,17 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
 from marl import protocol as p
+from marl.apis.messages import AnthropicErrors, MessagesRequest
+from marl.apis.responses import ResponsesRequest
 from marl.protocol import EPISODE_KEY_PREFIX, EngineState, ErrorCode
-from servers import openapi
+from servers import openapi, translated_apis
 from servers.chat_completions import ChatService
+from servers.completions_api import CompletionRequest, create_completion
 from servers.errors import Refusal, refusal_response
 from servers.http_guards import Authorize, CatchUnexpected, RequestGate, Scope
 from servers.openapi import BEARER, errors
@@ -70,6 +74,7 @@ def create_app(server: TrainableServer | StaticServer, admin_token: str, *,
     app.add_middleware(RequestGate, authorize=_authorizer(server, admin_token, app.router.routes),
                        max_body_bytes=int(max_body_mb * 2**20))
     app.add_middleware(CatchUnexpected)
+    app.add_middleware(AnthropicErrors)  # outermost: every error on /v1/messages in Anthropic's shape
     openapi.install(app)
     return app
 
@@ -202,7 +207,28 @@ def _data_plane_routes(chat: ChatService) -> APIRouter:
         return reply if isinstance(reply, p.ChatCompletionResponse) else StreamingResponse(
             reply, media_type="text/event-stream")
 
+    @router.post(p.ROUTE_RESPONSES, dependencies=[BEARER], responses=_CALL_RESPONSES)
+    async def responses(body: ResponsesRequest, request: Request,
+                        agent: str | None = Header(None, alias=p.AGENT_HEADER)):
+        return await translated_apis.create_response(chat, body, request.scope[_CHAT_SESSION], agent)
+
+    @router.post(p.ROUTE_MESSAGES, dependencies=[BEARER], responses=_CALL_RESPONSES)
+    async def messages(body: MessagesRequest, request: Request,
+                       agent: str | None = Header(None, alias=p.AGENT_HEADER)):
+        return await translated_apis.create_message(chat, body, request.scope[_CHAT_SESSION], agent)
+
+    @router.post(p.ROUTE_COMPLETIONS, dependencies=[BEARER], responses=_CALL_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request,
+                          agent: str | None = Header(None, alias=p.AGENT_HEADER)):
+        reply = await create_completion(chat, body, request.scope[_CHAT_SESSION], agent)
+        return reply if isinstance(reply, dict) else StreamingResponse(reply, media_type="text/event-stream")
+
     return router
+
+
+_CALL_RESPONSES = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
+                         "description": "The reply (JSON), or its server-sent events with `stream: true`."},
+                   **errors(400, 401, 404, 413, 500, 503)}
 
 
 # --- authentication ------------------------------------------------------------------------------------------------
@@ -218,7 +244,8 @@ def _authorizer(server: SwarmServer, admin_token: str, routes: list[BaseRoute]) 
         path = scope["path"]
         if path.startswith(p.ADMIN_ROUTE_PREFIXES):
             return _admin_refusal(token, admin_token)
-        if path == p.ROUTE_CHAT:
+        if path in p.DATA_PLANE_CALL_ROUTES:
+            token = token if token is not None else _anthropic_key(scope)
             try:
                 scope[_CHAT_SESSION] = server.chat.admit(token)  # the key's one check: the route runs under this
             except Refusal as refusal:
@@ -226,6 +253,11 @@ def _authorizer(server: SwarmServer, admin_token: str, routes: list[BaseRoute]) 
         return None
 
     return authorize
+
+
+def _anthropic_key(scope: Scope) -> str | None:
+    """The key the anthropic SDK sends (`x-api-key`) where no bearer token came."""
+    return Headers(scope=scope).get("x-api-key")
 
 
 #: Where the gate leaves the session a chat call was admitted under (its lease), for the route: the key is looked up

@@ -1,0 +1,66 @@
+"""One generation on the data plane, whatever API asked for it: run the engine, record exactly what it produced.
+
+Every data-plane API (chat completions and the APIs translated to it, and `/v1/completions`) ends here, so there is
+one engine call path and one recording path: the prompt ids given, the generated ids and their logprobs as the engine
+returned them, the policy version, the agent tag, recorded on the call's session (its lease) once it finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from marl import protocol as p
+from marl.protocol import ErrorCode
+from servers.errors import Refusal
+from servers.interfaces import SamplingParams
+from servers.samples import CallRecord
+
+if TYPE_CHECKING:
+    from servers.chat_completions import CallSession, ChatService
+
+
+class EngineCall:
+    """Runs the engine for one call (the session counts as busy meanwhile) and records the call once it finishes."""
+
+    def __init__(self, service: ChatService, session: CallSession, prompt_ids: list[int], params: SamplingParams,
+                 agent: str):
+        self.service, self.session = service, session
+        self.prompt_ids, self.params, self.agent = prompt_ids, params, agent
+        model = service.model
+        self.engine, self.formatter, self.model_name = model.engine, model.formatter, model.served_name
+        self.version = model.policy_version  # weights change only once the leases drained: one version per call
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish = "length"
+
+    async def chunks(self) -> AsyncIterator[list[int]]:
+        """The generated ids as they come; the call is recorded once the engine finishes."""
+        with self.session.busy():
+            async for chunk in self.engine.generate(self.prompt_ids, self.params):
+                self.ids += chunk.token_ids
+                self.logprobs += chunk.logprobs
+                if chunk.finish_reason:
+                    self.finish = chunk.finish_reason
+                yield chunk.token_ids
+        self.service.finished(self.session, CallRecord(
+            agent=self.agent, prompt_ids=self.prompt_ids, completion_ids=self.ids, logprobs=self.logprobs,
+            policy_version=self.version))
+
+    async def run(self) -> None:
+        """The whole generation; a failure is a `Refusal` (500 `engine_error`)."""
+        try:
+            async for _ in self.chunks():
+                pass
+        except Exception as exc:
+            raise self.failed(exc) from exc
+
+    def failed(self, exc: Exception) -> Refusal:
+        """A failed generation, kept in the server's error log too: `last_error` then says why (a dead engine)."""
+        refusal = Refusal(500, ErrorCode.ENGINE_ERROR, f"generation failed: {exc}")
+        self.service.telemetry.errors.report(refusal.message)
+        return refusal
+
+    def usage(self) -> p.Usage:
+        return p.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.ids),
+                       total_tokens=len(self.prompt_ids) + len(self.ids))

@@ -1,0 +1,81 @@
+"""A tiny model that always answers with one tool call, built like `servers.tiny_model` builds its model.
+
+`build_tool_model(dir)` writes the tiny Llama of `servers.tiny_model` trained (a few hundred Adam steps on the CPU,
+seconds) to answer every assistant turn with `TOOL_REPLY`: a Hermes tool call to `get_weather` for Paris, then the
+end-of-turn token. The prompts it is trained on vary (system or not, tools listed or not, earlier turns and tool
+results), so whatever conversation an SDK sends, the reply is that call with near certainty, at any temperature.
+Tests of tool-calling clients use it: their turns then really are tool calls, made by a real model on a real engine.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from servers.tiny_model import build_tiny_model
+
+TOOL_NAME = "get_weather"
+TOOL_ARGUMENTS = {"city": "Paris"}
+TOOL_REPLY = f'<tool_call>{{"name": "{TOOL_NAME}", "arguments": {json.dumps(TOOL_ARGUMENTS)}}}</tool_call>'
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": TOOL_NAME, "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+_WORDS = "the quick brown fox weather Paris city what is it sunny rain you are a helpful assistant 2 + 3 ?".split()
+
+
+def _conversation(rng: random.Random) -> tuple[list[dict], list[dict] | None]:
+    def text() -> str:
+        return " ".join(rng.choices(_WORDS, k=rng.randint(1, 12)))
+
+    messages = [{"role": "system", "content": text()}] if rng.random() < 0.5 else []
+    for _ in range(rng.randint(0, 2)):
+        messages += [{"role": "user", "content": text()},
+                     {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {
+                         "name": TOOL_NAME, "arguments": json.dumps(TOOL_ARGUMENTS)}}]},
+                     {"role": "tool", "content": text(), "tool_call_id": "c"}]
+    messages.append({"role": rng.choice(["user", "tool"]) if len(messages) > 1 else "user", "content": text()})
+    other = {"type": "function", "function": {"name": rng.choice(_WORDS), "description": text(),
+                                              "parameters": {"type": "object", "properties": {}}}}
+    tools = rng.choice([None, [WEATHER_TOOL], [WEATHER_TOOL, other], [other]])
+    return messages, tools
+
+
+def build_tool_model(directory: str | Path, *, steps: int = 200, seed: int = 0) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = build_tiny_model(directory, seed=seed)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    reply = tokenizer.encode(TOOL_REPLY, add_special_tokens=False) + [tokenizer.eos_token_id]
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
+    model.train()
+    for _ in range(steps):
+        rows = []
+        for _ in range(8):
+            messages, tools = _conversation(rng)
+            prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+            rows.append(tokenizer.encode(prompt, add_special_tokens=False) + reply)
+        width = max(map(len, rows))
+        ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+        labels = torch.full_like(ids, -100)
+        for i, row in enumerate(rows):
+            labels[i, len(row) - len(reply):len(row)] = ids[i, len(row) - len(reply):len(row)]
+        mask = (torch.arange(width)[None, :] < torch.tensor([len(r) for r in rows])[:, None]).long()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(directory)
+    return directory
+
+
+if __name__ == "__main__":
+    import sys
+    import time
+
+    start = time.monotonic()
+    print(build_tool_model(sys.argv[1]), f"{time.monotonic() - start:.1f}s")
