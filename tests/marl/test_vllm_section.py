@@ -90,8 +90,9 @@ def test_bad_values_are_refused_at_their_key(section, key, words):
 def test_the_section_needs_a_local_vllm_server():
     assert "applies to engine: vllm" in problem_at(topology({}, engine="torch"), "servers.speaker_model.vllm")
     assert "engine is torch (the default)" in problem_at(topology({}, engine=None), "servers.speaker_model.vllm")
-    remote = topology({}, engine=None, device=None, model=None, swarm_url="http://gpu:1")
-    assert "only applies to a local server" in problem_at(remote, "servers.speaker_model.vllm")
+    # on a remote swarm server, vllm: describes the vLLM there for marl plan (tests/marl/test_placement_spec.py)
+    remote = topology({"tensor_parallel_size": 2}, engine=None, device=None, model=None, swarm_url="http://gpu:1")
+    assert Topology.from_dict(remote, check_env=False).spec.servers["speaker_model"].vllm.tensor_parallel_size == 2
     past = copy.deepcopy(topology())
     past["servers"]["past"] = {"past_of": {"server": "speaker_model"}, "engine": "vllm", "vllm": {}}
     past["roles"]["listener"]["server"] = "past"
