@@ -16,7 +16,7 @@ server then starts a new training sample for this agent (merging needs an unchan
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from marl.protocol import AGENT_HEADER, ErrorCode
@@ -24,13 +24,16 @@ from marl.protocol import AGENT_HEADER, ErrorCode
 
 class LLMAgent:
     def __init__(self, client: Any, model: str, *, system_prompt: str, max_tokens: int = 64,
-                 temperature: float = 1.0, agent_tag: str | None = None):
+                 temperature: float = 1.0, top_p: float | None = None, stop: str | Sequence[str] | None = None,
+                 agent_tag: str | None = None):
         """`agent_tag` (the role) tags every call, set once as the `X-Marl-Agent` header of the agent's client: a copy
         of `client` (`with_options`; it shares the connection pool) when one is given, so a client shared by several
-        agents stays untagged."""
+        agents stays untagged. `max_tokens`, `temperature`, `top_p` and `stop` go with every call (`top_p` and `stop`
+        only when set: the server's defaults otherwise)."""
         self.client = tagged_client(client, agent_tag)
         self.model, self.system_prompt = model, system_prompt
         self.max_tokens, self.temperature, self.agent_tag = max_tokens, temperature, agent_tag
+        self.top_p, self.stop = top_p, [stop] if isinstance(stop, str) else list(stop) if stop else None
         self.messages: list[dict[str, str]] = []
         self.reset()
 
@@ -46,8 +49,7 @@ class LLMAgent:
         while True:
             try:
                 response = self.client.chat.completions.create(
-                    model=self.model, messages=list(self.messages), max_tokens=self.max_tokens,
-                    temperature=self.temperature)
+                    model=self.model, messages=list(self.messages), **self.sampling_options())
                 break
             except Exception as exc:
                 if _context_exceeded(exc) and len(self.messages) > 2:
@@ -60,6 +62,15 @@ class LLMAgent:
         return reply
 
     __call__ = act
+
+    def sampling_options(self) -> dict[str, Any]:
+        """The sampling settings every call sends."""
+        options: dict[str, Any] = {"max_tokens": self.max_tokens, "temperature": self.temperature}
+        if self.top_p is not None:
+            options["top_p"] = self.top_p
+        if self.stop:
+            options["stop"] = list(self.stop)
+        return options
 
     def _forget_oldest_exchange(self) -> None:
         """Drop the oldest user turn and the replies after it (keep the system prompt and the newest turn)."""

@@ -6,6 +6,9 @@ by older versions lack the newer fields (`replies`, `winner`, `teams`, `co_playe
 below, which mean "not recorded". Unknown keys are ignored, so a newer row still reads here. A line torn by a crash
 is skipped.
 
+`sampling` says how each model-played role sampled (temperature, top_p, max_tokens, stop): `run.*`, overridden by
+the topology's `roles.R.sampling`; what its seats were given, and what the default `LLMAgent` sends with every call.
+
 `co_players` is the game's provenance: who played each role, at which policy version. The coordinator also commits
 it with every trainable server's episode (the episode's metadata, key `co_players`), so each server's samples say
 whom they were played against.
@@ -31,7 +34,8 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-__all__ = ["CoPlayer", "GameRecord", "TranscriptRecorder", "Turn", "append_game", "as_records", "read_games"]
+__all__ = ["CoPlayer", "GameRecord", "Sampling", "TranscriptRecorder", "Turn", "append_game", "as_records",
+           "read_games"]
 
 TRANSCRIPT_MODES = ("full", "summary", "off")  # `run.transcripts`
 TEXT_CHARS = 2_000  # longest observation or action kept (run.transcripts: full)
@@ -48,6 +52,21 @@ class CoPlayer(BaseModel):
     server: str | None = None  # the topology server (None: the env's scripted policy)
     policy_version: int | None = None  # the weights that played; None: scripted, or a static model of unknown version
     snapshot_of: str | None = None  # a past checkpoint of this trainable server played (eval, past_of opponents)
+
+
+class Sampling(BaseModel):
+    """How one role's model samples each reply: sent with each of its calls, recorded with each game."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float | None = None  # None: not sent (the server's default, 1.0)
+    stop: tuple[str, ...] | None = None  # None: not sent (no stop strings)
+
+    def request_options(self) -> dict[str, Any]:
+        """The chat-completion keyword arguments these settings make (unset ones left out)."""
+        return self.model_dump(mode="json", exclude_none=True)
 
 
 class Turn(BaseModel):
@@ -79,6 +98,7 @@ class GameRecord(BaseModel):
     teams: dict[str, str] = {}  # role -> its team this game
     time: float | None = None  # unix time the game finished (None: not recorded)
     co_players: dict[str, CoPlayer] = {}  # role -> who played it (every role of the game)
+    sampling: dict[str, Sampling] = {}  # role -> how it sampled (model-played roles; {}: an older row)
     transcript_mode: str | None = None  # run.transcripts when the game was played (None: an older row, no transcript)
     summary: dict[str, Any] = {}  # the env's summary() of the game
     transcript: list[Turn] = []  # every turn, in order (see the module docstring for the bounds)

@@ -22,7 +22,7 @@ import openai
 
 from envs.base import GameEnv
 from marl.agents import LLMAgent, ScriptedAgent
-from marl.game_record import CoPlayer, GameRecord, TranscriptRecorder
+from marl.game_record import CoPlayer, GameRecord, Sampling, TranscriptRecorder
 
 if TYPE_CHECKING:
     from marl.endpoints import HeldLease, StaticEndpoint
@@ -48,12 +48,19 @@ class Seat:
     trainable: bool = False  # True: base_url/api_key belong to this game's lease, valid only while it lives
     max_tokens: int = 64
     temperature: float = 1.0
+    top_p: float | None = None  # None: not sent (the server's default)
+    stop: tuple[str, ...] | None = None  # None: no stop strings
     env: Any = field(default=None, repr=False, compare=False)  # the game's env, for scripted play
 
     @property
     def agent_tag(self) -> str:
         """What the server records the seat's calls under (the `X-Marl-Agent` header): the role."""
         return self.role
+
+    @property
+    def sampling(self) -> Sampling:
+        """How this seat's model samples: the run's settings, overridden by its role's `sampling:`."""
+        return Sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, stop=self.stop)
 
 
 def default_player(seat: Seat, client: openai.OpenAI | None = None) -> LLMAgent | ScriptedAgent:
@@ -68,15 +75,29 @@ def default_player(seat: Seat, client: openai.OpenAI | None = None) -> LLMAgent 
         client = openai.OpenAI(base_url=seat.base_url, api_key=seat.api_key, max_retries=0 if seat.trainable else 2,
                                timeout=600)
     return LLMAgent(client, seat.model, system_prompt=seat.system_prompt, max_tokens=seat.max_tokens,
-                    temperature=seat.temperature, agent_tag=seat.agent_tag)
+                    temperature=seat.temperature, top_p=seat.top_p, stop=seat.stop, agent_tag=seat.agent_tag)
 
 
 @dataclass
 class GameSettings:
-    max_tokens: int = 64
-    temperature: float = 1.0
+    max_tokens: int = 64  # run.max_tokens
+    temperature: float = 1.0  # run.temperature
     lease_timeout_s: float = 60.0  # give up leasing a game after this long (the game is then retried)
     transcripts: str = "full"  # run.transcripts: what of each game its GameRecord keeps (full, summary, off)
+    #: role -> the sampling settings it sets itself (a topology's `roles.R.sampling`: temperature, top_p,
+    #: max_tokens, stop), overriding max_tokens and temperature above for that role's seats
+    sampling: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for role, overrides in self.sampling.items():  # a misspelt setting must not be dropped without a word
+            if unknown := sorted(set(overrides) - set(Sampling.model_fields)):
+                raise ValueError(f"sampling of role {role!r}: unknown settings {unknown}; known:"
+                                 f" {sorted(Sampling.model_fields)}")
+
+    def sampling_of(self, role: str) -> Sampling:
+        """How `role`'s seats sample: the run's settings, then the role's own."""
+        run = Sampling(max_tokens=self.max_tokens, temperature=self.temperature)
+        return run.model_copy(update=Sampling(**self.sampling.get(role, {})).model_dump(exclude_unset=True))
 
 
 class GameTable:
@@ -116,6 +137,7 @@ class GameTable:
             teams={env.role_of(agent): env.team_of(agent) for agent in env.possible_agents},
             time=time.time(),
             co_players=self._co_players(env, leases, statics),
+            sampling=self._sampling(env),
             **transcript.fields(),
         )
         env.close()
@@ -146,6 +168,11 @@ class GameTable:
             close_players(players.values())
         return turns
 
+    def _sampling(self, env: GameEnv) -> dict[str, Sampling]:
+        """How each role played by a model sampled this game."""
+        roles = sorted({env.role_of(agent) for agent in env.possible_agents})
+        return {role: self.settings.sampling_of(role) for role in roles if self.role_servers.get(role) is not None}
+
     def _co_players(self, env: GameEnv, leases: Mapping[str, HeldLease],
                     statics: Mapping[str, StaticEndpoint]) -> dict[str, CoPlayer]:
         """Who played each role: its server and the policy version that played (the game's provenance)."""
@@ -168,8 +195,8 @@ class GameTable:
         if role not in self.role_servers:
             raise GameFailed(f"the env dealt role '{role}' to {agent}, but the topology has no role '{role}'")
         server = self.role_servers[role]
-        seat = Seat(agent, role, server, system_prompt=env.system_prompt(agent), max_tokens=self.settings.max_tokens,
-                    temperature=self.settings.temperature, env=env)
+        seat = Seat(agent, role, server, system_prompt=env.system_prompt(agent), env=env,
+                    **dict(self.settings.sampling_of(role)))
         if server is None:
             return seat
         if server in leases:

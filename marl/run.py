@@ -215,7 +215,9 @@ class _Session:
             role_servers=self.topology.players(),
             endpoints=endpoints,
             settings=GameSettings(lease_timeout_s=run.lease_timeout_s, max_tokens=run.max_tokens,
-                                  temperature=run.temperature, transcripts=run.transcripts),
+                                  temperature=run.temperature, transcripts=run.transcripts,
+                                  sampling={role: spec.sampling.overrides() for role, spec in self.spec.roles.items()
+                                            if spec.sampling is not None}),
             linked_servers=self.topology.linked_servers(),
             monitor=self.monitor,
             decisions=self.decisions,

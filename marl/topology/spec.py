@@ -385,11 +385,41 @@ def _default_ranks(s: ServerSpec) -> None:
         train.fsdp.ranks = p.nodes * len(p.trainer_gpus)
 
 
+class SamplingSpec(_Spec):
+    """A role's own sampling settings (`roles.R.sampling`), sent with every call of its LLM agents and recorded in
+    games.jsonl. A setting left out is the run's (`run.temperature`, `run.max_tokens`) or, for `top_p` and `stop`,
+    the server's default (1.0, none)."""
+
+    temperature: float | None = Field(None, ge=0, le=2, description="Sampling temperature (default: run.temperature).")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling: the smallest set of tokens whose"
+                                " probability reaches top_p (default: 1, every token).")
+    max_tokens: int | None = Field(None, ge=1, description="Longest reply per turn (default: run.max_tokens).")
+    stop: list[str] | None = Field(None, max_length=16, description="Strings that end a reply (one string or a list"
+                                   " of up to 16); the reply stops before the first one.")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_or_more(cls, stop: Any) -> Any:
+        return [stop] if isinstance(stop, str) else stop
+
+    @field_validator("stop")
+    @classmethod
+    def _not_empty(cls, stop: list[str] | None) -> list[str] | None:
+        if stop is not None and not all(stop):
+            raise rule_error("an empty stop string would end every reply before it starts: remove it")
+        return stop
+
+    def overrides(self) -> dict[str, Any]:
+        """The settings this role sets, by name (those left out are not there)."""
+        return self.model_dump(exclude_none=True)
+
+
 class RoleSpec(_Spec):
     """One role: played by a model server (`server`) or by the env's scripted policy (`scripted: true`).
 
     `count` and `team` restate what the env deals (`dealt_roles()`): left out, they are taken from the env; given,
-    they must agree with it (checked at load).
+    they must agree with it (checked at load). `sampling` overrides the run's sampling settings for this role's LLM
+    agents.
     """
 
     server: str | None = None
@@ -397,6 +427,8 @@ class RoleSpec(_Spec):
     count: int | None = Field(None, ge=1, description="How many agents play this role in one game (default: the"
                                                       " env's count).")
     team: str | None = Field(None, description="Team name (default: the env's team of this role).")
+    sampling: SamplingSpec | None = Field(None, description="This role's temperature, top_p, max_tokens and stop,"
+                                          " overriding run.temperature and run.max_tokens (a model-played role only).")
 
     @field_validator("team")
     @classmethod
@@ -410,6 +442,9 @@ class RoleSpec(_Spec):
         if self.server is not None and self.scripted:
             _raise_rules(self, [((), f"both server: {self.server} and scripted: true; a role is played by a model"
                                      " server or by the env's scripted policy, not both: remove one")])
+        if self.scripted and self.sampling is not None:
+            _raise_rules(self, [(("sampling",), "a scripted role samples no model: remove sampling, or play the"
+                                                " role with a server")])
         return self
 
 
