@@ -1,14 +1,23 @@
 """marl: train heterogeneous teams of LLM agents with multi-agent RL.
 
 Every model lives on its own swarm server (`servers/`); agents reach it through an OpenAI-compatible endpoint that
-the server hands out per episode (a lease). This package is the orchestration side and needs no GPU:
+the server hands out per episode (a lease). This package is the orchestration side and needs no GPU. What user code
+imports from `marl` (its `__all__`, pinned by tests/project/test_public_api.py):
 
-- `SwarmClient`: typed, thread-safe HTTP client of one swarm server (config, start/stop, status, episode leases).
-- `EpisodeOutput`: what an episode reports (reward, per-agent rewards, metadata).
-- `SwarmError`, `SwarmRefused`, `SwarmTimeout`: what a failed server call raises; `ErrorCode`: their `.code`.
-- `marl.protocol`: the wire protocol (request/response models) shared with the servers.
+- one server: `SwarmClient` (typed, thread-safe HTTP client: config, start/stop, status, episode leases), `Episode`,
+  `EpisodeOutput`; `SwarmError`, `SwarmRefused`, `SwarmTimeout` (a failed call) with `ErrorCode` (their `.code`);
+  from the wire protocol `TrainConfig`, `EpisodeLease`, `EngineState`, `RUNNING_STATES`, `ADMIN_TOKEN_ENV`;
+- games across servers: `Coordinator` (one game as a transaction), how it reaches each server
+  (`TrainableEndpoint`, `StaticEndpoint`, `SnapshotPoolEndpoint`), `GameSettings`, `Seat`, `GameFailed`,
+  `GameCancelled`; many games: `play_games`, `tasks`, `RunStats`, `FailedAttempt`, `CallbackFailed`;
+- players: `LLMAgent`, `ScriptedAgent`, `default_player`;
+- records: `GameRecord` (a games.jsonl row), `Sampling`, `CoPlayer`, `read_games`;
+- envs: `TextAECEnv`, `GameEnv`, `RoleInfo`, `InvalidAction` (from `envs.base`; docs/envs.md);
+- topologies: `Topology` (`Topology.load(path, overrides)`), `TopologyError`.
+`marl.protocol` holds the whole wire protocol.
 
-Names are imported lazily, so `import marl` stays cheap.
+Names are imported lazily, so `import marl` stays cheap. A public name that moves or is renamed keeps working where
+it was, with a DeprecationWarning, for at least one release (CHANGELOG.md says which).
 """
 
 from __future__ import annotations
@@ -32,13 +41,47 @@ _EXPORTS: dict[str, str] = {
     "EpisodeLease": "marl.protocol",
     "ErrorCode": "marl.protocol",
     "TrainConfig": "marl.protocol",
+    "Coordinator": "marl.coordinator",
+    "GameCancelled": "marl.coordinator",
+    "TrainableEndpoint": "marl.endpoints",
+    "StaticEndpoint": "marl.endpoints",
+    "SnapshotPoolEndpoint": "marl.endpoints",
+    "GameFailed": "marl.game_table",
+    "GameSettings": "marl.game_table",
+    "Seat": "marl.game_table",
+    "default_player": "marl.game_table",
+    "play_games": "marl.games",
+    "tasks": "marl.games",
+    "RunStats": "marl.games",
+    "FailedAttempt": "marl.games",
+    "CallbackFailed": "marl.games",
+    "LLMAgent": "marl.agents",
+    "ScriptedAgent": "marl.agents",
+    "GameRecord": "marl.game_record",
+    "Sampling": "marl.game_record",
+    "CoPlayer": "marl.game_record",
+    "read_games": "marl.game_record",
+    "TextAECEnv": "envs.base",
+    "GameEnv": "envs.base",
+    "RoleInfo": "envs.base",
+    "InvalidAction": "envs.base",
+    "Topology": "marl.topology",
+    "TopologyError": "marl.topology",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from envs.base import GameEnv, InvalidAction, RoleInfo, TextAECEnv
+    from marl.agents import LLMAgent, ScriptedAgent
     from marl.client import Episode, EpisodeOutput, SwarmClient, SwarmError, SwarmRefused, SwarmTimeout
+    from marl.coordinator import Coordinator, GameCancelled
+    from marl.endpoints import SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
+    from marl.game_record import CoPlayer, GameRecord, Sampling, read_games
+    from marl.game_table import GameFailed, GameSettings, Seat, default_player
+    from marl.games import CallbackFailed, FailedAttempt, RunStats, play_games, tasks
     from marl.protocol import ADMIN_TOKEN_ENV, RUNNING_STATES, EngineState, EpisodeLease, ErrorCode, TrainConfig
+    from marl.topology import Topology, TopologyError
 
 
 def __getattr__(name: str) -> Any:

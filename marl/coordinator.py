@@ -40,7 +40,7 @@ import openai
 from envs.base import GameEnv
 from marl.client import EpisodeOutput, SwarmError
 from marl.decision_log import DecisionLog
-from marl.endpoints import HeldLease, SnapshotPoolEndpoint, SnapshotSource, StaticEndpoint, legacy_endpoint
+from marl.endpoints import HeldLease, SnapshotPoolEndpoint, StaticEndpoint
 from marl.game_record import GameRecord
 from marl.game_table import GameFailed, GameSettings, GameTable, Seat
 from marl.monitor import ServerMonitor
@@ -400,9 +400,11 @@ class _Slots:
             sem.release()
 
 
-#: Names that left this module, kept for one release: old name -> (module, its name there). Resolved lazily:
-#: `marl.games` imports this module.
+#: Names that left this module, kept for one release: old name -> (module, its name there). Resolved lazily, and
+#: never imported here (an imported name would be found without the warning); `marl.games` imports this module.
 _MOVED = {
+    "Endpoint": ("marl.endpoints", "legacy_endpoint"),
+    "SnapshotSource": ("marl.endpoints", "SnapshotSource"),
     "play_games": ("marl.games", "play_games"),
     "tasks": ("marl.games", "tasks"),
     "RunStats": ("marl.games", "RunStats"),
@@ -417,13 +419,10 @@ def __getattr__(name: str) -> Any:
     import importlib
     import warnings
 
-    if name in ("Endpoint", "SnapshotSource"):
-        new = "one of TrainableEndpoint, StaticEndpoint, SnapshotPoolEndpoint" if name == "Endpoint" else name
-        warnings.warn(f"marl.coordinator.{name} moved to marl.endpoints ({new})", DeprecationWarning, stacklevel=2)
-        return legacy_endpoint if name == "Endpoint" else SnapshotSource
-    if name in _MOVED:
-        module, new = _MOVED[name]
-        warnings.warn(f"marl.coordinator.{name} moved to {module}.{new} (also importable from marl)",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(module), new)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, new = _MOVED[name]
+    where = ("marl.endpoints (one of TrainableEndpoint, StaticEndpoint, SnapshotPoolEndpoint)" if name == "Endpoint"
+             else f"{module}.{new}")
+    warnings.warn(f"marl.coordinator.{name} moved to {where}", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(module), new)
