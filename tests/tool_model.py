@@ -10,6 +10,7 @@ Tests of tool-calling clients use it: their turns then really are tool calls, ma
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -73,9 +74,12 @@ def build_tool_model(directory: str | Path, *, steps: int = 200, seed: int = 0) 
     return directory
 
 
-if __name__ == "__main__":
-    import sys
-    import time
+_built: dict[str, Path] = {}
 
-    start = time.monotonic()
-    print(build_tool_model(sys.argv[1]), f"{time.monotonic() - start:.1f}s")
+
+def tool_model_dir(tmp_path_factory) -> Path:
+    """The tool-calling model, built once per test session (test modules of the servers and the proxy share it)."""
+    if "dir" not in _built:
+        prebuilt = os.environ.get("MARL_TEST_TOOL_MODEL")  # a directory build_tool_model wrote: faster reruns
+        _built["dir"] = Path(prebuilt) if prebuilt else build_tool_model(tmp_path_factory.mktemp("tool-model"))
+    return _built["dir"]
