@@ -93,7 +93,7 @@ def _trainer_node(args: argparse.Namespace) -> None:
 
 #: The `VLLMSettings` that `--vllm-KEY` flags set (--vllm-arg, repeated, gives extra_args).
 _VLLM_KEYS = ("max_model_len", "gpu_memory_utilization", "kv_cache_gb", "tensor_parallel_size", "data_parallel_size",
-              "dtype", "max_num_seqs", "sleep_between_steps")
+              "dtype", "max_num_seqs", "sleep_between_steps", "weight_sync")
 
 
 def _vllm_flag(key: str) -> str:
@@ -244,6 +244,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_vllm_flags(serve: argparse.ArgumentParser) -> None:
+    from marl.protocol import VLLM_WEIGHT_SYNC_MODES
+
     vllm = serve.add_argument_group("vLLM (with --engine vllm)", "How vLLM runs; a topology server's vllm: section"
                                     " sets the same keys (docs/backends.md). Left out: the device's defaults.")
     vllm.add_argument("--vllm-max-model-len", type=int, metavar="TOKENS",
@@ -262,6 +264,10 @@ def _add_vllm_flags(serve: argparse.ArgumentParser) -> None:
     vllm.add_argument("--vllm-sleep-between-steps", choices=["auto", "true", "false"],
                       help="sleep mode (CUDA only): vLLM frees the GPU for each training step (default auto: on CUDA"
                            " for a trainable server)")
+    vllm.add_argument("--vllm-weight-sync", choices=VLLM_WEIGHT_SYNC_MODES,
+                      help="how the trainer's weights reach vLLM: disk, or vLLM's weight-transfer engine over ipc (vLLM"
+                           " on the trainer's GPU) or nccl (GPUs of its own), the disk as the fallback (default auto:"
+                           " disk on the CPU, by placement on CUDA; the CUDA paths have not run on a GPU yet)")
     vllm.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
                       help="one more argument for vLLM's command line, as is; repeat it. Write --vllm-arg=--flag"
                            " (with '=') for an argument that starts with '-'")

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from marl.protocol import RUNNING_STATES, EngineState, TrainingProgress
-from servers.interfaces import Group, TrainBatch, Trainer
+from servers.interfaces import Group, InferenceEngine, TrainBatch, Trainer
 from servers.ledger import GroupKey, LedgerThread
 from servers.lifecycle import EngineLifecycle
 from servers.rollout_pool import RolloutPool
@@ -105,7 +105,7 @@ class TrainLoop:
         metrics = await self._train(batch, trainer)
         if generation != lifecycle.generation:
             return  # stopped meanwhile: the next boot returns the claim to the pool
-        await lifecycle.publish_weights(served, trainer)
+        await self._publish(served, trainer)
         await asyncio.to_thread(release_freed_memory)
         if config.save_freq and step % config.save_freq == 0:
             await asyncio.to_thread(lifecycle.checkpoints.save, trainer, step, config.keep_checkpoints)
@@ -116,6 +116,15 @@ class TrainLoop:
         lifecycle.serve_version(step)
         log.info("step %d done: %s", step, json.dumps({k: round(v, 4) for k, v in metrics.items()}))
         self._wakeup.wake()  # ROLLING again
+
+    async def _publish(self, served: InferenceEngine, trainer: Trainer) -> None:
+        """The step's weights to the engine: pushed through vLLM's weight-transfer engine where both sides can (an
+        engine with `push_weights`, a trainer with `push_weights`: servers.engines.weight_transfer), else, or when
+        the push failed (the engine logs and counts it), as the lifecycle publishes them (tensors, or a directory)."""
+        pushed, push = getattr(served, "push_weights", None), getattr(trainer, "push_weights", None)
+        if pushed is not None and push is not None and await asyncio.to_thread(pushed, push):
+            return
+        await self._lifecycle.publish_weights(served, trainer)
 
     async def _train(self, batch: TrainBatch, trainer: Trainer) -> dict[str, float]:
         samples = sum(len(g.samples) for g in batch.groups)

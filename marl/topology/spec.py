@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from marl.protocol import TRAINER_RENDEZVOUS_PORT, VLLM_DTYPES, VLLM_MANAGED_FLAGS, TrainConfig
+from marl.protocol import TRAINER_RENDEZVOUS_PORT, VLLM_DTYPES, VLLM_MANAGED_FLAGS, VLLM_WEIGHT_SYNC_MODES, TrainConfig
 
 from .importing import import_path_problem
 
@@ -105,6 +105,11 @@ class VLLMSpec(_Spec):
         "auto", description="Sleep mode (CUDA only): before each training step vLLM offloads its weights and drops its"
         " KV cache so the trainer has the GPU, and the weight sync wakes it. auto: on CUDA for a trainable server"
         " whose placement.engine_gpus and trainer_gpus overlap (both default to GPU 0); off when they are disjoint.")
+    weight_sync: Literal[VLLM_WEIGHT_SYNC_MODES] = Field(
+        "auto", description="How the trainer's weights reach vLLM after each step: disk (a safetensors directory"
+        " that vLLM reloads), ipc (CUDA IPC handles, when vLLM shares the trainer's GPU), nccl (a broadcast, when vLLM"
+        " has GPUs of its own), both through vLLM's weight-transfer engine with the disk as the fallback. auto: the"
+        " disk on the CPU, ipc or nccl on CUDA by placement. Not yet run on a GPU.")
 
     @field_validator("extra_args")
     @classmethod

@@ -9,6 +9,11 @@ prefix caching replace the torch engine's.
 - Weights come as a directory (`takes_tensors = False`): `load_weights_from` keeps a copy of it (hard links when
   possible), then pauses vLLM until its running requests are done, reloads in place, empties the prefix cache and
   resumes. A generation therefore never mixes two policies, and requests that arrive meanwhile wait.
+- Or, on CUDA, the trainer pushes its tensors through vLLM's weight-transfer engine (`push_weights`: ipc when vLLM
+  shares the trainer's GPU, nccl when it has its own; `VLLMLaunch.weight_sync`), between the same pause and resume.
+  A push that fails is logged and counted (`VLLMStats.weight_transfer_failures`), and this engine syncs through the
+  directory from then on. Weights that came that way leave no copy to restart vLLM with: a vLLM that dies after
+  one is not restarted (the engine is down; a new start resumes from the last checkpoint).
 - Sleep mode (CUDA, when the trainer shares vLLM's GPU: `VLLMLaunch.sleeps_between_steps`): `before_training_step`
   puts vLLM to sleep (weights offloaded to host memory, KV cache dropped) so the trainer has the GPU, and the next
   weight load wakes the weights, reloads them and wakes the KV cache.
@@ -27,7 +32,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,14 +41,18 @@ import httpx
 
 from servers.engines.model_limits import context_length, eos_token_ids
 from servers.engines.vllm_http import (
+    after_transfer,
+    before_transfer,
     completion_body,
     generate_one_token,
     sleep_for_training,
     stream_completion,
     sync_weights,
     sync_weights_waking,
+    transfer_abandoned,
 )
 from servers.engines.vllm_process import VLLMLaunch, VLLMProcess, VLLMSettings
+from servers.engines.weight_transfer import TransferTarget
 from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams
 from servers.models import load_tokenizer
 
@@ -59,6 +68,8 @@ class VLLMStats:
     prefilled_tokens: int = 0  # prompt tokens vLLM computed
     cached_tokens: int = 0  # prompt tokens vLLM's prefix cache supplied
     weight_loads: int = 0
+    weight_transfers: int = 0  # of weight_loads, those pushed through vLLM's weight-transfer engine
+    weight_transfer_failures: int = 0  # pushes that failed (each then went through the disk)
     last_weight_sync_s: float | None = None
     restarts: int = 0
 
@@ -96,6 +107,12 @@ class VLLMEngine(InferenceEngine):
         self._start_timeout_s = start_timeout_s
         self._max_restarts = max_restarts
         self._weights: Path | None = None  # our copy of the latest weights loaded (a restart loads them again)
+        self._pushed = False  # the latest weights were pushed (no copy: a restart cannot bring them back)
+        #: Why this engine syncs through the disk (None while it pushes through the weight-transfer engine).
+        self.transfer_off: str | None = (None if self._launch.weight_sync != "disk" else
+                                         "weight_sync is disk" if settings.weight_sync == "disk" else
+                                         "the CPU build has no weight-transfer engine" if self._launch.on_cpu else
+                                         "vLLM spans GPUs the trainer shares")
         self._lock = threading.Lock()  # one weight sync or restart at a time
         self._ready = threading.Event()  # set while vLLM serves
         self._closing = threading.Event()
@@ -164,8 +181,53 @@ class VLLMEngine(InferenceEngine):
                 raise RuntimeError(self._lost(self._process, exc)) from exc
             finally:
                 self._asleep = False  # awake, or failed: the failed step stops the engine
+            self._pushed = False
             self.stats.weight_loads += 1
             self.stats.last_weight_sync_s = time.perf_counter() - started
+
+    def push_weights(self, push: Callable[[TransferTarget], None]) -> bool:
+        """Serve the trainer's weights through vLLM's weight-transfer engine: `push(target)` is the trainer's side
+        (`Trainer.push_weights`, servers.engines.weight_transfer). True once the new weights serve; False when this
+        engine syncs through the disk (`transfer_off` says why) or the push failed now (logged, counted, and the
+        disk from then on): the caller then exports a directory for `load_weights_from`."""
+        if self.transfer_off is not None:
+            return False
+        with self._lock:
+            if self._down is not None:
+                raise RuntimeError(self._down)
+            started, process, asleep = time.perf_counter(), self._process, self._asleep
+            try:
+                before_transfer(process.url, asleep=asleep)
+            except (httpx.HTTPError, RuntimeError) as exc:
+                raise RuntimeError(self._lost(process, exc)) from exc
+            try:
+                push(self._transfer_target(process))
+            except Exception as exc:  # noqa: BLE001 - any failure of the push falls back to the disk
+                self._transfer_failed(process, exc)
+                return False
+            try:
+                after_transfer(process.url, asleep=asleep)
+            except httpx.HTTPError as exc:
+                raise RuntimeError(self._lost(process, exc)) from exc
+            self._asleep, self._pushed = False, True
+            self.stats.weight_loads += 1
+            self.stats.weight_transfers += 1
+            self.stats.last_weight_sync_s = time.perf_counter() - started
+            return True
+
+    def _transfer_target(self, process: VLLMProcess) -> TransferTarget:
+        settings = self._launch.settings
+        return TransferTarget(backend=self._launch.weight_sync, url=process.url,
+                              session=f"{process.pid}@{process.port}", dtype=self._launch.dtype,
+                              workers=settings.tensor_parallel_size * settings.data_parallel_size)
+
+    def _transfer_failed(self, process: VLLMProcess, error: Exception) -> None:
+        self.stats.weight_transfer_failures += 1
+        self.transfer_off = f"the weight transfer failed: {type(error).__name__}: {error}"
+        self._pushed = False  # the disk sync that follows leaves a copy (a restart meanwhile is fixed by it)
+        log.warning("vLLM weight sync through its %s weight-transfer engine failed (%s: %s); syncing through the"
+                    " disk from now on", self._launch.weight_sync, type(error).__name__, error)
+        transfer_abandoned(process.url, asleep=self._asleep)
 
     def before_training_step(self) -> None:
         """With sleep mode, free vLLM's GPU memory for the trainer's step (`load_weights_from` brings it back)."""
@@ -284,6 +346,11 @@ class VLLMEngine(InferenceEngine):
         with self._lock:
             dead.stop()  # whatever is left of its session
             if self._closing.is_set():
+                return False
+            if self._pushed:
+                self._down = (f"the vLLM subprocess exited with code {code}, and its latest weights were pushed"
+                              " through the weight-transfer engine, which leaves no copy to restart it with: start"
+                              f" the engine again (it resumes from the last checkpoint) (log: {dead.log_path})")
                 return False
             if self.stats.restarts >= self._max_restarts:
                 self._down = (f"the vLLM subprocess exited with code {code} after {self.stats.restarts} restart(s):"

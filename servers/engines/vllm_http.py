@@ -6,7 +6,8 @@
   chunk (how many prompt tokens vLLM's prefix cache supplied).
 - Weight sync: the dev routes of `VLLM_SERVER_DEV_MODE` (pause, collective RPC into the worker extension, prefix
   cache reset, resume); with sleep mode (CUDA only), sleep before the training step, then wake the weights, reload,
-  wake the KV cache.
+  wake the KV cache. Through vLLM's weight-transfer engine the same calls surround the trainer's push instead of the
+  reload (`before_transfer`, `after_transfer`; the push itself: servers.engines.weight_transfer).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import httpx
 
 from servers.interfaces import GenerationChunk, SamplingParams
 
-__all__ = ["completion_body", "generate_one_token", "sleep_for_training", "stream_completion", "sync_weights",
-           "sync_weights_waking"]
+__all__ = ["after_transfer", "before_transfer", "completion_body", "generate_one_token", "sleep_for_training",
+           "stream_completion", "sync_weights", "sync_weights_waking", "transfer_abandoned"]
 
 #: (prompt tokens, of which served from vLLM's prefix cache), once per finished generation.
 UsageSink = Callable[[int, int], None]
@@ -133,6 +134,37 @@ def sync_weights_waking(url: str, weights_dir: Path, timeout_s: float = 600.0) -
             with contextlib.suppress(httpx.HTTPError):
                 http.post("/wake_up")  # every tag: serving again rather than asleep for good
             raise
+
+
+def before_transfer(url: str, *, asleep: bool, timeout_s: float = 600.0) -> None:
+    """Before the trainer pushes weights through vLLM's weight-transfer engine: as `sync_weights` and
+    `sync_weights_waking` before their reload (running requests finish on the old weights and new ones wait; or,
+    asleep, the weights' memory comes back)."""
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
+        if asleep:
+            _checked(http.post("/wake_up", params={"tags": "weights"}))
+        else:
+            _checked(http.post("/pause", params={"mode": "wait"}, timeout=None))
+
+
+def after_transfer(url: str, *, asleep: bool, timeout_s: float = 600.0) -> None:
+    """After a push: as `sync_weights` and `sync_weights_waking` after their reload (empty the prefix cache and
+    resume; or wake the KV cache, which resumes)."""
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
+        if asleep:
+            _checked(http.post("/wake_up", params={"tags": "kv_cache"}))
+        else:
+            _checked(http.post("/reset_prefix_cache"))
+            _checked(http.post("/resume"))
+
+
+def transfer_abandoned(url: str, *, asleep: bool, timeout_s: float = 60.0) -> None:
+    """After a failed push, before the disk sync: a paused vLLM resumes (the disk sync pauses it again, with no lease
+    running meanwhile); a waking one stays as it is for `sync_weights_waking`. Best effort."""
+    if asleep:
+        return
+    with contextlib.suppress(httpx.HTTPError), httpx.Client(base_url=url, timeout=timeout_s) as http:
+        http.post("/resume")
 
 
 def _reload(http: httpx.Client, weights_dir: Path) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from marl.protocol import FSDPConfig
+from servers.engines.weight_transfer import TransferTarget, WeightTransferError
 from servers.interfaces import TrainBatch, Trainer
 from servers.placement import Placement
 from servers.samples import Sample
@@ -155,6 +156,14 @@ class FSDPTrainer(Trainer):
 
     def _on_progress(self, done: int, total: int) -> None:
         self.progress = (done, total)
+
+    def push_weights(self, target: TransferTarget) -> None:
+        """The policy into vLLM's weight-transfer engine, gathered by all ranks and sent by rank 0 bucket by bucket
+        (servers.trainers.fsdp_push); WeightTransferError when it failed (the ranks stay whole: the server falls
+        back to `export_weights`)."""
+        failure = self.ranks.call("push", target)[0]
+        if failure is not None:
+            raise WeightTransferError(failure)
 
     def export_weights(self, directory: Path) -> Path:
         """The policy as a Hugging Face model directory (config, safetensors, tokenizer), gathered by rank 0."""

@@ -24,6 +24,7 @@ both are on disk, because the server renames the directory into place as soon as
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +50,17 @@ from servers.trainers.trainer_state import (
     write_trainer_state,
 )
 
-__all__ = ["full_weights", "load_checkpoint", "save_checkpoint", "write_hf_weights"]
+__all__ = ["full_weights", "iter_full_weights", "load_checkpoint", "save_checkpoint", "write_hf_weights"]
 
 #: Rank 0 reads a full optimizer state (a one-process trainer's checkpoint) and the group takes its shards from it.
 _BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
-def full_weights(model: torch.nn.Module, aliases: dict[str, str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The full state dict on rank 0's CPU (empty elsewhere), gathered one tensor at a time and in `dtype` (cast
-    while still sharded, so the gather moves `dtype`'s bytes); tied aliases point at their tensor's one copy."""
-    rank0 = dist.get_rank() == 0
-    state: dict[str, torch.Tensor] = {}
+def iter_full_weights(model: torch.nn.Module, aliases: dict[str, str],
+                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor on this rank's device) for each tensor of the state dict in turn, tied aliases left out,
+    on every rank: each step is a collective (the gather), so every rank runs the whole iteration. Cast to `dtype`
+    while still sharded, so the gather moves `dtype`'s bytes."""
     for name, tensor in model.state_dict().items():
         if name in aliases:
             continue
@@ -68,6 +69,15 @@ def full_weights(model: torch.nn.Module, aliases: dict[str, str], dtype: torch.d
             tensor = tensor.to(dtype)
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
+        yield name, tensor
+
+
+def full_weights(model: torch.nn.Module, aliases: dict[str, str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The full state dict on rank 0's CPU (empty elsewhere), gathered one tensor at a time and in `dtype`; tied
+    aliases point at their tensor's one copy."""
+    rank0 = dist.get_rank() == 0
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in iter_full_weights(model, aliases, dtype):
         if rank0:
             state[name] = tensor.cpu()
     if rank0:

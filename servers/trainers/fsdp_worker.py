@@ -42,8 +42,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from marl.protocol import FSDPConfig, GRPOConfig
+from servers.engines.weight_transfer import TransferTarget, WeightPusher
 from servers.samples import Sample
 from servers.trainers.fsdp_model import build_sharded_model, compute_dtype
+from servers.trainers.fsdp_push import push_sharded
 from servers.trainers.fsdp_state import load_checkpoint, save_checkpoint, write_hf_weights
 from servers.trainers.grpo import apply_optimizer_hparams, micro_batch_loss
 from servers.trainers.micro_batches import collate
@@ -135,6 +137,7 @@ def run_rank(place: RankPlace, spec: RankSpec, conn: Connection) -> None:
 def _serve(policy: ShardedPolicy, conn: Connection) -> None:
     commands: dict[str, Callable[..., Any]] = {
         "train": policy.train, "export": policy.export, "save": policy.save, "load": policy.load,
+        "push": policy.push,
     }  # fmt: skip
     while True:
         try:
@@ -179,6 +182,7 @@ class ShardedPolicy:
         self.optimizer = self._new_optimizer(spec.config)
         # Checkpoint shards are written on a thread: its collectives need a group of their own (gloo: CPU state).
         self.checkpoint_group = dist.new_group(backend="gloo")
+        self._pusher = WeightPusher() if rank == 0 else None  # rank 0 sends pushed weights to vLLM
 
     def _new_optimizer(self, config: GRPOConfig) -> torch.optim.Optimizer:
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -222,6 +226,10 @@ class ShardedPolicy:
             if self._report is not None:
                 self._report(done + index + 1, total)
         return stats
+
+    def push(self, target: TransferTarget) -> str | None:
+        """The policy into vLLM's weight-transfer engine (servers.trainers.fsdp_push); why it failed, or None."""
+        return push_sharded(self.policy, self.aliases, self.compute_dtype, target, self._pusher)
 
     def export(self, directory: str) -> None:
         write_hf_weights(self.policy, self.aliases, Path(directory), self.compute_dtype)

@@ -67,6 +67,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from marl.protocol import GRPOConfig
+from servers.engines.weight_transfer import TransferTarget, WeightPusher, unique_tensors
 from servers.interfaces import Group, TrainBatch, Trainer
 from servers.samples import Sample
 from servers.trainers.micro_batches import MicroBatch, collate, pack_micro_batches, trained_tokens
@@ -311,6 +312,7 @@ class GRPOTrainer(Trainer):
         )
         self.vocab_size = self.policy.get_input_embeddings().num_embeddings
         self.step_count = 0  # == policy version: the number of `step` calls so far
+        self._pusher: WeightPusher | None = None  # pushes into vLLM's weight-transfer engine (push_weights)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         self.progress = None  # until the passes are known (a failed step may have left its count behind)
@@ -369,6 +371,14 @@ class GRPOTrainer(Trainer):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(state_dict name, tensor) of the policy; the tensors are the live weights (detached): copy, don't keep."""
         yield from self.policy.state_dict().items()
+
+    def push_weights(self, target: TransferTarget) -> None:
+        """The policy into vLLM's weight-transfer engine (servers.engines.weight_transfer), bucket by bucket, each
+        tensor once, cast to the engine's dtype as it goes; raises when the transfer failed (the server then falls
+        back to `export_weights`)."""
+        if self._pusher is None:
+            self._pusher = WeightPusher()
+        self._pusher.push(target, unique_tensors(self.policy.state_dict().items()))
 
     def export_weights(self, directory: Path) -> Path:
         """The policy as a Hugging Face model directory (config + safetensors), for an engine in another process."""

@@ -1,0 +1,320 @@
+"""Weight sync through vLLM's weight-transfer engine, as far as a CPU can run it.
+
+vLLM's weight-transfer engine is CUDA-only, so the pieces are checked apart: the command line and the setting;
+the trainer's route sequence and bodies against a recording HTTP server; the buckets and their metadata against the
+model's state dict; the nccl backend's broadcast, run over gloo into a receiving process that does what vLLM's worker
+does (allocate each tensor from the metadata, receive it in order), from the one-process trainer and from two FSDP
+ranks; and, with the CPU build of vLLM started with the flag, a training step whose transfer vLLM refuses (500),
+after which the disk path serves the step's weights. None of it has run on a GPU.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import multiprocessing as mp
+import pickle
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from marl.protocol import VLLM_WEIGHT_SYNC_MODES, FSDPConfig
+from servers.engines.vllm_process import VLLMLaunch, VLLMSettings, VLLMSettingsError
+from servers.engines.weight_transfer import (
+    TransferTarget,
+    WeightPusher,
+    WeightTransferError,
+    layer_buckets,
+    layer_key,
+    travelling,
+    unique_tensors,
+    update_metadata,
+)
+from servers.tiny_model import build_tiny_model
+
+PYTHON = Path(sys.executable)  # any existing python: the command line is only built
+TRANSFER_ROUTES = ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-transfer"), num_layers=3)
+
+
+def policy_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+
+
+def served_names(state: dict[str, torch.Tensor]) -> list[str]:
+    """The state dict's names, the tied head left out (it is the embedding)."""
+    return [name for name in state if name != "lm_head.weight"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the setting and vLLM's command line
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def transfer_config(launch: VLLMLaunch) -> dict | None:
+    cmd = launch.command(port=8123)
+    flag = "--weight-transfer-config"
+    return json.loads(cmd[cmd.index(flag) + 1]) if flag in cmd else None
+
+
+@pytest.mark.parametrize(("device", "shares_gpu", "settings", "mode"), [
+    ("cuda", True, {}, "ipc"),  # auto: vLLM on the trainer's GPU
+    ("cuda", False, {}, "nccl"),  # auto: vLLM on GPUs of its own
+    ("cpu", True, {}, "disk"),  # auto: the CPU build has no weight-transfer engine
+    ("cuda", True, {"tensor_parallel_size": 2}, "disk"),  # shares a GPU, spans two: neither ipc nor nccl fits
+    ("cuda", False, {"weight_sync": "disk"}, "disk"),
+    ("cpu", False, {"weight_sync": "nccl"}, "nccl"),  # as asked: its routes answer 500 and the disk takes over
+])
+def test_weight_sync_picks_the_backend_and_puts_it_on_the_command_line(device, shares_gpu, settings, mode):
+    launch = VLLMLaunch(Path("/models/m"), 4096, device=device, settings=VLLMSettings(**settings),
+                        shares_gpu=shares_gpu, python=PYTHON)
+    assert launch.weight_sync == mode
+    assert transfer_config(launch) == (None if mode == "disk" else {"backend": mode})
+    insecure = launch.environment().get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    assert insecure == ("1" if mode == "ipc" else None)  # pickled IPC handles over HTTP need it, nothing else does
+
+
+@pytest.mark.parametrize(("values", "words"), [
+    ({"weight_sync": "rdma"}, "must be one of auto, disk, ipc, nccl"),
+    ({"weight_sync": "ipc", "data_parallel_size": 2}, "ipc shares the trainer's tensors on one GPU"),
+    ({"extra_args": ["--weight-transfer-config={}"]}, "set weight_sync instead"),
+])
+def test_bad_weight_sync_settings_are_refused(values, words):
+    with pytest.raises(VLLMSettingsError, match=words):
+        VLLMSettings(**values)
+
+
+def test_the_setting_reaches_marl_serve_from_a_topology():
+    from marl.cli import _serve_options, parse
+    from marl.launch import vllm_flags
+    from marl.topology import spec
+
+    assert spec.VLLM_WEIGHT_SYNC_MODES is VLLM_WEIGHT_SYNC_MODES  # defined once, in the protocol
+    flags = vllm_flags(spec.VLLMSpec(weight_sync="nccl"))
+    assert flags == ["--vllm-weight-sync", "nccl"]
+    options = _serve_options(parse(["serve", "--model", "m", "--engine", "vllm", *flags]))
+    assert options.vllm.weight_sync == "nccl"
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# buckets and metadata
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_buckets_hold_whole_layers_and_carry_the_state_dicts_names_dtypes_and_shapes(model_dir):
+    state = policy_state(model_dir)
+    layer_bytes = sum(t.numel() * 2 for n, t in state.items() if layer_key(n) == "model.layers.0")
+    buckets = list(layer_buckets(travelling(unique_tensors(state.items()), torch.bfloat16), layer_bytes))
+
+    assert [name for bucket in buckets for name, _ in bucket] == served_names(state)
+    owners: dict[str, int] = {}
+    for index, bucket in enumerate(buckets):
+        for name, _ in bucket:
+            assert owners.setdefault(layer_key(name), index) == index, f"{name}: its layer is split"
+        last_layer = layer_key(bucket[-1][0])
+        before_it = sum(t.numel() * 2 for n, t in bucket if layer_key(n) != last_layer)
+        assert before_it < layer_bytes  # cut at the first layer boundary once the bucket held bucket_bytes
+        if index < len(buckets) - 1:
+            assert sum(t.numel() * 2 for _, t in bucket) >= layer_bytes
+    assert len(buckets) >= 3  # the embedding, three layers and the final norm do not fit one bucket
+
+    meta = update_metadata(buckets[1])
+    assert meta["names"] == [n for n, _ in buckets[1]]
+    assert meta["dtype_names"] == ["bfloat16"] * len(buckets[1])
+    assert meta["shapes"] == [list(state[n].shape) for n in meta["names"]]
+    for name, tensor in buckets[1]:
+        assert torch.equal(tensor, state[name].to(torch.bfloat16)) and tensor.is_contiguous()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the routes, against a recording HTTP server
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class RecordingVLLM(ThreadingHTTPServer):
+    """Answers every POST with 200 (or 500 on `failing` paths) and records (path, JSON body)."""
+
+    def __init__(self, failing: tuple[str, ...] = ()):
+        self.calls: list[tuple[str, dict | None]] = []
+        self.failing = failing
+        super().__init__(("127.0.0.1", 0), _Recorder)
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def paths(self) -> list[str]:
+        return [path for path, _ in self.calls]
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    def do_POST(self) -> None:  # noqa: N802 - the http.server API
+        length = int(self.headers.get("Content-Length") or 0)
+        self.server.calls.append((self.path, json.loads(self.rfile.read(length)) if length else None))
+        status = 500 if self.path in self.server.failing else 200
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"error": "failed"}' if status == 500 else b"{}")
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def recording() -> Iterator[Callable[..., RecordingVLLM]]:
+    servers = []
+
+    def start(failing: tuple[str, ...] = ()) -> RecordingVLLM:
+        server = RecordingVLLM(failing)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def fake_ipc_handle(tensor: torch.Tensor) -> dict[str, tuple]:
+    """What `share_cuda_tensor` returns, with the tensor's numbers in place of CUDA's (a CPU has no IPC)."""
+    return {"GPU-test": ("handle", tensor.numel(), str(tensor.dtype))}
+
+
+def test_an_ipc_push_inits_once_then_starts_updates_each_bucket_and_finishes(recording, model_dir):
+    vllm, state = recording(), policy_state(model_dir)
+    target = TransferTarget(backend="ipc", url=vllm.url, session="pid-1", bucket_bytes=1, version="7")
+    pusher = WeightPusher(share=fake_ipc_handle)
+    pusher.push(target, unique_tensors(state.items()))
+
+    updates = len({layer_key(name) for name in served_names(state)})  # bucket_bytes=1: one bucket per layer
+    assert vllm.paths() == TRANSFER_ROUTES[:2] + ["/update_weights"] * updates + ["/finish_weight_update"]
+    assert vllm.calls[0][1] == {"init_info": {"packed": False}}
+    assert vllm.calls[1][1] is None and vllm.calls[-1][1] == {"weight_version": "7"}
+    sent = []
+    for _, body in vllm.calls[2:-1]:
+        info = body["update_info"]
+        handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
+        assert set(info) == {"names", "dtype_names", "shapes", "ipc_handles_pickled"}
+        assert handles == [fake_ipc_handle(state[n].to(torch.bfloat16)) for n in info["names"]]
+        assert info["dtype_names"] == ["bfloat16"] * len(info["names"])
+        sent += info["names"]
+    assert sent == served_names(state)
+
+    pusher.push(target, unique_tensors(state.items()))  # the same vLLM: no second init
+    assert vllm.paths().count("/init_weight_transfer_engine") == 1
+    pusher.push(TransferTarget(backend="ipc", url=vllm.url, session="pid-2"), unique_tensors(state.items()))
+    assert vllm.paths().count("/init_weight_transfer_engine") == 2  # a restarted vLLM: init again
+
+
+@pytest.mark.parametrize("failing", TRANSFER_ROUTES)
+def test_a_refused_route_raises_and_stops_the_push(recording, model_dir, failing):
+    vllm, state = recording(failing=(failing,)), policy_state(model_dir)
+    target = TransferTarget(backend="ipc", url=vllm.url, session="s", bucket_bytes=1)
+    with pytest.raises(WeightTransferError, match=f"vLLM {failing} answered 500"):
+        WeightPusher(share=fake_ipc_handle).push(target, unique_tensors(state.items()))
+    assert vllm.paths()[-1] == failing and vllm.paths() == [p for p in vllm.paths() if p in TRANSFER_ROUTES]
+    if failing != "/finish_weight_update":
+        assert vllm.paths().count("/update_weights") <= 1  # nothing is sent after a refusal
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the nccl backend's broadcast, over gloo, into a receiving process that does what vLLM's worker does
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def receiving_vllm(port_out: mp.SimpleQueue, received_path: str) -> None:
+    """A process answering vLLM's transfer routes as its NCCL worker does (`NCCLWeightTransferEngine`, unpacked): join
+    the group at `rank_offset` in the init, allocate each tensor of an update from its metadata and receive it by
+    broadcast from rank 0; at the finish, save what it received (and the routes it was called on)."""
+    state: dict = {"group": None, "received": {}, "routes": []}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the http.server API
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length)) if length else {}
+            state["routes"].append(self.path)
+            if self.path == "/init_weight_transfer_engine":
+                info = body["init_info"]
+                assert info["packed"] is False
+                store = torch.distributed.TCPStore(info["master_address"], info["master_port"], is_master=False,
+                                                   timeout=timedelta(seconds=60))
+                state["group"] = torch.distributed.ProcessGroupGloo(store, info["rank_offset"], info["world_size"],
+                                                                    timedelta(seconds=60))
+            elif self.path == "/update_weights":
+                info = body["update_info"]
+                for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"], strict=True):
+                    weight = torch.empty(shape, dtype=getattr(torch, dtype))
+                    state["group"].broadcast(weight, 0).wait()
+                    state["received"][name] = weight
+            elif self.path == "/finish_weight_update":
+                torch.save({"received": state["received"], "routes": state["routes"]}, received_path)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    port_out.put(server.server_address[1])
+    server.serve_forever()
+
+
+@pytest.fixture
+def receiver(tmp_path) -> Iterator[tuple[str, Path]]:
+    context = mp.get_context("spawn")
+    port_out, received = context.SimpleQueue(), tmp_path / "received.pt"
+    process = context.Process(target=receiving_vllm, args=(port_out, str(received)), daemon=True)
+    process.start()
+    yield f"http://127.0.0.1:{port_out.get()}", received
+    process.kill()
+    process.join(10)
+
+
+def gloo_target(url: str) -> TransferTarget:
+    """vLLM's nccl backend with its broadcast run over gloo; buckets of about a decoder layer of the tiny model."""
+    return TransferTarget(backend="nccl", channel="gloo", url=url, session="s", workers=1, dtype="bfloat16",
+                          bucket_bytes=40_000, timeout_s=60)
+
+
+def assert_received(received: Path, state: dict[str, torch.Tensor]) -> None:
+    got = torch.load(received)
+    assert got["routes"][:2] == TRANSFER_ROUTES[:2] and got["routes"][-1] == TRANSFER_ROUTES[-1]
+    assert got["routes"].count("/update_weights") > 1  # several buckets
+    assert list(got["received"]) == served_names(state)
+    for name, tensor in got["received"].items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, state[name].to(torch.bfloat16)), name
+
+
+def test_an_nccl_push_broadcasts_every_bucket_into_the_receiving_process(receiver, model_dir):
+    url, received = receiver
+    state = policy_state(model_dir)
+    WeightPusher().push(gloo_target(url), unique_tensors(state.items()))
+    assert_received(received, state)
+
+
+def test_fsdp_ranks_gather_and_rank_0_pushes_and_a_refused_push_leaves_the_ranks_whole(receiver, recording,
+                                                                                        model_dir, tmp_path):
+    from servers.trainers.fsdp import FSDPTrainer
+
+    url, received = receiver
+    trainer = FSDPTrainer(model_dir, FSDPConfig(ranks=2, mixed_precision="fp32"), threads_per_rank=1)
+    try:
+        refusing = recording(failing=("/start_weight_update",))
+        with pytest.raises(WeightTransferError, match="start_weight_update answered 500"):
+            trainer.push_weights(TransferTarget(backend="ipc", url=refusing.url, session="s"))
+        trainer.push_weights(gloo_target(url))  # the same ranks, still whole
+        assert_received(received, policy_state(model_dir))
+        trainer.export_weights(tmp_path / "export")  # and still serving commands
+    finally:
+        trainer.close()
