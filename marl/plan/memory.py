@@ -95,6 +95,7 @@ class TrainerSetting:
     ranks: int = 1
     compute_bytes: int = 4  # 2 under bf16 mixed precision
     micro_batch_tokens: int = 4096
+    trained_tokens: int | None = None  # of a micro-batch, projected onto the vocabulary (None: all of them)
     checkpointing: bool = False
     kl_reference: bool = False
     sharded: bool = False  # FSDP2 (gathers parameters) rather than one process holding them whole
@@ -111,7 +112,8 @@ def trainer_rank(arch: Architecture, s: TrainerSetting) -> tuple[Parts, Parts]:
     if s.on_gpu:
         resident.add("CUDA context", CUDA_CONTEXT_BYTES)
     passes = Parts().add("activations", activations(arch, s.micro_batch_tokens, s.compute_bytes, s.checkpointing))
-    passes.add("logits (one chunk)", logits_bytes(arch, s.micro_batch_tokens, s.compute_bytes))
+    trained = s.micro_batch_tokens if s.trained_tokens is None else s.trained_tokens
+    passes.add("logits (one chunk)", logits_bytes(arch, trained, s.compute_bytes))
     if s.sharded:
         gathered = (arch.embedding_params() + 2 * arch.layer_params()) * s.compute_bytes
         passes.add("gathered parameters", gathered + arch.layer_params() * (s.compute_bytes + 4))

@@ -307,7 +307,9 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
     for group in _alike(sorted(set(gpus.engine) | set(gpus.trainer)), gpus):
         load = _gpu_load(group, gpu_bytes, gpus, engine, engine_in_step, resident, peak, sleeps)
         plan.devices.append(load)
-        plan.problems += _gpu_problems(key, load, group[0] in gpus.shared, vllm_setting, resident, gpu_bytes)
+        engine_refused = any(p.key.startswith(f"{key}.vllm.") for p in plan.problems)
+        plan.problems += _gpu_problems(key, load, group[0] in gpus.shared, vllm_setting, resident, gpu_bytes,
+                                       check_rollouts=not engine_refused)
     _disk(plan, server, arch, setting, weights_through_disk=_weights_through_disk(server, uses_vllm, setting))
     if setting is not None:
         plan.notes.append(_host_note(arch, sleeps))
@@ -358,7 +360,7 @@ def _gpu_load(group: list[int], gpu_bytes: float, gpus: _GPUs, engine: Parts, en
 
 
 def _gpu_problems(key: str, load: DeviceLoad, shared: bool, vllm: VLLMSetting | None, resident: Parts,
-                  gpu_bytes: float) -> list[Problem]:  # fmt: skip
+                  gpu_bytes: float, *, check_rollouts: bool) -> list[Problem]:  # fmt: skip
     gb = gpu_bytes / GB
     if vllm is not None and shared and vllm.utilization * gpu_bytes + resident.total > gpu_bytes:
         most = max(0.0, (gpu_bytes - resident.total) / gpu_bytes)
@@ -373,7 +375,7 @@ def _gpu_problems(key: str, load: DeviceLoad, shared: bool, vllm: VLLMSetting | 
                                 f" of {gb:.0f} GB (most: {what}, {most / GB:.1f} GB): lower micro_batch_tokens, turn"
                                 " on gradient_checkpointing, or shard over more GPUs (fsdp ranks,"
                                 " placement.trainer_gpus)"))  # fmt: skip
-    if load.rollouts.total > gpu_bytes:
+    if check_rollouts and load.rollouts.total > gpu_bytes:
         problems.append(Problem(f"{key}.placement", f"{load.device}: holds {load.rollouts.total / GB:.1f} GB during"
                                 f" rollouts, more than its {gb:.0f} GB: give the engine and the trainer separate"
                                 " GPUs, or lower vllm.gpu_memory_utilization"))  # fmt: skip
@@ -383,6 +385,13 @@ def _gpu_problems(key: str, load: DeviceLoad, shared: bool, vllm: VLLMSetting | 
 def _check_kv(plan: ServerPlan, key: str, arch: Architecture, s: VLLMSetting, kv: float, max_model_len: int) -> None:
     per_token = arch.kv_bytes_per_token(s.weight_bytes, s.tensor_parallel)
     one_sequence = max_model_len * per_token
+    if kv <= 0 and s.kv_cache_bytes is None:
+        rest = s.utilization * s.gpu_bytes - kv
+        plan.problems.append(Problem(f"{key}.vllm.tensor_parallel_size", f"the weights, activations and CUDA graphs"
+                                     f" of one GPU's share of the model take {rest / GB:.1f} GB, more than vLLM's"
+                                     f" {_setting_text(s)[2:]}: split the model over more GPUs (tensor_parallel_size"
+                                     " and placement.engine_gpus), or raise vllm.gpu_memory_utilization"))
+        return
     if kv < one_sequence:
         fits = int(max(kv, 0) // per_token)
         where = "kv_cache_gb" if s.kv_cache_bytes is not None else "gpu_memory_utilization"

@@ -1,0 +1,150 @@
+"""`marl plan`: the memory arithmetic against hand-computed figures for Qwen2.5-7B/14B shapes (built here, no
+download), refusals at the key to change, the shipped GPU topology fitting 80 GB, and the same check in `marl run`.
+The model against measured peaks on this CPU: tests/servers/test_plan_measured.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from marl.plan import KNOWN_ARCHITECTURES, Architecture, UnknownModel, architecture_of, plan_topology
+from marl.plan.memory import GB, TrainerSetting, VLLMSetting, engine_vllm, trainer_rank
+from marl.topology import Topology, TopologyError
+
+REPO = Path(__file__).resolve().parents[2]
+WEREWOLVES = REPO / "topologies" / "werewolves-7b-14b-235b.yaml"
+QWEN_7B = KNOWN_ARCHITECTURES["qwen/qwen2.5-7b-instruct"]
+QWEN_14B = KNOWN_ARCHITECTURES["qwen/qwen2.5-14b-instruct"]
+
+
+def _qwen_config(arch: Architecture) -> Qwen2Config:
+    return Qwen2Config(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
+                       num_hidden_layers=arch.num_layers, num_attention_heads=arch.num_heads,
+                       num_key_value_heads=arch.num_kv_heads, vocab_size=arch.vocab_size,
+                       tie_word_embeddings=arch.tie_word_embeddings, max_position_embeddings=32768)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", [QWEN_7B, QWEN_14B], ids=["7b", "14b"])
+def test_parameter_count_is_the_built_models(arch):
+    config = _qwen_config(arch)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    built = sum(p.numel() for p in model.parameters())
+    assert arch.parameter_count() == built
+    assert Architecture.from_config(config.to_dict(), name="x").parameter_count() == built
+
+
+def test_published_sizes_and_kv_per_token():
+    assert QWEN_7B.parameter_count() == 7_615_616_512  # "7.61B" on the model card
+    assert QWEN_14B.parameter_count() == 14_770_033_664  # "14.7B"
+    assert QWEN_7B.kv_bytes_per_token(2) == 2 * 28 * 4 * 128 * 2 == 56 * 1024
+    assert QWEN_14B.kv_bytes_per_token(2) == 2 * 48 * 8 * 128 * 2 == 192 * 1024
+    assert QWEN_14B.kv_bytes_per_token(2, tensor_parallel=2) == 96 * 1024  # KV heads split over the GPUs
+    moe = KNOWN_ARCHITECTURES["qwen/qwen3-235b-a22b-instruct-2507"]
+    assert moe.kv_bytes_per_token(2, tensor_parallel=8) == 2 * 94 * 1 * 128 * 2  # 4 KV heads on 8 GPUs: replicated
+
+
+def test_trainer_rank_of_a_7b_on_8_gpus_by_hand():
+    setting = TrainerSetting(ranks=8, compute_bytes=2, micro_batch_tokens=32768, checkpointing=True, sharded=True,
+                             on_gpu=True)  # fmt: skip
+    resident, peak = trainer_rank(QWEN_7B, setting)
+    p = 7_615_616_512
+    parts = dict(peak.items)
+    assert parts["parameters (fp32 shard)"] == 4 * p / 8
+    assert parts["AdamW moments (fp32)"] == 8 * p / 8
+    assert parts["gradients (fp32 shard)"] == 4 * p / 8
+    # checkpointing: 28 layer inputs of 32768 x 3584 bf16 values, plus one layer's activations:
+    # 32768 x (2 x (4 x 18944 + 5 x 3584 + 13 x 512) + 4 x 2 x 3584) bytes
+    assert parts["activations"] == 28 * 32768 * 2 * 3584 + 32768 * (2 * (4 * 18944 + 5 * 3584 + 13 * 512) + 8 * 3584)
+    assert parts["logits (one chunk)"] == 1024 * 152064 * (2 + 12)
+    layer = 3584 * 3584 * 2 + 2 * 3584 * 512 + 3584 + 2 * 512 + 3 * 3584 * 18944 + 2 * 3584
+    assert parts["gathered parameters"] == (2 * 152064 * 3584 + 2 * layer) * 2 + layer * (2 + 4)
+    assert resident.total == pytest.approx(12 * p / 8 + 0.75 * 2**30)
+    unsharded = trainer_rank(QWEN_7B, TrainerSetting(ranks=1, micro_batch_tokens=32768, checkpointing=True))[1]
+    assert unsharded.total > 120e9 > 80e9 > peak.total  # the fp32 one-process trainer could never fit one GPU
+
+
+def test_vllm_on_one_gpu_by_hand():
+    awake, kv = engine_vllm(QWEN_7B, VLLMSetting(gpu_bytes=80e9, utilization=0.5))
+    parts = dict(awake.items)
+    assert parts["weights"] == 7_615_616_512 * 2
+    assert kv == pytest.approx(0.5 * 80e9 - (awake.total - parts["KV cache"]))
+    fixed, kv_fixed = engine_vllm(QWEN_7B, VLLMSetting(gpu_bytes=80e9, utilization=0.5, kv_cache_bytes=4 * 2**30))
+    assert kv_fixed == 4 * 2**30 == dict(fixed.items)["KV cache"]
+
+
+def test_a_model_directory_is_read_from_its_config(tmp_path, tiny_model):
+    arch = architecture_of(str(tiny_model))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert arch.parameter_count() == sum(p.numel() for p in model.parameters())
+    with pytest.raises(UnknownModel, match="Qwen/Qwen2.5-7B-Instruct"):
+        architecture_of("acme/unknown-13b")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Topologies
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _plan(*overrides: str):
+    return plan_topology(Topology.load(WEREWOLVES, list(overrides), check_env=False).spec)
+
+
+def test_the_shipped_gpu_topology_fits_80_gb_on_every_gpu():
+    plan = _plan()
+    assert plan.problems == []
+    assert [s.server for s in plan.servers] == ["wolves_7b", "seer_14b", "frozen_235b"]
+    for server in plan.servers:
+        for device in server.devices:
+            assert device.capacity == 80e9
+            assert device.peak <= 80e9, (server.server, device.device)
+    seer = plan.servers[1].devices[0]
+    assert seer.step is not None and any(what == "engine asleep" for what, _ in seer.step.items)
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("servers.seer_14b.vllm.kv_cache_gb=2", "servers.seer_14b.vllm.max_model_len"),
+    ("servers.seer_14b.vllm.gpu_memory_utilization=0.8", "servers.seer_14b.vllm.gpu_memory_utilization"),
+    ("servers.wolves_7b.train.fsdp.gradient_checkpointing=false", "servers.wolves_7b.train"),
+    ("servers.frozen_235b.placement.gpu_memory_gb=40", "servers.frozen_235b.vllm.tensor_parallel_size"),
+])  # fmt: skip
+def test_a_plan_that_cannot_fit_is_refused_at_the_key_to_change(override, key):
+    problems = _plan(override).problems
+    assert problems and {p.key for p in problems} == {key}, problems
+    assert "GB" in problems[0].message
+
+
+def test_cpu_servers_share_this_machines_memory(tiny_model):
+    data = {"name": "t", "servers": {"a": {"model": str(tiny_model), "device": "cpu", "trainable": True,
+                                           "train": {"batch_size": 1, "num_repeat": 2}}},
+            "roles": {"speaker": {"server": "a"}, "listener": {"server": "a"}},
+            "env": {"class": "envs.signalling:Signalling"}, "run": {"games": 1}}  # fmt: skip
+    spec = Topology.from_dict(data, check_env=False).spec
+    assert plan_topology(spec).problems == []
+    refused = plan_topology(spec, host_memory=1e6).problems
+    assert [p.key for p in refused] == ["servers.a"] and "weights and trainer state" in refused[0].message
+
+
+def test_marl_plan_prints_the_table_and_exits_1_naming_the_key():
+    marl = [sys.executable, "-m", "marl"]
+    ok = subprocess.run([*marl, "plan", str(WEREWOLVES)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "GPUs 0-7" in ok.stdout and "fits:" in ok.stdout
+    bad = subprocess.run([*marl, "plan", str(WEREWOLVES), "servers.seer_14b.vllm.kv_cache_gb=2"], capture_output=True,
+                         text=True, cwd=REPO, timeout=120)  # fmt: skip
+    assert bad.returncode == 1 and "servers.seer_14b.vllm.max_model_len" in bad.stdout
+
+
+def test_marl_run_refuses_before_starting_anything(tmp_path):
+    from marl.run import run
+
+    run_dir = tmp_path / "run"
+    with pytest.raises(TopologyError, match=r"servers\.seer_14b\.vllm\.max_model_len"):
+        run(str(WEREWOLVES), ["servers.seer_14b.vllm.kv_cache_gb=2", f"run.run_dir={run_dir}"])
+    assert not run_dir.exists()
+    assert GB == 1e9
