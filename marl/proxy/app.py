@@ -1,6 +1,8 @@
-"""HTTP for `marl proxy`: the OpenAI routes the app calls, authenticated by the proxy's own API key.
+"""HTTP for `marl proxy`: the OpenAI and Anthropic routes the app calls, authenticated by the proxy's own API key.
 
-`/v1/chat/completions` (streamed or not) and `/v1/models` need `Authorization: Bearer <the proxy's API key>`: a key
+`/v1/chat/completions`, `/v1/responses` and `/v1/messages` (streamed or not; the last two translated to chat
+completions by `marl.apis`, answered with the best candidate and translated back) and `/v1/models` need
+`Authorization: Bearer <the proxy's API key>` (or the anthropic SDK's `x-api-key`): a key
 of its own, which is never the swarm server's admin token and never leaves the proxy (candidates are generated with
 lease keys). `/health` and the Prometheus `/metrics` are open (counts only). Every error is an OpenAI-shaped
 `ErrorResponse` with an `ErrorCode`. `app.state.service` is the `ProxyService` (tests look inside it).
@@ -21,13 +23,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from marl.apis import messages as messages_api
+from marl.apis import responses as responses_api
+from marl.apis.messages import AnthropicErrors, MessagesRequest
+from marl.apis.responses import ResponsesRequest
 from marl.client import SwarmClient
 from marl.protocol import (
     EPISODE_KEY_PREFIX,
     ROUTE_CHAT,
     ROUTE_HEALTH,
+    ROUTE_MESSAGES,
     ROUTE_METRICS,
     ROUTE_MODELS,
+    ROUTE_RESPONSES,
     ChatCompletionRequest,
     ErrorCode,
     ErrorResponse,
@@ -40,7 +48,7 @@ from marl.proxy.leases import LeaseBroker
 from marl.proxy.metrics import ProxyMetrics
 from marl.proxy.rewards import RewardFunction
 from marl.proxy.service import ProxyService
-from marl.proxy.stream import sse_events
+from marl.proxy.stream import reply_events, sse_events
 
 log = logging.getLogger("marl.proxy")
 
@@ -84,6 +92,7 @@ def build_app(options: ProxyOptions) -> FastAPI:
         app.add_exception_handler(error, handler)
     app.include_router(_open_routes(metrics))
     app.include_router(_app_routes(service, options.served_model), dependencies=[Depends(_app_auth(options.api_key))])
+    app.add_middleware(AnthropicErrors)  # every error on /v1/messages in Anthropic's shape
     app.openapi()  # builds the routes' models here, not in the serving thread: see servers.openapi.install
     return app
 
@@ -117,12 +126,37 @@ def _app_routes(service: ProxyService, served_model: str) -> APIRouter:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(sse_events(reply, include_usage=usage), media_type="text/event-stream")
 
+    @router.post(ROUTE_RESPONSES, response_model=None)
+    async def responses(body: ResponsesRequest):
+        reply = await service.chat(_as_chat(body))
+        if not body.stream:
+            return JSONResponse(responses_api.reply(body, reply))
+        return StreamingResponse(responses_api.stream(body, reply.model, reply_events(reply)),
+                                 media_type="text/event-stream")
+
+    @router.post(ROUTE_MESSAGES, response_model=None)
+    async def messages(body: MessagesRequest):
+        reply = await service.chat(_as_chat(body))
+        if not body.stream:
+            return JSONResponse(messages_api.reply(reply))
+        return StreamingResponse(messages_api.stream(reply.model, reply.usage.prompt_tokens, reply_events(reply)),
+                                 media_type="text/event-stream")
+
     return router
 
 
+def _as_chat(body: ResponsesRequest | MessagesRequest) -> ChatCompletionRequest:
+    """The app's request as chat completions: what candidates are generated from and rewards and conversations see."""
+    try:
+        return body.to_chat()
+    except ValueError as exc:
+        raise ProxyError(400, ErrorCode.INVALID_REQUEST, str(exc)) from exc
+
+
 def _app_auth(api_key: str):
-    def check(authorization: str | None = Header(None)) -> None:
+    def check(authorization: str | None = Header(None), x_api_key: str | None = Header(None)) -> None:
         token = authorization[7:].strip() if authorization and authorization.lower().startswith("bearer ") else None
+        token = token if token is not None else x_api_key  # the anthropic SDK's header
         if token is not None and secrets.compare_digest(token.encode(), api_key.encode()):
             return
         if token is None:

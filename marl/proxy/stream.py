@@ -6,7 +6,7 @@ carry the whole reply at once: the role, the text, the tool calls, the finish re
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from marl.protocol import ChatCompletionChunk, ChatCompletionResponse, ChunkChoice, DeltaMessage
 
@@ -32,3 +32,11 @@ def sse_events(response: ChatCompletionResponse, *, include_usage: bool) -> Iter
     if include_usage:
         yield event(None)
     yield "data: [DONE]\n\n"
+
+
+async def reply_events(response: ChatCompletionResponse) -> AsyncIterator[str | ChatCompletionResponse]:
+    """The chosen answer as the stream events `marl.apis` turns into a Responses or Messages stream: its text at
+    once, then the whole reply."""
+    if response.choices[0].message.content:
+        yield response.choices[0].message.content
+    yield response

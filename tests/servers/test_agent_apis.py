@@ -23,6 +23,8 @@ from servers.ledger import Ledger
 from servers.tool_choice import ToolCallFormat, ToolTextHoldback
 
 CLIENT = "client-a"
+#: The anthropic SDK has no temperature parameter any more; the API still takes one, sent as an extra field.
+GREEDY = {"temperature": 0}
 ANTHROPIC_WEATHER = {"name": TOOL_NAME, "description": "The weather in a city.",
                      "input_schema": WEATHER_TOOL["function"]["parameters"]}
 
@@ -91,19 +93,20 @@ def test_anthropic_sdk_plain_streamed_and_a_tool_round_trip_recorded_exactly_and
     lease = begin(http)
     client = anthropic_client(lease)
     hello = [{"role": "user", "content": "hello"}]
-    plain = client.messages.create(model="tiny", max_tokens=48, messages=hello, system="Be brief.")
+    plain = client.messages.create(model="tiny", max_tokens=48, extra_body=GREEDY, messages=hello, system="Be brief.")
     assert plain.content[0].type == "text" and plain.stop_reason == "end_turn"
-    with client.messages.stream(model="tiny", max_tokens=48, messages=hello) as stream:
+    with client.messages.stream(model="tiny", max_tokens=48, extra_body=GREEDY, messages=hello) as stream:
         deltas = list(stream.text_stream)
         streamed = stream.get_final_message()
     assert len(deltas) > 1 and "".join(deltas) == streamed.content[0].text == TOOL_REPLY  # no tools: it is text
 
     asked = [{"role": "user", "content": "What is the weather in Paris?"}]
-    first = client.messages.create(model="tiny", max_tokens=48, messages=asked, tools=[ANTHROPIC_WEATHER])
+    first = client.messages.create(model="tiny", max_tokens=48, extra_body=GREEDY, messages=asked,
+                                   tools=[ANTHROPIC_WEATHER])
     (use,) = first.content
     assert (first.stop_reason, use.type, use.name, use.input) == ("tool_use", "tool_use", TOOL_NAME, TOOL_ARGUMENTS)
     result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21C"}]}
-    second = client.messages.create(model="tiny", max_tokens=48, tools=[ANTHROPIC_WEATHER],
+    second = client.messages.create(model="tiny", max_tokens=48, extra_body=GREEDY, tools=[ANTHROPIC_WEATHER],
                                     messages=[*asked, {"role": "assistant", "content": first.content}, result])
     assert second.stop_reason == "tool_use"
 
@@ -163,7 +166,7 @@ def test_openai_agents_sdk_default_model_runs_a_tool_calling_turn_recorded_and_m
     client = openai.AsyncOpenAI(base_url=lease["base_url"], api_key=lease["api_key"], max_retries=0)
     agent = Agent(name="forecaster", instructions="Answer with the weather.", tools=[get_weather],
                   model=OpenAIResponsesModel(model="tiny", openai_client=client),
-                  model_settings=ModelSettings(max_tokens=48), tool_use_behavior=after_two_calls)
+                  model_settings=ModelSettings(max_tokens=48, temperature=0), tool_use_behavior=after_two_calls)
     result = asyncio.run(Runner.run(agent, "What is the weather in Paris?",
                                     run_config=RunConfig(tracing_disabled=True)))
     assert asked == ["Paris", "Paris"] and result.final_output == "sunny in Paris"
