@@ -26,7 +26,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
 
 from servers.placement import visible_devices
 from servers.trainers.fsdp_worker import RankPlace, RankSpec, run_rank
@@ -54,7 +54,12 @@ class NodeRendezvous:
     """The server's door for the ranks of other nodes, open while a group starts."""
 
     def __init__(self, port: int, authkey: bytes, host: str = "0.0.0.0"):
-        self._listener = Listener((host, port), authkey=authkey)
+        try:
+            self._listener = Listener((host, port))  # authenticated per connection, off the accepting thread
+        except OSError as exc:
+            raise OSError(f"cannot wait for the trainer's other nodes on port {port} ({exc}): another trainer may"
+                          " use it; set placement.rendezvous_port (marl serve --rendezvous-port)") from None
+        self._authkey = authkey
         self._arrivals: queue.Queue[Connection] = queue.Queue()
         self._closed = False
         threading.Thread(target=self._accept, name="trainer-nodes", daemon=True).start()
@@ -62,9 +67,25 @@ class NodeRendezvous:
     def _accept(self) -> None:
         while not self._closed:
             try:
-                self._arrivals.put(self._listener.accept())
-            except (OSError, EOFError, mp.AuthenticationError):  # closed, or a peer without the admin token
+                conn = self._listener.accept()
+            except OSError:  # closed
                 continue
+            threading.Thread(target=self._admit, args=(conn,), name="trainer-node-auth", daemon=True).start()
+
+    def _admit(self, conn: Connection) -> None:
+        """The HMAC handshake of `Listener(authkey=...)`, on a thread of its own: a peer that says nothing (a port
+        scanner) is dropped after a while instead of holding the door shut."""
+        silent = threading.Timer(_HELLO_TIMEOUT_S, conn.close)
+        silent.start()
+        try:
+            deliver_challenge(conn, self._authkey)
+            answer_challenge(conn, self._authkey)
+        except (OSError, EOFError, mp.AuthenticationError):  # no admin token, or gone
+            conn.close()
+            return
+        finally:
+            silent.cancel()
+        self._arrivals.put(conn)
 
     def gather(self, job: NodeJob, nodes: int, deadline: float) -> dict[int, Connection]:
         """Hand every node its job and return the connections of ranks L..world_size-1, by rank. TimeoutError
@@ -84,18 +105,18 @@ class NodeRendezvous:
     def _greet(self, conn: Connection, job: NodeJob, nodes: int, ranks: dict[int, Connection]) -> None:
         try:
             hello = conn.recv() if conn.poll(_HELLO_TIMEOUT_S) else None
+            kind, number = hello if isinstance(hello, tuple) and len(hello) == 2 else (None, None)
+            if kind == "node" and isinstance(number, int) and 1 <= number < nodes:
+                conn.send(("job", NodeJob(job.spec, number, job.local_world_size, job.store_port, job.trainer_gpus)))
+            elif kind == "rank" and number in range(job.local_world_size, job.spec.world_size) and number not in ranks:
+                conn.send(("welcome",))
+                ranks[number] = conn
+                return
+            else:
+                conn.send(("refused", f"{hello!r}: this trainer has nodes 1..{nodes - 1} and ranks"
+                                      f" {job.local_world_size}..{job.spec.world_size - 1}, each joining once"))
         except (OSError, EOFError):
-            hello = None
-        kind, number = hello if isinstance(hello, tuple) and len(hello) == 2 else (None, None)
-        if kind == "node" and isinstance(number, int) and 1 <= number < nodes:
-            conn.send(("job", NodeJob(job.spec, number, job.local_world_size, job.store_port, job.trainer_gpus)))
-        elif kind == "rank" and number in range(job.local_world_size, job.spec.world_size) and number not in ranks:
-            conn.send(("welcome",))
-            ranks[number] = conn
-            return
-        else:
-            conn.send(("refused", f"{hello!r}: this trainer has nodes 1..{nodes - 1} and ranks"
-                                  f" {job.local_world_size}..{job.spec.world_size - 1}, each joining once"))
+            pass  # gone: a node that means it comes back
         conn.close()
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ is what each child process sees, and a real training step over two "nodes" on 12
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -127,6 +128,7 @@ def test_a_node_that_never_joins_fails_the_start_naming_the_command(model_dir):
 def test_the_rendezvous_admits_only_the_admin_token_and_known_nodes(model_dir):
     port = free_port()
     door = NodeRendezvous(port, TOKEN.encode())
+    silent = socket.create_connection(("127.0.0.1", port))  # says nothing: must not hold the door shut
     try:
         with pytest.raises(AuthenticationError):
             Client(("127.0.0.1", port), authkey=b"wrong")
@@ -142,6 +144,7 @@ def test_the_rendezvous_admits_only_the_admin_token_and_known_nodes(model_dir):
                 assert kind == "job" and answer.node_rank == 1 and answer.trainer_gpus == (0,)
             assert stranger.recv()[0] == "refused"
     finally:
+        silent.close()
         door.close()
 
 
