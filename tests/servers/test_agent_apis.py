@@ -146,8 +146,18 @@ def test_anthropic_tool_choice_and_errors_in_anthropics_shape(tiny_server):
 # --- OpenAI Responses (the Agents SDK's default model) --------------------------------------------------------------
 
 
-def test_openai_agents_sdk_default_model_runs_a_tool_calling_turn_recorded_and_merged(tool_server):
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
+@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+def test_openai_agents_sdk_runs_a_tool_calling_turn_recorded_and_merged(tool_server, api):
+    """Its default model (Responses), and its Chat Completions model."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        RunConfig,
+        Runner,
+        function_tool,
+    )
     from agents.agent import ToolsToFinalOutputResult
 
     srv, http = tool_server
@@ -165,7 +175,8 @@ def test_openai_agents_sdk_default_model_runs_a_tool_calling_turn_recorded_and_m
 
     client = openai.AsyncOpenAI(base_url=lease["base_url"], api_key=lease["api_key"], max_retries=0)
     agent = Agent(name="forecaster", instructions="Answer with the weather.", tools=[get_weather],
-                  model=OpenAIResponsesModel(model="tiny", openai_client=client),
+                  model=(OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel)(
+                      model="tiny", openai_client=client),
                   model_settings=ModelSettings(max_tokens=48, temperature=0), tool_use_behavior=after_two_calls)
     result = asyncio.run(Runner.run(agent, "What is the weather in Paris?",
                                     run_config=RunConfig(tracing_disabled=True)))
