@@ -34,6 +34,7 @@ import base64
 import logging
 import pickle
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -174,20 +175,26 @@ class Channel(Protocol):
 
     def broadcast(self, tensor: torch.Tensor) -> None: ...
 
-    def synchronize(self) -> None: ...
+    def wait(self, check: Callable[[], None]) -> None:
+        """Until the broadcasts sent are done, calling `check` (which raises when the receivers gave up) meanwhile."""
 
 
 class NcclChannel:
     """Rank 0 of vLLM's NCCL group through `torch.cuda.nccl` (a communicator from `ncclCommInitRank`, no process
     group). NCCL refuses peers of another NCCL version ("Mismatched NCCL version"): vLLM's PyNccl loads the library
-    `VLLM_NCCL_SO_PATH` names, which can be the one the trainer's torch uses."""
+    `VLLM_NCCL_SO_PATH` names, which can be the one the trainer's torch uses.
 
-    def __init__(self) -> None:
+    The broadcasts run on a stream of their own: if the receivers give up, the broadcast that waits for them blocks
+    that stream only, not the one the trainer computes on."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
         import torch.cuda.nccl as nccl
 
         self._nccl = nccl
         self._uid = nccl.unique_id()
-        self._device = torch.cuda.current_device()
+        self._device = torch.device("cuda", torch.cuda.current_device() if device is None or device.index is None
+                                    else device.index)
+        self._stream = torch.cuda.Stream(device=self._device)
         self._comm: Any = None
 
     def rendezvous(self) -> dict[str, Any]:
@@ -201,10 +208,15 @@ class NcclChannel:
             torch.cuda.current_stream().synchronize()
 
     def broadcast(self, tensor: torch.Tensor) -> None:
-        self._nccl.broadcast([tensor], root=0, comms=[self._comm])
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))  # the gather that made `tensor` first
+        self._nccl.broadcast([tensor], root=0, streams=[self._stream], comms=[self._comm])
 
-    def synchronize(self) -> None:
-        torch.cuda.current_stream(self._device).synchronize()
+    def wait(self, check: Callable[[], None]) -> None:
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        while not done.query():
+            check()
+            time.sleep(0.001)
 
 
 class GlooChannel:
@@ -226,8 +238,8 @@ class GlooChannel:
     def broadcast(self, tensor: torch.Tensor) -> None:
         self._group.broadcast(tensor, 0).wait()
 
-    def synchronize(self) -> None:
-        pass
+    def wait(self, check: Callable[[], None]) -> None:
+        check()  # each broadcast waited for itself
 
 
 def share_cuda_tensor(tensor: torch.Tensor) -> dict[str, tuple]:
@@ -243,10 +255,13 @@ class WeightPusher:
     """Pushes a trainer's weights into vLLM (see the module docstring); lives as long as the trainer, one per
     process that holds the full tensors (the one-process trainer, an FSDP trainer's rank 0).
 
-    `share` turns a tensor into an IPC handle (default: `share_cuda_tensor`); the CPU tests pass their own.
+    `device`: the trainer's GPU (nccl). `share` turns a tensor into an IPC handle (default: `share_cuda_tensor`);
+    the CPU tests pass their own.
     """
 
-    def __init__(self, share: Callable[[torch.Tensor], dict[str, tuple]] | None = None) -> None:
+    def __init__(self, device: torch.device | str | None = None,
+                 share: Callable[[torch.Tensor], dict[str, tuple]] | None = None) -> None:
+        self._device = None if device is None else torch.device(device)
         self._share = share or share_cuda_tensor
         self._opened: tuple[str, ...] | None = None  # the vLLM process (and backend) the init was done with
         self._channel: Channel | None = None
@@ -286,7 +301,7 @@ class WeightPusher:
 
     def _join(self, target: TransferTarget) -> Channel:
         """Open the NCCL group: vLLM's workers join inside `/init_weight_transfer_engine` while this rank does."""
-        channel: Channel = GlooChannel(target.timeout_s) if target.channel == "gloo" else NcclChannel()
+        channel: Channel = GlooChannel(target.timeout_s) if target.channel == "gloo" else NcclChannel(self._device)
         world_size = 1 + target.workers
         init_info = {"rank_offset": 1, "world_size": world_size, "packed": False, **channel.rendezvous()}
         failed: list[BaseException] = []
@@ -311,11 +326,15 @@ class WeightPusher:
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="marl-weight-update")
         try:
             answered = pool.submit(self._routes.update, update_metadata(bucket))
-            for _, tensor in bucket:
+
+            def check() -> None:  # vLLM refused (before receiving): stop instead of broadcasting to nobody
                 if answered.done():
-                    answered.result()  # refused before receiving: do not broadcast to nobody
+                    answered.result()
+
+            for _, tensor in bucket:
+                check()
                 self._channel.broadcast(tensor)
-            self._channel.synchronize()
+            self._channel.wait(check)
             answered.result()
         finally:
             pool.shutdown(wait=False)  # after a failed broadcast the update may never answer: do not wait for it

@@ -182,7 +182,7 @@ class ShardedPolicy:
         self.optimizer = self._new_optimizer(spec.config)
         # Checkpoint shards are written on a thread: its collectives need a group of their own (gloo: CPU state).
         self.checkpoint_group = dist.new_group(backend="gloo")
-        self._pusher = WeightPusher() if rank == 0 else None  # rank 0 sends pushed weights to vLLM
+        self._pusher = WeightPusher(self.device) if rank == 0 else None  # rank 0 sends pushed weights to vLLM
 
     def _new_optimizer(self, config: GRPOConfig) -> torch.optim.Optimizer:
         params = [p for p in self.policy.parameters() if p.requires_grad]

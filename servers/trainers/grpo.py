@@ -377,7 +377,7 @@ class GRPOTrainer(Trainer):
         tensor once, cast to the engine's dtype as it goes; raises when the transfer failed (the server then falls
         back to `export_weights`)."""
         if self._pusher is None:
-            self._pusher = WeightPusher()
+            self._pusher = WeightPusher(self.device)
         self._pusher.push(target, unique_tensors(self.policy.state_dict().items()))
 
     def export_weights(self, directory: Path) -> Path:

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from marl.protocol import VLLM_WEIGHT_SYNC_MODES, FSDPConfig
-from servers.engines.vllm_process import VLLMLaunch, VLLMSettings, VLLMSettingsError
+from marl.protocol import VLLM_WEIGHT_SYNC_MODES, FSDPConfig, TrainConfig
+from servers.engines.vllm_process import VLLMLaunch, VLLMSettings, VLLMSettingsError, vllm_python
 from servers.engines.weight_transfer import (
     TransferTarget,
     WeightPusher,
@@ -318,3 +318,53 @@ def test_fsdp_ranks_gather_and_rank_0_pushes_and_a_refused_push_leaves_the_ranks
         trainer.export_weights(tmp_path / "export")  # and still serving commands
     finally:
         trainer.close()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the CPU build of vLLM, started with the flag: it refuses the transfer, and the disk path serves the step's weights
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not vllm_python().exists(), reason=f"no vLLM environment at {vllm_python()} (`make vllm`)")
+@pytest.mark.timeout(900)
+def test_a_transfer_vllm_refuses_falls_back_to_the_disk_and_the_steps_weights_serve(tmp_path):
+    from conftest import admin_http, wait_state, wait_version
+    from test_vllm_engine import (
+        LOGPROB_TOLERANCE,
+        START_TIMEOUT_S,
+        VLLMServer,
+        ask,
+        assert_matches,
+        fp32_logprobs,
+        ids_and_logprobs,
+        leased,
+        max_gap,
+        one_episode,
+    )
+
+    model = build_tiny_model(tmp_path / "model", hidden_size=64, num_heads=2)  # head size 32: the CPU build's least
+    flags = ["--vllm-weight-sync", "ipc", "--vllm-kv-cache-gb", "0.25"]
+    with VLLMServer(model, tmp_path / "server", vllm_flags=flags) as srv, admin_http(srv.url) as http:
+        config = TrainConfig(batch_size=1, num_repeat=2, save_freq=1, learning_rate=1e-2, lease_patience_s=600)
+        assert http.post("/control/config", json=config.model_dump(mode="json")).status_code == 200
+        assert http.post("/control/start").status_code == 200
+        wait_state(http, "ROLLING", timeout=START_TIMEOUT_S)
+        engine, trainer = srv.server.lifecycle.engine, srv.server.lifecycle.trainer
+        assert engine.transfer_off is None  # asked for: it tries
+        assert "Creating weight transfer engine: IPCWeightTransferEngine" in engine.log_path.read_text()
+        trainer._pusher = WeightPusher(share=fake_ipc_handle)  # a CPU has no CUDA IPC: handles vLLM cannot open
+
+        one_episode(http, "a", 1.0)
+        one_episode(http, "a", 0.0)
+        wait_version(http, 1, timeout=START_TIMEOUT_S)
+        stats = engine.stats
+        assert (stats.weight_transfer_failures, stats.weight_transfers, stats.weight_loads) == (1, 0, 1)
+        assert "/update_weights answered 500" in engine.transfer_off  # init and start were taken, the update not
+
+        checkpoint = srv.server.lifecycle.checkpoints.latest()
+        with leased(http) as (_, client):
+            body = ask(client, [{"role": "user", "content": "Say yes."}], max_tokens=16, seed=3)
+        assert_matches(checkpoint, body)  # vLLM serves the step's weights, reloaded from the disk
+        prompt, completion, served = ids_and_logprobs(body)
+        assert max_gap(fp32_logprobs(model, prompt, completion), served) > 10 * LOGPROB_TOLERANCE  # not the old ones
+        assert http.post("/control/stop").status_code == 200
