@@ -91,7 +91,7 @@ class _Games:
         self.lock = threading.RLock()  # reentrant: `call` notes a failure under it while `claim` holds it
         self.stop = threading.Event()  # set: no new game, no replay, and games waiting for a lease give up
         self.exhausted = False  # the schedule ran out
-        self.callback_error: tuple[str, Exception] | None = None  # the first callback that raised, and its name
+        self.callback_error: tuple[str, BaseException] | None = None  # the first callback that raised, its name
 
     def call(self, name: str, callback: Callable[..., Any], *args: Any) -> Any:
         """Run a user callback on a worker thread. One that raises stops the run and is kept for `play_games` to
@@ -99,7 +99,7 @@ class _Games:
         success after fewer games than asked."""
         try:
             return callback(*args)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a thread drops SystemExit without a word; Ctrl-C is left alone
             log.error("%s raised %r: stopping the run", name, exc)
             with self.lock:
                 self.callback_error = self.callback_error or (name, exc)

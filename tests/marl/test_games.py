@@ -84,6 +84,15 @@ def test_a_raising_on_failure_or_should_stop_stops_the_run_too(coordinator, fail
         play_games(coordinator, tasks("t", 1, seed=0), concurrency=2, games=10_000_000, should_stop=should_stop)
 
 
+def test_sys_exit_in_a_callback_is_not_swallowed_by_its_thread(coordinator):
+    import sys
+
+    with pytest.raises(CallbackFailed, match="on_result raised SystemExit") as caught:
+        play_games(coordinator, tasks("t", 1, seed=0), concurrency=2, games=1000,
+                   on_result=lambda record: sys.exit(3))
+    assert isinstance(caught.value.__cause__, SystemExit) and caught.value.stats.games <= 2
+
+
 def test_a_finite_schedule_ends_the_run_and_a_list_will_do(coordinator):
     stats = play_games(coordinator, [("a", 1), ("b", 2), ("c", 3)], concurrency=4)
     assert isinstance(stats, RunStats)
