@@ -318,8 +318,8 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
 
 def _host_note(arch: Architecture, sleeps: bool) -> str:
     read = arch.parameter_count() * arch.weights_bytes_per_param / GB
-    asleep = f"; each vLLM asleep keeps its weights there ({arch.parameter_count() * 2 / GB:.0f} GB)" if sleeps else ""
-    return f"host memory: rank 0 reads the model ({read:.0f} GB){asleep}"
+    asleep = f"; each vLLM asleep keeps its weights there ({arch.parameter_count() * 2 / GB:.1f} GB)" if sleeps else ""
+    return f"host memory: rank 0 reads the model ({read:.1f} GB){asleep}"
 
 
 def _ids(gpus: list[int]) -> str:

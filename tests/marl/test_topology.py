@@ -147,7 +147,7 @@ def test_shipped_gpu_topologies_use_vllm_and_fsdp(monkeypatch):
     for name in ("speaker_model", "listener_model"):
         server = gpu.spec.servers[name]
         assert (server.model, server.engine, server.device) == ("/models/Qwen2.5-0.5B-Instruct", "vllm", "cuda")
-        assert server.train.trainer == "fsdp" and server.train.trainer_section.ranks == 1
+        assert server.train.trainer == "fsdp" and server.train.trainer_section.ranks == 4
     big = Topology.load(REPO / "topologies" / "werewolves-7b-14b-235b.yaml")
     assert {big.spec.servers[name].train.trainer for name in big.trainable_servers()} == {"fsdp"}
 

@@ -144,7 +144,9 @@ def test_marl_serve_refuses_bad_flags_naming_them():
 def test_the_shipped_gpu_topology_sets_vllm():
     spec = Topology.load(REPO / "topologies" / "signalling-gpu.yaml", check_env=False).spec
     for server in spec.servers.values():
-        assert server.engine == "vllm" and server.vllm is not None
-        assert server.vllm.max_model_len and server.vllm.kv_cache_gb and server.vllm.gpu_memory_utilization
-    # two vLLMs share GPU 0: their start-up checks must both pass
-    assert sum(server.vllm.gpu_memory_utilization for server in spec.servers.values()) < 0.5
+        assert server.engine == "vllm" and server.vllm is not None and server.vllm.max_model_len
+        # each vLLM replica beside its own trainer rank on the same GPUs (sleep mode frees them for the step)
+        assert server.vllm.data_parallel_size == len(server.placement.engine_gpus) == server.train.fsdp.ranks
+        assert server.placement.engine_gpus == server.placement.trainer_gpus
+    speaker, listener = (set(s.placement.engine_gpus) for s in spec.servers.values())
+    assert speaker.isdisjoint(listener) and speaker | listener == set(range(8))  # the whole box
