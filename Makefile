@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: setup test lint test-slow demo bench bench-smoke fuzz vllm clean
+.PHONY: setup test lint test-slow demo bench bench-smoke fuzz vllm gpu-check plan-accuracy clean
 
 $(BIN)/marl: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,15 @@ bench: setup
 # Every bench/*.py with --smoke (seconds each: tiny model, tiny counts), the slow ones too; `make test` runs the rest.
 bench-smoke: setup
 	$(BIN)/python -m pytest -q tests/project/test_benches.py -m ""
+
+# The GPU checklist, the first thing to run on a GPU box (`make vllm` first for the vLLM checks): the device, the
+# torch engine, a GRPO and an FSDP step against `marl plan`'s memory, vLLM's boot, weight transfer and sleep mode.
+gpu-check: setup
+	$(BIN)/python bench/gpu_check.py --out runs/gpu-check
+
+# `marl plan`'s memory model against measured peaks on this CPU (SmolLM2-135M and a 150M random model; minutes).
+plan-accuracy: setup
+	$(BIN)/python bench/plan_accuracy.py
 
 # Schema-driven fuzzing of a real tiny-model server: every operation, valid credentials, no 5xx (bench/fuzz.py).
 fuzz: setup

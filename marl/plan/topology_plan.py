@@ -312,13 +312,15 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
                                        check_rollouts=not engine_refused)
     _disk(plan, server, arch, setting, weights_through_disk=_weights_through_disk(server, uses_vllm, setting))
     if setting is not None:
-        plan.notes.append(_host_note(arch, sleeps))
+        plan.notes.append(_host_note(arch, sleeps, replicas=max(1, len(gpus.engine) // (v.tensor_parallel_size if v
+                                                                                         else 1))))
     return plan
 
 
-def _host_note(arch: Architecture, sleeps: bool) -> str:
+def _host_note(arch: Architecture, sleeps: bool, replicas: int) -> str:
     read = arch.parameter_count() * arch.weights_bytes_per_param / GB
-    asleep = f"; each vLLM asleep keeps its weights there ({arch.parameter_count() * 2 / GB:.1f} GB)" if sleeps else ""
+    offloaded = replicas * arch.parameter_count() * 2 / GB
+    asleep = f"; {replicas} vLLM replicas asleep keep their weights there ({offloaded:.1f} GB)" if sleeps else ""
     return f"host memory: rank 0 reads the model ({read:.1f} GB){asleep}"
 
 
