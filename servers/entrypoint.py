@@ -64,6 +64,9 @@ def torch_engine_factory(device: str | None, prefix_cache_gb: float | None = Non
 def _grpo_trainer(model_dir: Path, section, device: str | None, placement: Placement, authkey: bytes) -> Trainer:
     from servers.trainers.grpo import GRPOTrainer
 
+    if placement.nodes > 1 or len(placement.trainer_gpus or ()) > 1:
+        raise ValueError("trainer grpo trains in one process on one GPU: give it one --trainer-gpus GPU and no"
+                         " --trainer-nodes, or sync trainer: fsdp (one rank per GPU)")
     return GRPOTrainer(model_dir, section, device=placement.trainer_device(device))  # in this process: cuda:<gpu>
 
 

@@ -40,7 +40,6 @@ from servers.engines.weight_transfer import TransferTarget, WeightTransferError
 from servers.interfaces import TrainBatch, Trainer
 from servers.placement import Placement
 from servers.samples import Sample
-from servers.trainers.fsdp_nodes import NodeRendezvous
 from servers.trainers.fsdp_ranks import RankFailure, RankGroup, RankLayout
 from servers.trainers.fsdp_worker import PassResult, RankPlan, RankSpec
 from servers.trainers.grpo import grpo_step
@@ -76,12 +75,7 @@ def rank_layout(ranks: int, placement: Placement, authkey: bytes | None) -> Rank
     if per_node * placement.nodes != ranks:
         raise ValueError(f"fsdp.ranks={ranks}, but the server's placement gives {placement.nodes} node(s) x"
                          f" {per_node} trainer GPUs = {per_node * placement.nodes} ranks: make them equal")
-    rendezvous = None
-    if placement.nodes > 1:
-        if not authkey:
-            raise ValueError("a trainer on several nodes needs the server's admin token to let them in")
-        rendezvous = NodeRendezvous(placement.rendezvous_port, authkey)
-    return RankLayout(per_node, placement.nodes, placement.trainer_gpus, rendezvous)
+    return RankLayout(per_node, placement.nodes, placement.trainer_gpus, placement.rendezvous_port, authkey)
 
 
 class FSDPTrainer(Trainer):

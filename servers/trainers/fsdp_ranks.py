@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from marl.protocol import TRAINER_RENDEZVOUS_PORT
 from servers.placement import visible_devices
 from servers.trainers.fsdp_nodes import NodeJob, NodeRendezvous
 from servers.trainers.fsdp_worker import RankPlace, RankSpec, run_rank
@@ -41,20 +42,24 @@ class RankFailure(RuntimeError):
 @dataclass(frozen=True)
 class RankLayout:
     """How a group's ranks are laid out: `local_world_size` ranks on this node (ranks 0..L-1), the rest on the
-    other nodes (`nodes` of them, L ranks each, joining through `rendezvous`); `trainer_gpus`: each node's GPUs
-    for its ranks (None: local rank r on GPU r, with the parent's CUDA_VISIBLE_DEVICES)."""
+    other nodes (`nodes` of them, L ranks each, let in on `rendezvous_port` with `authkey`, the admin token);
+    `trainer_gpus`: each node's GPUs for its ranks (None: local rank r on GPU r, with the parent's
+    CUDA_VISIBLE_DEVICES)."""
 
     local_world_size: int
     nodes: int = 1
     trainer_gpus: tuple[int, ...] | None = None
-    rendezvous: NodeRendezvous | None = None
+    rendezvous_port: int = TRAINER_RENDEZVOUS_PORT
+    authkey: bytes | None = None
 
 
 class RankGroup:
     def __init__(self, spec: RankSpec, *, start_timeout_s: float = 600.0, layout: RankLayout | None = None) -> None:
         layout = layout or RankLayout(local_world_size=spec.world_size)
-        if layout.local_world_size * layout.nodes != spec.world_size or (layout.nodes > 1) != bool(layout.rendezvous):
+        if layout.local_world_size * layout.nodes != spec.world_size:
             raise ValueError(f"{spec.world_size} ranks cannot run as {layout.nodes} nodes x {layout.local_world_size}")
+        if layout.nodes > 1 and not layout.authkey:
+            raise ValueError("a trainer on several nodes needs the server's admin token to let them in")
         self.world_size = spec.world_size
         # The rendezvous: the store binds every interface, so other nodes' ranks reach it at this host's address.
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -62,9 +67,15 @@ class RankGroup:
         self._conns: list[Connection] = []
         self._failure: str | None = None
         deadline = time.monotonic() + start_timeout_s
-        self._start_local(spec, layout)
-        if layout.rendezvous is not None:
-            self._join_remote(spec, layout, deadline)
+        # open before the local ranks start, so a port in use fails at once; closed once every rank has joined
+        door = NodeRendezvous(layout.rendezvous_port, layout.authkey) if layout.nodes > 1 else None
+        try:
+            self._start_local(spec, layout)
+            if door is not None:
+                self._join_remote(spec, layout, door, deadline)
+        finally:
+            if door is not None:
+                door.close()
         self.started = self._collect(timeout_s=max(0.0, deadline - time.monotonic()), doing="starting")
 
     def _start_local(self, spec: RankSpec, layout: RankLayout) -> None:
@@ -80,15 +91,13 @@ class RankGroup:
             self._processes.append(process)
             self._conns.append(ours)
 
-    def _join_remote(self, spec: RankSpec, layout: RankLayout, deadline: float) -> None:
+    def _join_remote(self, spec: RankSpec, layout: RankLayout, door: NodeRendezvous, deadline: float) -> None:
         """Wait for the other nodes' ranks (servers.trainers.fsdp_nodes); their connections are their pipes."""
         job = NodeJob(spec, 0, layout.local_world_size, self._store.port, layout.trainer_gpus)
         try:
-            remote = layout.rendezvous.gather(job, layout.nodes, deadline)
+            remote = door.gather(job, layout.nodes, deadline)
         except TimeoutError as exc:
             raise self._fail(str(exc)) from None
-        finally:
-            layout.rendezvous.close()
         for rank in range(layout.local_world_size, spec.world_size):
             self._processes.append(None)
             self._conns.append(remote[rank])

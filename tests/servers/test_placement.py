@@ -17,9 +17,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from marl.launch import free_port
-from marl.protocol import GRPOConfig
+from marl.protocol import GRPOConfig, TrainConfig
 from servers.engines.vllm_process import VLLMLaunch
-from servers.entrypoint import ServeOptions, vllm_placement
+from servers.entrypoint import ServeOptions, default_trainer_factory, vllm_placement
 from servers.placement import Placement, visible_devices
 from servers.tiny_model import build_tiny_model
 from servers.trainers.fsdp import FSDPConfig, FSDPTrainer, RankFailure
@@ -170,3 +170,15 @@ def test_vllm_sees_only_its_engine_gpus_and_sleeps_only_beside_its_trainer(model
     assert default.sleeps_between_steps and default.environment()["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     static = launch_for(ServeOptions(**serve, static=True, placement=Placement(engine_gpus=(1,))), model_dir)
     assert not static.sleeps_between_steps
+
+
+def test_a_busy_rendezvous_port_and_a_grpo_trainer_on_two_nodes_are_refused_naming_the_fix(model_dir):
+    taken = socket.create_server(("0.0.0.0", 0))
+    try:
+        with pytest.raises(OSError, match=r"set placement.rendezvous_port \(marl serve --rendezvous-port\)"):
+            FSDPTrainer(model_dir, FSDPConfig(ranks=2), device="cpu", authkey=TOKEN.encode(),
+                        placement=Placement(nodes=2, rendezvous_port=taken.getsockname()[1]))  # fmt: skip
+    finally:
+        taken.close()
+    with pytest.raises(ValueError, match="trainer grpo trains in one process on one GPU"):
+        default_trainer_factory("cpu", Placement(nodes=2))(model_dir, TrainConfig())
