@@ -80,7 +80,9 @@ def role_model(seat: Seat, fallback: Fallback | None = None) -> OpenAIChatModel:
     return OpenAIChatModel(
         credential=OpenAICredential(api_key=api_key, base_url=base_url),
         model=model,
-        parameters=OpenAIChatModel.Parameters(max_tokens=seat.max_tokens, temperature=seat.temperature),
+        parameters=OpenAIChatModel.Parameters(max_tokens=seat.max_tokens, temperature=seat.temperature,
+                                              top_p=seat.top_p),
+        extra_body={"stop": list(seat.stop)} if seat.stop else None,  # Parameters has no stop
         stream=False,
         max_retries=retries,
         formatter=OpenAIChatFormatter(),  # system/user/assistant turns: see the module docstring

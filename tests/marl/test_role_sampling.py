@@ -12,7 +12,7 @@ import httpx
 import pytest
 import uvicorn
 import yaml
-from conftest import ADMIN, LocalServer, admin_http, start_rolling
+from conftest import ADMIN, LocalServer, admin_http, start_rolling, wait_state
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -143,3 +143,23 @@ def test_bad_sampling_is_refused_at_its_key(tmp_path, tiny_model):
     ]:
         with pytest.raises(TopologyError, match=problem.replace(".", r"\.")):
             Topology.load(topology(tmp_path, roles, {"model": str(tiny_model), "trainable": True, "train": TRAIN}))
+
+
+def test_an_agentscope_player_sends_its_roles_sampling_too(tiny_model, tmp_path):
+    pytest.importorskip("agentscope")
+    from marl.agentscope_agents import agentscope_players
+    from marl.game_table import Seat
+
+    with LocalServer(tiny_model, tmp_path / "server", static=True) as server, Relay(server.url) as relay:
+        with admin_http(server.url) as http:
+            wait_state(http, "STATIC")
+        seat = Seat("player_3", "seer", "frozen", system_prompt="You are the seer.", base_url=relay.url + "/v1",
+                    model="tiny", temperature=0.2, top_p=0.5, max_tokens=4, stop=("\n\n",))
+        player = agentscope_players()(seat)
+        assert isinstance(player.act("Night 1. Who do you check?"), str)
+        player.close()
+    [(tag, body, reply)] = relay.calls
+    assert tag == "seer"
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))  # AgentScope sends the newer name
+    assert (body["temperature"], body["top_p"], limit, body["stop"]) == (0.2, 0.5, 4, ["\n\n"])
+    assert reply["usage"]["completion_tokens"] <= 4  # honoured by the server
