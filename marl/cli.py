@@ -326,6 +326,37 @@ def _add_topology(sub: argparse._SubParsersAction) -> None:
     show.set_defaults(func=_topology_show, trailing="overrides")
 
 
+def _plan(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from marl.plan import plan_topology
+    from marl.plan.report import print_plan
+    from marl.topology import Topology, TopologyError
+
+    try:
+        topology = Topology.load(args.file, args.overrides, check_env=False)
+    except TopologyError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(2)
+    plan = plan_topology(topology.spec)
+    print_plan(plan, Console(highlight=False, width=None if sys.stdout.isatty() else 200))
+    sys.exit(1 if plan.problems else 0)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser("plan", help="will the topology's models fit their devices? memory per GPU, disk per step",
+                          description="For every local server, and every remote one whose placement: states its"
+                                      " GPUs, the memory of each device at rollouts and during a training step"
+                                      " (engine weights, KV cache, CUDA graphs; trainer shards, activations,"
+                                      " logits), and the disk written per step and per checkpoint. Exits 1, naming"
+                                      " the key to change, when something does not fit; `marl run` makes the same"
+                                      " check before it starts anything. docs/design.md, \"Memory plan\".")
+    plan.add_argument("file", help="topology YAML, e.g. topologies/werewolves-7b-14b-235b.yaml")
+    plan.add_argument("overrides", nargs="*", metavar="key=value",
+                      help="overrides, e.g. servers.a.vllm.max_model_len=8192")
+    plan.set_defaults(func=_plan, trailing="overrides")
+
+
 def _add_run(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("run", help="play and train a topology: start local servers, play games, train each model",
                          description="Start the topology's local servers (logs in the run directory), connect to its"
@@ -398,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     from marl.eval.command import add_eval_parser
     from marl.proxy import add_proxy_parser
 
-    for add in (_add_serve, _add_trainer_node, _add_status, _add_topology, _add_run, _add_overwatch,
+    for add in (_add_serve, _add_trainer_node, _add_status, _add_topology, _add_plan, _add_run, _add_overwatch,
                 _add_plot, _add_games, _add_episode, add_eval_parser, add_proxy_parser):
         add(sub)
     return parser

@@ -80,7 +80,8 @@ VLLM_MANAGED_FLAGS: dict[str, str | None] = {
 VLLM_WEIGHT_SYNC_MODES = ("auto", "disk", "ipc", "nccl")
 #: Default `--gpu-memory-utilization` on CUDA: a trainable server's vLLM shares its GPU with a trainer rank, whose
 #: fp32 shards of weights and AdamW state stay resident between steps, so it takes half; a static server's vLLM has
-#: the GPU to itself but leaves a margin for other processes' CUDA contexts. `marl plan` checks both against the model.
+#: the GPU to itself but leaves a margin for other processes' CUDA contexts. These are `marl serve`'s defaults; `marl
+#: run` passes the share `marl plan` sizes for the model instead (marl/plan/topology_plan.py, utilization_beside).
 VLLM_SHARED_GPU_UTILIZATION = 0.5
 VLLM_OWN_GPU_UTILIZATION = 0.9
 

@@ -61,10 +61,12 @@ from marl.games import CallbackFailed, FailedAttempt, play_games, tasks
 from marl.launch import SERVERS_FILE, ServerProcess, Supervisor
 from marl.league import SnapshotPool, snapshot_pools
 from marl.monitor import ServerMonitor, ServerView
+from marl.plan import plan_topology
 from marl.plot import percent, plot_run, summarize_games
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, ServerStatus
 from marl.terminal import safe
-from marl.topology import ServerKind, ServerSpec, Topology
+from marl.topology import Problem, ServerKind, ServerSpec, Topology, TopologyError
+from marl.topology.spec import VLLMSpec
 from marl.two_phase import redrive
 
 if TYPE_CHECKING:  # imported at run time only with run.ray: a run without it never imports ray
@@ -145,6 +147,7 @@ class _Board:
 def run(path: str, overrides: list[str] | None = None, *, console: Console | None = None) -> RunSummary:
     console = console or Console(soft_wrap=True)  # long lines (paths, URLs) stay whole in logs
     topology = Topology.load(path, overrides or [])
+    check_memory_plan(topology, path, console)
     for warning in topology.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
     run_dir = Path(topology.spec.run.run_dir or f"runs/{topology.name}")
@@ -171,6 +174,22 @@ def run(path: str, overrides: list[str] | None = None, *, console: Console | Non
                   f" failed attempts, {summary.retried} retries in {summary.seconds:.0f}s; policy versions"
                   f" {summary.policy_versions}; see {run_dir}")
     return summary
+
+
+def check_memory_plan(topology: Topology, source: str, console: Console) -> None:
+    """`marl plan`'s check before anything starts: TopologyError at the keys to change when a device cannot hold
+    what the topology puts on it; its warnings printed."""
+    plan = plan_topology(topology.spec)
+    if plan.problems:
+        raise TopologyError([Problem(p.key, f"{p.message} (`marl plan {source}` shows the memory per device)")
+                             for p in plan.problems], source=source)  # fmt: skip
+    for note in (n for server in plan.servers for n in server.notes if n.startswith("warning:")):
+        console.print(f"[yellow]{note}[/]")
+    for server_plan in plan.servers:  # what the topology leaves out, as the plan sized it, for the servers we start
+        server = topology.spec.servers[server_plan.server]
+        if server.is_local and server_plan.defaults:
+            sized = {key.removeprefix("vllm."): value for key, value in server_plan.defaults.items()}
+            server.vllm = (server.vllm or VLLMSpec()).model_copy(update=sized)
 
 
 class _Session:

@@ -40,6 +40,10 @@ def print_plan(plan: TopologyPlan, console: Console) -> None:
             console.print(server_table(server))
         for note in server.notes:
             console.print(f"  {note}")
+        for key, value in server.defaults.items():
+            flag = "--" + key.replace(".", "-").replace("_", "-")
+            console.print(f"  sized by the plan: servers.{server.server}.{key} = {value} (`marl run` passes it to the"
+                          f" servers it starts; on a remote box give `marl serve` {flag} {value})")
         if server.disk_per_step.items:
             console.print(f"  disk per step: {_gb(server.disk_per_step.total)} GB ({_biggest(server.disk_per_step)});"
                           f" per checkpoint {_gb(server.disk_per_checkpoint.total)} GB")

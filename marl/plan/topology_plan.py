@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from marl.protocol import VLLM_OWN_GPU_UTILIZATION, VLLM_SHARED_GPU_UTILIZATION
+from marl.protocol import VLLM_OWN_GPU_UTILIZATION
 from marl.topology.problems import Problem
 
 from .architecture import Architecture, UnknownModel, architecture_of
@@ -70,6 +70,9 @@ class ServerPlan:
     disk_per_checkpoint: Parts = field(default_factory=Parts)
     notes: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    #: Settings the topology leaves out, as the plan sizes them (key under the server -> value); `marl run` passes
+    #: them to the local servers it starts.
+    defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -257,15 +260,25 @@ def _gpus(server: Any, setting: TrainerSetting | None, replicas: int) -> _GPUs:
     return _GPUs(engine, trainer, set(engine) & set(trainer))
 
 
-def _vllm_setting(server: Any, arch: Architecture, gpu_bytes: float, shared: bool) -> tuple[VLLMSetting, int]:
-    """vLLM's settings as `marl serve` would start it on this server's GPUs, and the max_model_len it serves."""
+def utilization_beside(resident: float, gpu_bytes: float) -> float:
+    """The GPU share vLLM can take beside a trainer rank that holds `resident` bytes between steps: what is left,
+    less 5% of the GPU as a margin for what the plan does not count, in steps of 0.05 (vLLM's own default, 0.9, at
+    most)."""
+    share = int(((gpu_bytes - resident) / gpu_bytes - 0.05) * 20) / 20
+    return min(VLLM_OWN_GPU_UTILIZATION, max(0.05, share))
+
+
+def _vllm_setting(server: Any, arch: Architecture, gpu_bytes: float,
+                  beside: float | None) -> tuple[VLLMSetting, int]:  # fmt: skip
+    """vLLM's settings as `marl serve` would start it on this server's GPUs, and the max_model_len it serves.
+    `beside`: what the trainer rank on the same GPU holds between steps (None: vLLM has its GPUs to itself)."""
     v = server.vllm
 
     def get(setting: str, default: Any) -> Any:
         value = getattr(v, setting, None) if v is not None else None
         return default if value is None else value
 
-    default_utilization = VLLM_SHARED_GPU_UTILIZATION if shared else VLLM_OWN_GPU_UTILIZATION
+    default_utilization = VLLM_OWN_GPU_UTILIZATION if beside is None else utilization_beside(beside, gpu_bytes)
     kv_gb = get("kv_cache_gb", None)
     setting = VLLMSetting(
         gpu_bytes=gpu_bytes, utilization=get("gpu_memory_utilization", default_utilization),
@@ -289,8 +302,12 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
     plan = ServerPlan(name, f"{arch.name} ({arch.parameter_count() / 1e9:.1f}B), "
                       + ("vLLM" if uses_vllm else "torch engine") + f" on GPUs {_ids(gpus.engine)}"
                       + (f", {setting.ranks} trainer ranks on GPUs {_ids(gpus.trainer)}" if setting else ""))
+    resident, peak = trainer_rank(arch, setting) if setting is not None else (Parts(), Parts())
     if uses_vllm:
-        vllm_setting, max_model_len = _vllm_setting(server, arch, gpu_bytes, bool(gpus.shared) and setting is not None)
+        beside = resident.total if gpus.shared and setting is not None else None
+        vllm_setting, max_model_len = _vllm_setting(server, arch, gpu_bytes, beside)
+        if v is None or (v.gpu_memory_utilization is None and v.kv_cache_gb is None):
+            plan.defaults["vllm.gpu_memory_utilization"] = vllm_setting.utilization
         engine, kv = engine_vllm(arch, vllm_setting)
         _check_kv(plan, key, arch, vllm_setting, kv, max_model_len)
         v = server.vllm
@@ -303,7 +320,6 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
                               tokens_per_sequence=TORCH_ENGINE_TOKENS_PER_SEQUENCE, prefix_cache_bytes=prefix * GIB,
                               on_gpu=True)  # fmt: skip
         vllm_setting, sleeps, engine_in_step = None, False, engine.total
-    resident, peak = trainer_rank(arch, setting) if setting is not None else (Parts(), Parts())
     for group in _alike(sorted(set(gpus.engine) | set(gpus.trainer)), gpus):
         load = _gpu_load(group, gpu_bytes, gpus, engine, engine_in_step, resident, peak, sleeps)
         plan.devices.append(load)

@@ -148,3 +148,28 @@ def test_marl_run_refuses_before_starting_anything(tmp_path):
         run(str(WEREWOLVES), ["servers.seer_14b.vllm.kv_cache_gb=2", f"run.run_dir={run_dir}"])
     assert not run_dir.exists()
     assert GB == 1e9
+
+
+def test_vllms_share_beside_a_trainer_rank_is_sized_by_the_plan_and_passed_by_marl_run():
+    from rich.console import Console
+
+    from marl.plan.topology_plan import utilization_beside
+    from marl.run import check_memory_plan
+
+    assert utilization_beside(12.2e9, 80e9) == 0.75  # (80 - 12.2) / 80 - 0.05 = 0.7975, down to a step of 0.05
+    assert utilization_beside(1e9, 80e9) == 0.9  # never more than vLLM's own default
+    data = {"name": "t", "servers": {"a": {
+                "model": "Qwen/Qwen2.5-7B-Instruct", "device": "cuda", "engine": "vllm", "trainable": True,
+                "placement": {"gpu_memory_gb": 80, "engine_gpus": [0, 1], "trainer_gpus": [0, 1]},
+                "vllm": {"data_parallel_size": 2, "max_model_len": 8192},
+                "train": {"batch_size": 1, "num_repeat": 2, "trainer": "fsdp",
+                          "fsdp": {"ranks": 2, "gradient_checkpointing": True, "micro_batch_tokens": 8192}}}},
+            "roles": {"speaker": {"server": "a"}, "listener": {"server": "a"}},
+            "env": {"class": "envs.signalling:Signalling"}, "run": {"games": 1}}  # fmt: skip
+    topology = Topology.from_dict(data, check_env=False)
+    plan = plan_topology(topology.spec)
+    resident = 12 * 7_615_616_512 / 2 + 0.75 * 2**30  # two ranks' fp32 parameter and AdamW shards, CUDA context
+    assert plan.problems == [] and plan.servers[0].defaults == {
+        "vllm.gpu_memory_utilization": utilization_beside(resident, 80e9)}
+    check_memory_plan(topology, "t.yaml", Console(file=None, quiet=True))
+    assert topology.spec.servers["a"].vllm.gpu_memory_utilization == utilization_beside(resident, 80e9) == 0.35
