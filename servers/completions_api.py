@@ -53,6 +53,9 @@ async def create_completion(chat: ChatService, body: CompletionRequest, session:
     engine, formatter = chat.ready_engine()
     chat.check_model(body.model)
     context = engine.context_length
+    if body.prompt in ("", []):
+        raise Refusal(400, ErrorCode.INVALID_REQUEST, "the prompt is empty: send text or at least one token id",
+                      param="prompt")
     if isinstance(body.prompt, str):
         try:
             prompt_ids = await asyncio.to_thread(formatter.text_prompt_ids, body.prompt, list(session.calls), context)
@@ -75,8 +78,6 @@ async def create_completion(chat: ChatService, body: CompletionRequest, session:
 
 
 def _checked_ids(ids: list[int], vocabulary: int) -> list[int]:
-    if not ids:
-        raise Refusal(400, ErrorCode.INVALID_REQUEST, "the prompt holds no token ids", param="prompt")
     bad = next((i for i in ids if not 0 <= i < vocabulary), None)
     if bad is not None:
         raise Refusal(400, ErrorCode.INVALID_REQUEST, f"token id {bad} is not in this model's vocabulary (0 to"

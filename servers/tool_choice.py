@@ -65,6 +65,8 @@ def resolve(request: ChatCompletionRequest) -> ToolChoice:
                               " {'type': 'function', 'function': {'name': ...}}")
     if not names:
         raise ToolChoiceError(f"tool_choice asks for a tool call ({value!r}) but the request lists no tools")
+    if not all(isinstance(name, str) and name for name in names):
+        raise ToolChoiceError(f"tool_choice asks for a tool call ({value!r}) but a tool has no function name")
     if choice.name is not None and choice.name not in names:
         raise ToolChoiceError(f"tool_choice names {choice.name!r}, which is not one of the request's tools {names}")
     return choice

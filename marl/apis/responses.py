@@ -57,7 +57,8 @@ class ResponsesRequest(p._Request):
         if self.previous_response_id is not None:
             raise ValueError("previous_response_id is not supported: this server keeps no responses; send the whole"
                              " conversation in `input` (store: false)")
-        if ((self.text or {}).get("format") or {}).get("type", "text") != "text":
+        text_format = (self.text or {}).get("format") or {}
+        if not isinstance(text_format, dict) or text_format.get("type", "text") != "text":
             raise ValueError("text.format other than 'text' (structured outputs) is not supported")
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         items = [Item(role="user", content=self.input)] if isinstance(self.input, str) else self.input

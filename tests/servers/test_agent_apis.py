@@ -298,3 +298,22 @@ def test_completions_with_token_ids_return_ids_the_ledger_holds_and_merge(tiny_s
     control = tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert control not in text_sample.token_ids[:as_text.usage.prompt_tokens]  # text is text
     assert json.loads(json.dumps(first))["object"] == "text_completion"
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/completions", {"prompt": ""}),
+    ("/completions", {"prompt": []}),
+    ("/responses", {"input": "x", "text": {"format": "json"}}),
+    ("/responses", {"input": "x", "tools": [{"type": "web_search"}]}),
+    ("/responses", {"input": [{"type": "item_reference", "id": "x"}]}),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}],
+                           "tool_choice": "required"}),
+    ("/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}),
+])
+def test_what_an_api_does_not_support_is_a_400_not_a_500(tiny_server, path, body):
+    _, http = tiny_server
+    lease = begin(http)
+    r = httpx.post(lease["base_url"] + path, headers={"Authorization": f"Bearer {lease['api_key']}"},
+                   json={"model": "tiny", **body})
+    assert r.status_code == 400, r.text
+    http.post(f"/episodes/{lease['episode_id']}/abort", json={"client_id": CLIENT})
