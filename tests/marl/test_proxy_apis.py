@@ -89,7 +89,7 @@ def test_anthropic_sdk_through_the_proxy_plain_streamed_and_a_tool_round_trip(to
 def test_openai_agents_sdk_default_model_through_the_proxy(tool_swarm):
     from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
     from agents.agent import ToolsToFinalOutputResult
-    from openai import AsyncOpenAI
+    from openai import AsyncOpenAI, OpenAI
 
     before, asked = set(ledger_samples(tool_swarm.data_dir)), []
 
@@ -114,3 +114,9 @@ def test_openai_agents_sdk_default_model_through_the_proxy(tool_swarm):
     (ids_1, told_1), (ids_2, told_2) = carried_conversation(tool_swarm, before)
     assert told_1 == told_2 == TOOL_REPLY
     assert ids_2[:len(ids_1)] == ids_1
+
+    with Proxy(tool_swarm.url, LengthReward()) as proxy:  # a streamed Responses request, answered by the winner
+        app = OpenAI(base_url=proxy.url + "/v1", api_key=APP_KEY, max_retries=0)
+        with app.responses.stream(model="tiny", input="hello", max_output_tokens=48, temperature=0) as stream:
+            deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+            assert "".join(deltas) == stream.get_final_response().output_text == TOOL_REPLY

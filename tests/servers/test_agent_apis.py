@@ -143,6 +143,20 @@ def test_anthropic_tool_choice_and_errors_in_anthropics_shape(tiny_server):
     end(srv, http, lease)
 
 
+def test_tool_choice_none_returns_the_reply_as_text(tool_server):
+    srv, http = tool_server
+    lease = begin(http)
+    chat = openai.OpenAI(base_url=lease["base_url"], api_key=lease["api_key"], max_retries=0)
+    asked = [{"role": "user", "content": "weather?"}]
+    reply = chat.chat.completions.create(model="tiny", messages=asked, tools=[WEATHER_TOOL], tool_choice="none",
+                                         max_tokens=48, temperature=0).choices[0]
+    assert (reply.message.tool_calls, reply.message.content, reply.finish_reason) == (None, TOOL_REPLY, "stop")
+    message = anthropic_client(lease).messages.create(model="tiny", max_tokens=48, extra_body=GREEDY, messages=asked,
+                                                      tools=[ANTHROPIC_WEATHER], tool_choice={"type": "none"})
+    assert [(b.type, b.text) for b in message.content] == [("text", TOOL_REPLY)]
+    end(srv, http, lease)
+
+
 # --- OpenAI Responses (the Agents SDK's default model) --------------------------------------------------------------
 
 
