@@ -2,10 +2,13 @@
 
 `ChatService.admit` turns the caller's key into the session the call runs under (a lease on a trainable server,
 nothing on a static one); `servers.http_routes` asks it once, from the headers, before the body is read.
-`ChatService.create` owns the chat completion from there to the reply: it checks the model name, renders the prompt
-into token ids (spliced onto the lease's earlier calls, see `servers.chat_format`) in a worker thread, so that a long
-prompt never stalls the event loop, checks the context length, runs the engine, records exactly what the engine
-produced on the lease, and shapes the OpenAI response or its SSE chunks. `servers.http_routes` only routes to it.
+`ChatService.start` prepares a chat call from there: it checks the model name and the tool choice
+(`servers.tool_choice`: a forced tool call prefills the reply's opening), renders the prompt into token ids (spliced
+onto the lease's earlier calls, see `servers.chat_format`) in a worker thread, so that a long prompt never stalls the
+event loop, and checks the context length. The `ChatCall` runs the engine and records exactly what it produced
+(`servers.engine_call`), and shapes the OpenAI response or its SSE chunks; its `events` (text as it comes, then the
+whole response) are what the Responses and Messages APIs stream in their own shapes (`servers.translated_apis`).
+`ChatService.create` is the chat completion route's one call. `servers.http_routes` only routes to these.
 """
 
 from __future__ import annotations
