@@ -13,9 +13,12 @@ from __future__ import annotations
 import base64
 import json
 import multiprocessing as mp
+import os
 import pickle
+import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -367,4 +370,26 @@ def test_a_transfer_vllm_refuses_falls_back_to_the_disk_and_the_steps_weights_se
         assert_matches(checkpoint, body)  # vLLM serves the step's weights, reloaded from the disk
         prompt, completion, served = ids_and_logprobs(body)
         assert max_gap(fp32_logprobs(model, prompt, completion), served) > 10 * LOGPROB_TOLERANCE  # not the old ones
+        check_no_restart_after_a_push(engine, http)
         assert http.post("/control/stop").status_code == 200
+
+
+def check_no_restart_after_a_push(engine, http) -> None:
+    """Weights that came through a push leave no copy to restart vLLM with: a vLLM that dies then is not restarted,
+    and calls fail saying why. (A CPU cannot push for real: the engine is told that its latest weights were.)"""
+    import openai
+    from test_vllm_engine import ask, leased
+
+    engine._pushed = True
+    with leased(http) as (_, client):
+        os.kill(engine.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ask(client, [{"role": "user", "content": "Say yes."}], max_tokens=4)
+            except openai.InternalServerError as exc:
+                if "leaves no copy" in str(exc.body):
+                    break
+            assert time.monotonic() < deadline, "the engine never reported itself down"
+            time.sleep(0.2)
+    assert engine.stats.restarts == 0
