@@ -1,10 +1,12 @@
 """HTTP for one swarm server: routes, authentication and error bodies; every route is one call into the server.
 
-Control and episode routes need `Authorization: Bearer <admin token>`; a trainable server's chat completions need
-the api_key of a live lease (a static server takes any); `/health`, `/metrics` and `/v1/models` are open. Both are
-checked from the headers alone, before the body is read, and a body over the limit is refused with 413 before it is
-parsed (`servers.http_guards`). Every error is an OpenAI-shaped `ErrorResponse` whose `code` is an `ErrorCode`,
-FastAPI's own refusals (unknown route, bad body) and unexpected exceptions included; the OpenAPI document lists the
+Control and episode routes need `Authorization: Bearer <admin token>`; a trainable server's model calls (chat
+completions, Responses, Anthropic Messages, completions: `DATA_PLANE_CALL_ROUTES`) need the api_key of a live lease,
+as a bearer token or Anthropic's `x-api-key` (a static server takes any); `/health`, `/metrics` and `/v1/models` are
+open. Both are checked from the headers alone, before the body is read, and a body over the limit is refused with 413
+before it is parsed (`servers.http_guards`). Every error is an OpenAI-shaped `ErrorResponse` whose `code` is an
+`ErrorCode` (Anthropic's shape on `/v1/messages`, `marl.apis.messages.AnthropicErrors`), FastAPI's own refusals
+(unknown route, bad body) and unexpected exceptions included; the OpenAPI document lists the
 errors each route really sends (`servers.openapi`). `app.state.server` is the server object (tests look inside it).
 """
 
