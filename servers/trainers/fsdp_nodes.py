@@ -23,10 +23,11 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection, Listener, answer_challenge, deliver_challenge
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 
 from servers.placement import visible_devices
 from servers.trainers.fsdp_worker import RankPlace, RankSpec, run_rank
@@ -55,7 +56,10 @@ class NodeRendezvous:
 
     def __init__(self, port: int, authkey: bytes, host: str = "0.0.0.0"):
         try:
-            self._listener = Listener((host, port))  # authenticated per connection, off the accepting thread
+            # multiprocessing's Listener, taken apart: its blocking accept keeps the port bound after close, and
+            # it authenticates on the accepting thread (see _admit)
+            self._socket = socket.create_server((host, port))
+            self._socket.settimeout(0.5)
         except OSError as exc:
             raise OSError(f"cannot wait for the trainer's other nodes on port {port} ({exc}): another trainer may"
                           " use it; set placement.rendezvous_port (marl serve --rendezvous-port)") from None
@@ -67,9 +71,13 @@ class NodeRendezvous:
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn = self._listener.accept()
-            except OSError:  # closed
+                peer, _ = self._socket.accept()
+            except TimeoutError:
                 continue
+            except OSError:  # closed
+                return
+            peer.setblocking(True)
+            conn = Connection(peer.detach())
             threading.Thread(target=self._admit, args=(conn,), name="trainer-node-auth", daemon=True).start()
 
     def _admit(self, conn: Connection) -> None:
@@ -120,8 +128,13 @@ class NodeRendezvous:
         conn.close()
 
     def close(self) -> None:
+        """Stop listening; the port is free once this returns (a node that comes now is refused and retries)."""
         self._closed = True
-        self._listener.close()
+        try:
+            self._socket.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread at once
+        except OSError:
+            pass  # not connected: nothing to wake on some systems
+        self._socket.close()
 
 
 def run_trainer_node(host: str, port: int, node_rank: int, authkey: bytes, *, once: bool = False,

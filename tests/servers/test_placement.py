@@ -73,11 +73,12 @@ def test_ranks_of_a_node_see_its_trainer_gpus_and_pick_theirs_by_local_rank(one_
         }  # fmt: skip
 
 
-def start_trainer_node(port: int, node_rank: int, visible: str) -> subprocess.Popen:
+def start_trainer_node(port: int, node_rank: int, visible: str, *, token: str = TOKEN,
+                       once: bool = True) -> subprocess.Popen:  # fmt: skip
     """`marl trainer-node` as a user runs it on the second machine (here: this one, seeing other GPUs)."""
-    env = {**os.environ, "MARL_ADMIN_TOKEN": TOKEN, "CUDA_VISIBLE_DEVICES": visible}
+    env = {**os.environ, "MARL_ADMIN_TOKEN": token, "CUDA_VISIBLE_DEVICES": visible}
     return subprocess.Popen([sys.executable, "-m", "marl.cli", "trainer-node", "--server", "127.0.0.1", "--port",
-                             str(port), "--node-rank", str(node_rank), "--once"], env=env,
+                             str(port), "--node-rank", str(node_rank), *(["--once"] if once else [])], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
 
@@ -182,3 +183,35 @@ def test_a_busy_rendezvous_port_and_a_grpo_trainer_on_two_nodes_are_refused_nami
         taken.close()
     with pytest.raises(ValueError, match="trainer grpo trains in one process on one GPU"):
         default_trainer_factory("cpu", Placement(nodes=2))(model_dir, TrainConfig())
+
+
+def test_a_server_trains_over_two_nodes_and_the_node_rejoins_each_new_trainer(local_server):
+    """The server's trainer (built at every engine start, as `marl serve` builds it) on two nodes: a step through
+    the server, then a stop and a start: the same `marl trainer-node` process serves the new group too."""
+    from tests.conftest import ADMIN, admin_http, play_episode, wait_state, wait_version
+
+    port = free_port()
+    node = start_trainer_node(port, 1, visible="3", token=ADMIN, once=False)
+    trainers = default_trainer_factory("cpu", Placement(nodes=2, rendezvous_port=port), ADMIN.encode())
+    try:
+        with local_server(trainer_factory=trainers) as srv, admin_http(srv.url) as http:
+            config = TrainConfig(batch_size=1, num_repeat=2, save_freq=0, trainer="fsdp",
+                                 fsdp={"ranks": 2, "learning_rate": 1e-3})  # fmt: skip
+            assert http.post("/control/config", json=config.model_dump(mode="json")).status_code == 200
+            assert http.post("/control/start").status_code == 200
+            status = wait_state(http, "ROLLING", "OFFLINE", timeout=180)  # two groups of processes to start
+            assert status["state"] == "ROLLING", (status.get("last_error"), node.poll())
+            first = srv.server.lifecycle.trainer
+            assert place_of(first, 1)["RANK"] == "1" and place_of(first, 1)["CUDA_VISIBLE_DEVICES"] == "3"
+            play_episode(http, "t0", 1.0), play_episode(http, "t0", 0.0)
+            wait_version(http, 1, timeout=180)
+            assert http.post("/control/stop").status_code == 200
+            wait_state(http, "OFFLINE")
+            assert http.post("/control/start").status_code == 200
+            wait_state(http, "ROLLING", timeout=180)
+            again = srv.server.lifecycle.trainer
+            assert again is not first and place_of(again, 1)["RANK"] == "1"  # rank 1 came back, from the node
+        assert node.poll() is None  # it waits for the server's next trainer
+    finally:
+        node.terminate()
+        node.wait(timeout=30)
