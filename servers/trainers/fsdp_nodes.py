@@ -16,6 +16,9 @@ node 0 is the server's, with ranks 0..L-1 (L = the trainer GPUs per node); node 
    torch.distributed (gloo or nccl) between the ranks directly.
 4. The listener closes once every rank has joined. When the group ends (the engine stops, or a rank fails), the
    remote ranks exit, and `marl trainer-node` waits for the server's next trainer.
+
+Every node reads the model from the server's path, and every rank writes its checkpoint shards into the server's
+checkpoint directory: both must be on a filesystem the nodes share, at the same path.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
+from pathlib import Path
 
 from servers.placement import visible_devices
 from servers.trainers.fsdp_worker import RankPlace, RankSpec, run_rank
@@ -144,6 +148,10 @@ def run_trainer_node(host: str, port: int, node_rank: int, authkey: bytes, *, on
     context = mp.get_context("spawn")  # a fresh interpreter: CUDA_VISIBLE_DEVICES is set before CUDA starts
     while True:
         job = _ask_for_job((host, port), authkey, node_rank, retry_s)
+        if not Path(job.spec.model_dir).is_dir():
+            raise RuntimeError(f"the server's model directory {job.spec.model_dir} is not on this node: the trainer's"
+                               " nodes need the model and the server's data directory at the same paths (a shared"
+                               " filesystem)")
         visible = None if job.trainer_gpus is None else visible_devices(job.trainer_gpus)
         first = node_rank * job.local_world_size
         processes = []
