@@ -120,8 +120,13 @@ def run_rank(place: RankPlace, spec: RankSpec, conn: Connection) -> None:
             torch.set_num_threads(spec.threads)
         store = dist.TCPStore(place.master_addr, place.master_port, is_master=False,
                               timeout=timedelta(seconds=spec.timeout_s))  # fmt: skip
+        # NCCL bound to this rank's GPU from the start (else its barrier guesses the GPU from the global rank)
+        device_id = torch.device("cuda", place.local_rank) if spec.device_type == "cuda" else None
+        if device_id is not None:
+            torch.cuda.set_device(device_id)
         dist.init_process_group("nccl" if spec.device_type == "cuda" else "gloo", store=store, rank=place.rank,
-                                world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))  # fmt: skip
+                                world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s),
+                                device_id=device_id)  # fmt: skip
         report = (lambda done, total: conn.send(("progress", done, total))) if place.rank == 0 else None
         policy = ShardedPolicy(place.rank, spec, report, local_rank=place.local_rank)
         conn.send(("ok", {"vocab_size": policy.vocab_size, "device": str(policy.device),
