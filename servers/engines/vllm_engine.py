@@ -31,7 +31,6 @@ import shutil
 import tempfile
 import threading
 import time
-import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,17 +40,16 @@ import httpx
 
 from servers.engines.model_limits import context_length, eos_token_ids
 from servers.engines.vllm_http import (
-    after_transfer,
-    before_transfer,
+    LoopClients,
     completion_body,
     generate_one_token,
     sleep_for_training,
     stream_completion,
     sync_weights,
     sync_weights_waking,
-    transfer_abandoned,
 )
 from servers.engines.vllm_process import VLLMLaunch, VLLMProcess, VLLMSettings
+from servers.engines.vllm_push import TransferSync
 from servers.engines.weight_transfer import TransferTarget
 from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams
 from servers.models import load_tokenizer
@@ -108,17 +106,12 @@ class VLLMEngine(InferenceEngine):
         self._max_restarts = max_restarts
         self._weights: Path | None = None  # our copy of the latest weights loaded (a restart loads them again)
         self._pushed = False  # the latest weights were pushed (no copy: a restart cannot bring them back)
-        #: Why this engine syncs through the disk (None while it pushes through the weight-transfer engine).
-        self.transfer_off: str | None = (None if self._launch.weight_sync != "disk" else
-                                         "weight_sync is disk" if settings.weight_sync == "disk" else
-                                         "the CPU build has no weight-transfer engine" if self._launch.on_cpu else
-                                         "vLLM spans GPUs the trainer shares")
+        self._transfer = TransferSync(self._launch, self.stats)
         self._lock = threading.Lock()  # one weight sync or restart at a time
         self._ready = threading.Event()  # set while vLLM serves
         self._closing = threading.Event()
         self._down: str | None = None  # why the engine no longer serves (every call fails with it)
-        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = \
-            weakref.WeakKeyDictionary()
+        self._clients = LoopClients()
         self._process: VLLMProcess | None = None
         # The watcher thread starts vLLM, and restarts it: vLLM gets SIGTERM when that thread ends (vllm_process).
         self._booted = threading.Event()
@@ -152,14 +145,14 @@ class VLLMEngine(InferenceEngine):
 
         ValueError for a bad prompt; RuntimeError when vLLM fails the request, dies under it or is down.
         """
-        prompt = self._checked_prompt(prompt_ids, params)
+        prompt = _checked_prompt(prompt_ids, params, self.vocab_size, self.context_length)
         await self._wait_ready()
         process = self._process
         body = completion_body(prompt, params, max_tokens=min(params.max_tokens, self.context_length - len(prompt)),
                                stop_token_ids=sorted(self.eos_token_ids))
         self.running_requests += 1
         try:
-            async for chunk in stream_completion(self._http(), process.url, body, self._count_prompt):
+            async for chunk in stream_completion(self._clients.get(), process.url, body, self._count_prompt):
                 yield chunk
         except httpx.HTTPError as exc:
             raise RuntimeError(self._lost(process, exc)) from exc
@@ -174,7 +167,8 @@ class VLLMEngine(InferenceEngine):
             if self._down is not None:
                 raise RuntimeError(self._down)
             started = time.perf_counter()
-            self._weights = self._keep(Path(directory))
+            self._weights = _keep_copy(Path(directory), self.work_dir / f"weights-{self.stats.weight_loads + 1}",
+                                       self._weights)
             try:
                 (sync_weights_waking if self._asleep else sync_weights)(self._process.url, self._weights)
             except httpx.HTTPError as exc:
@@ -195,39 +189,22 @@ class VLLMEngine(InferenceEngine):
         with self._lock:
             if self._down is not None:
                 raise RuntimeError(self._down)
-            started, process, asleep = time.perf_counter(), self._process, self._asleep
+            started, process = time.perf_counter(), self._process
             try:
-                before_transfer(process.url, asleep=asleep)
+                pushed = self._transfer.sync(process, push, asleep=self._asleep)
             except (httpx.HTTPError, RuntimeError) as exc:
                 raise RuntimeError(self._lost(process, exc)) from exc
-            try:
-                push(self._transfer_target(process))
-            except Exception as exc:  # noqa: BLE001 - any failure of the push falls back to the disk
-                self._transfer_failed(process, exc)
-                return False
-            try:
-                after_transfer(process.url, asleep=asleep)
-            except httpx.HTTPError as exc:
-                raise RuntimeError(self._lost(process, exc)) from exc
-            self._asleep, self._pushed = False, True
-            self.stats.weight_loads += 1
-            self.stats.weight_transfers += 1
-            self.stats.last_weight_sync_s = time.perf_counter() - started
-            return True
+            self._pushed = pushed  # failed: the disk sync that follows leaves a copy (and fixes a restart meanwhile)
+            if pushed:
+                self._asleep = False
+                self.stats.weight_loads += 1
+                self.stats.last_weight_sync_s = time.perf_counter() - started
+            return pushed
 
-    def _transfer_target(self, process: VLLMProcess) -> TransferTarget:
-        settings = self._launch.settings
-        return TransferTarget(backend=self._launch.weight_sync, url=process.url,
-                              session=f"{process.pid}@{process.port}", dtype=self._launch.dtype,
-                              workers=settings.tensor_parallel_size * settings.data_parallel_size)
-
-    def _transfer_failed(self, process: VLLMProcess, error: Exception) -> None:
-        self.stats.weight_transfer_failures += 1
-        self.transfer_off = f"the weight transfer failed: {type(error).__name__}: {error}"
-        self._pushed = False  # the disk sync that follows leaves a copy (a restart meanwhile is fixed by it)
-        log.warning("vLLM weight sync through its %s weight-transfer engine failed (%s: %s); syncing through the"
-                    " disk from now on", self._launch.weight_sync, type(error).__name__, error)
-        transfer_abandoned(process.url, asleep=self._asleep)
+    @property
+    def transfer_off(self) -> str | None:
+        """Why this engine syncs through the disk (None while it pushes through the weight-transfer engine)."""
+        return self._transfer.off
 
     def before_training_step(self) -> None:
         """With sleep mode, free vLLM's GPU memory for the trainer's step (`load_weights_from` brings it back)."""
@@ -256,19 +233,6 @@ class VLLMEngine(InferenceEngine):
 
     # ---------------------------------------------------------------- requests
 
-    def _checked_prompt(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise ValueError("the prompt is empty: at least one token id is needed")
-        if bad := [t for t in prompt if not 0 <= t < self.vocab_size]:
-            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        if len(prompt) >= self.context_length:
-            raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context length is "
-                             f"{self.context_length}")
-        if params.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
-        return prompt
-
     async def _wait_ready(self) -> None:
         """Wait while vLLM restarts (not during a weight sync: vLLM itself holds requests then)."""
         deadline = time.monotonic() + self._start_timeout_s
@@ -280,16 +244,6 @@ class VLLMEngine(InferenceEngine):
             await asyncio.sleep(0.05)
         if self._down is not None:
             raise RuntimeError(self._down)
-
-    def _http(self) -> httpx.AsyncClient:
-        """This event loop's client (an httpx client belongs to one loop; benches run several loops in turn)."""
-        loop = asyncio.get_running_loop()
-        client = self._clients.get(loop)
-        if client is None:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-            client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits)
-            self._clients[loop] = client
-        return client
 
     def _count_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.stats.prefilled_tokens += prompt_tokens - cached_tokens
@@ -367,14 +321,29 @@ class VLLMEngine(InferenceEngine):
             log.warning("vLLM restarted (%d of %d restarts used)", self.stats.restarts, self._max_restarts)
             return True
 
-    def _keep(self, directory: Path) -> Path:
-        """A copy of `directory` that lives as long as the engine (the caller's is temporary)."""
-        target = self.work_dir / f"weights-{self.stats.weight_loads + 1}"
-        shutil.rmtree(target, ignore_errors=True)
-        shutil.copytree(directory, target, copy_function=_link_or_copy)
-        if self._weights is not None and self._weights != target:
-            shutil.rmtree(self._weights, ignore_errors=True)
-        return target
+
+
+def _checked_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, context_length: int) -> list[int]:
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("the prompt is empty: at least one token id is needed")
+    if bad := [t for t in prompt if not 0 <= t < vocab_size]:
+        raise ValueError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    if len(prompt) >= context_length:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; this model's context length is {context_length}")
+    if params.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    return prompt
+
+
+def _keep_copy(directory: Path, target: Path, previous: Path | None) -> Path:
+    """A copy of `directory` at `target` that lives as long as the engine (the caller's is temporary), in place of
+    the `previous` one."""
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(directory, target, copy_function=_link_or_copy)
+    if previous is not None and previous != target:
+        shutil.rmtree(previous, ignore_errors=True)
+    return target
 
 
 def _link_or_copy(source: str, destination: str) -> None:

@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -22,11 +24,30 @@ import httpx
 
 from servers.interfaces import GenerationChunk, SamplingParams
 
-__all__ = ["after_transfer", "before_transfer", "completion_body", "generate_one_token", "sleep_for_training",
-           "stream_completion", "sync_weights", "sync_weights_waking", "transfer_abandoned"]
+__all__ = ["LoopClients", "after_transfer", "before_transfer", "completion_body", "generate_one_token",
+           "sleep_for_training", "stream_completion", "sync_weights", "sync_weights_waking", "transfer_abandoned"]
 
 #: (prompt tokens, of which served from vLLM's prefix cache), once per finished generation.
 UsageSink = Callable[[int, int], None]
+
+
+class LoopClients:
+    """One `httpx.AsyncClient` per event loop: a client belongs to the loop it was made on (benches run several
+    loops in turn)."""
+
+    def __init__(self) -> None:
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = \
+            weakref.WeakKeyDictionary()
+
+    def get(self) -> httpx.AsyncClient:
+        """The running loop's client."""
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+            client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits)
+            self._clients[loop] = client
+        return client
 
 
 def completion_body(prompt_ids: list[int], params: SamplingParams, *, max_tokens: int,
