@@ -89,9 +89,11 @@ def check_engine(model_dir: Path, device: str, batch: int, new_tokens: int) -> d
         rates = {n: _tokens_per_s(engine, SamplingParams, n, new_tokens) for n in (1, batch)}
         engine.close()
     dtype_bytes = 2 if device == "cuda" else 4
-    plan = engine_torch(architecture_of(str(model_dir)), weight_bytes=dtype_bytes, sequences=batch,
-                        tokens_per_sequence=128 + new_tokens, prefix_cache_bytes=0, on_gpu=False).total  # fmt: skip
-    return {"tokens_per_s": rates, **_against(plan, memory.in_process)}
+    parts = engine_torch(architecture_of(str(model_dir)), weight_bytes=dtype_bytes, sequences=batch,
+                         tokens_per_sequence=128 + new_tokens, prompt_tokens=128, prefix_cache_bytes=0,
+                         on_gpu=device == "cuda")  # fmt: skip
+    allocated = parts.total - dict(parts.items).get("CUDA context", 0)  # the allocator does not count the context
+    return {"tokens_per_s": rates, **_against(allocated, memory.in_process)}
 
 
 def _tokens_per_s(engine, sampling, batch: int, new_tokens: int) -> float:

@@ -148,7 +148,8 @@ def planned(case: str, model_dir: str, **shape) -> float:
     arch = architecture_of(model_dir)
     if case == "engine":
         return engine_torch(arch, weight_bytes=4, sequences=shape["sequences"], prefix_cache_bytes=0, on_gpu=False,
-                            tokens_per_sequence=shape["prompt_tokens"] + shape["new_tokens"]).total  # fmt: skip
+                            tokens_per_sequence=shape["prompt_tokens"] + shape["new_tokens"],
+                            prompt_tokens=shape["prompt_tokens"]).total  # fmt: skip
     setting = TrainerSetting(ranks=2 if case == "fsdp" else 1, micro_batch_tokens=shape["tokens"],
                              trained_tokens=shape["trained"], checkpointing=shape["checkpointing"],
                              sharded=case == "fsdp")  # fmt: skip
@@ -193,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per training sample (= micro-batch)")
     parser.add_argument("--trained", type=int, default=1024, help="trained tokens per sample")
     parser.add_argument("--sequences", type=int, default=8, help="concurrent generations of the engine case")
+    parser.add_argument("--prompt-tokens", type=int, help="prompt tokens of the engine case (default: tokens / 4)")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"which of {', '.join(CASES)} (default: all)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     parser.add_argument("--smoke", action="store_true", help="seconds: a small random model and small shapes")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -218,8 +221,8 @@ def main(argv: list[str] | None = None) -> None:
                       _build_random_model(Path(scratch) / "random-150m", hidden=1024, layers=12, intermediate=2816,
                                           heads=16)]  # fmt: skip
         shapes = {"tokens": args.tokens, "trained": args.trained, "sequences": args.sequences,
-                  "prompt_tokens": args.tokens // 4, "new_tokens": 64}
-        cases = ("engine", "grpo") if args.smoke else CASES  # the smoke run: seconds, no rank processes
+                  "prompt_tokens": args.prompt_tokens or args.tokens // 4, "new_tokens": 64}
+        cases = ("engine", "grpo") if args.smoke else tuple(args.cases.split(","))  # smoke: no rank processes
         rows = [row for model in models for row in compare(model, warmup, cases=cases, **shapes)]
     if args.json:
         print(json.dumps(rows))

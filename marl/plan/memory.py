@@ -10,18 +10,20 @@ Trainer rank r of N (FSDP2, or the one-process GRPO trainer with N = 1), P param
     between steps      parameters 4P/N + AdamW's two moments 8P/N
     during a step      + gradients 4P/N (fp32 shards; reduce-scattered every micro-batch, never held unsharded)
                        + activations of one micro-batch of T tokens, L layers, widths H, I (MLP), KV (keys/values):
-                           per token and layer  c·(4I + 5H + 13KV) + 4·2H     (c = bytes of the compute dtype;
-                           the 4·2H: the two RMSNorms' fp32 copies; the 13KV: keys and values before and after
-                           RoPE, expanded for grouped-query attention)
+                           per token and layer  c·(4I + 9H + 2KV) + 4·2H      (c = bytes of the compute dtype;
+                           the 4I: gate, up, their activation and product; the 4·2H: the two RMSNorms' fp32 copies)
                          without checkpointing: all L layers; with it: the L layer inputs (c·H each) + one layer
                        + logits of one chunk of kept tokens: min(T, 1024) x V x (c + 12) (head output, its fp32
                          copy, log-softmax, and their gradients in the backward's recomputation)
                        + FSDP's gathered parameters: the root (embeddings, head) and two layers in the compute dtype
-                       or, at the optimizer step, AdamW's temporaries (one parameter-sized fp32 copy)
+                       or, at the optimizer step, AdamW's temporary (the square root of its second moment, one
+                         parameter-sized fp32 copy), whichever is larger
 
 The coefficients were measured on this CPU with `PeakTensorMemory` (tests/servers/tensor_memory.py) for Llama-shaped
-layers with transformers' SDPA attention (which never builds a [T, T] matrix here): 4I + 7.0H + 12.8KV fp32 values
-per token and layer, within 2% across three shapes.
+layers with transformers' SDPA attention (which never builds a [T, T] matrix here): 4I + 11.4H + 2.0KV fp32 values
+per token and layer, within 2% across four shapes (SmolLM2's, and 8 heads with 8, 2 and 1 KV heads): the slope
+in the micro-batch's length, since that mode counts an in-place operation on an existing tensor (an optimizer's)
+as a new one. Whole peaks are compared with processes' resident memory instead (bench/plan_accuracy.py).
 
 The vLLM engine on one of its `tp` GPUs, weights in `b` bytes (docs/backends.md):
 
@@ -76,7 +78,7 @@ class Parts:
 def activation_bytes_per_token_layer(arch: Architecture, compute_bytes: int) -> float:
     """What autograd keeps of one token in one decoder layer for the backward (see the module docstring)."""
     h, kv = arch.hidden_size, arch.kv_width
-    return compute_bytes * (4 * arch.active_intermediate() + 5 * h + 13 * kv) + 4 * 2 * h
+    return compute_bytes * (4 * arch.active_intermediate() + 9 * h + 2 * kv) + 4 * 2 * h
 
 
 def activations(arch: Architecture, tokens: int, compute_bytes: int, checkpointing: bool) -> float:
@@ -155,13 +157,20 @@ def engine_vllm_asleep(awake: Parts) -> float:
 
 
 def engine_torch(arch: Architecture, *, weight_bytes: int, sequences: int, tokens_per_sequence: int,
-                 prefix_cache_bytes: float, on_gpu: bool) -> Parts:  # fmt: skip
-    """marl's torch engine: the weights, the running batch's KV cache, the prefix cache's budget, and the logits of
-    one prefill."""
+                 prefix_cache_bytes: float, on_gpu: bool, prompt_tokens: int | None = None) -> Parts:  # fmt: skip
+    """marl's torch engine: the weights, the running batch's KV cache (its buffers grow by doubling, so they hold one
+    to two times what the batch does: 1.5 counted), the prefix cache's budget, and the transient of prefilling one
+    prompt of `prompt_tokens` (default: all of a sequence) through one layer: the MLP's and the attention's inputs
+    and outputs and, on the CPU, where SDPA takes its math path for a padded batch, the [heads, prompt, prompt] fp32
+    scores. Calls that arrive together are prefilled together (up to 16k tokens), which this does not count."""
     parts = Parts().add("weights", arch.parameter_count() * weight_bytes)
     kv = sequences * tokens_per_sequence * arch.kv_bytes_per_token(weight_bytes)
-    parts.add("KV cache (running batch)", kv).add("prefix cache", prefix_cache_bytes)
-    parts.add("prefill logits", sequences * arch.vocab_size * 4 * 2)
+    parts.add("KV cache (running batch)", 1.5 * kv).add("prefix cache", prefix_cache_bytes)
+    prompt = tokens_per_sequence if prompt_tokens is None else prompt_tokens
+    width = 3 * arch.active_intermediate() + 4 * arch.hidden_size + arch.q_width + 2 * arch.kv_width
+    scores = 0 if on_gpu else arch.num_heads * prompt * prompt * 4
+    parts.add("prefill activations", prompt * width * weight_bytes + scores)
+    parts.add("sampling logits", sequences * arch.vocab_size * 4 * 2)
     return parts.add("CUDA context", CUDA_CONTEXT_BYTES if on_gpu else 0)
 
 

@@ -59,8 +59,8 @@ def test_trainer_rank_of_a_7b_on_8_gpus_by_hand():
     assert parts["AdamW moments (fp32)"] == 8 * p / 8
     assert parts["gradients (fp32 shard)"] == 4 * p / 8
     # checkpointing: 28 layer inputs of 32768 x 3584 bf16 values, plus one layer's activations:
-    # 32768 x (2 x (4 x 18944 + 5 x 3584 + 13 x 512) + 4 x 2 x 3584) bytes
-    assert parts["activations"] == 28 * 32768 * 2 * 3584 + 32768 * (2 * (4 * 18944 + 5 * 3584 + 13 * 512) + 8 * 3584)
+    # 32768 x (2 x (4 x 18944 + 9 x 3584 + 2 x 512) + 4 x 2 x 3584) bytes
+    assert parts["activations"] == 28 * 32768 * 2 * 3584 + 32768 * (2 * (4 * 18944 + 9 * 3584 + 2 * 512) + 8 * 3584)
     assert parts["logits (one chunk)"] == 1024 * 152064 * (2 + 12)
     layer = 3584 * 3584 * 2 + 2 * 3584 * 512 + 3584 + 2 * 512 + 3 * 3584 * 18944 + 2 * 3584
     assert parts["gathered parameters"] == (2 * 152064 * 3584 + 2 * layer) * 2 + layer * (2 + 4)
