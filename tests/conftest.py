@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -19,6 +19,7 @@ from servers.entrypoint import ServeOptions, build_server
 from servers.http_routes import create_app
 from servers.lifecycle import TrainerFactory
 from servers.tiny_model import build_tiny_model
+from tests.servers.recording_vllm import RecordingVLLM
 
 ADMIN = "-test-admin-token"  # a leading dash: a token must never be read as a command-line option
 
@@ -166,3 +167,20 @@ def ledger_samples(data_dir: Path, columns: str = "e.episode_id, e.task_id, s.ag
         return db.execute(f"SELECT {columns} FROM episodes e JOIN samples s USING (episode_id)").fetchall()
     finally:
         db.close()
+
+
+@pytest.fixture
+def recording() -> Iterator[Callable[..., RecordingVLLM]]:
+    """`recording(failing=(path, ...))` starts a stand-in for vLLM's HTTP server (tests/servers/recording_vllm.py)."""
+    servers = []
+
+    def start(failing: tuple[str, ...] = ()) -> RecordingVLLM:
+        server = RecordingVLLM(failing)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()

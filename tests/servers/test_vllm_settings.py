@@ -8,13 +8,8 @@ and sends it the sleep-mode calls.
 
 from __future__ import annotations
 
-import json
 import sys
-import threading
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qsl, urlsplit
 
 import pytest
 
@@ -162,50 +157,6 @@ def test_the_topology_refuses_what_the_server_refuses():
 # ------------------------------------------------------------------------------------------------------------------
 
 
-class RecordingVLLM(ThreadingHTTPServer):
-    """Answers every POST with 200 (or 500 on `failing` paths) and records (path, query, JSON body)."""
-
-    def __init__(self, failing: tuple[str, ...] = ()):
-        self.calls: list[tuple[str, list[tuple[str, str]], dict | None]] = []
-        self.failing = failing
-        super().__init__(("127.0.0.1", 0), _Recorder)
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-
-    def paths(self) -> list[str]:
-        return [path + ("?" + "&".join(f"{k}={v}" for k, v in query) if query else "")
-                for path, query, _ in self.calls]
-
-
-class _Recorder(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:  # noqa: N802 - the http.server API
-        parts = urlsplit(self.path)
-        length = int(self.headers.get("Content-Length") or 0)
-        body = json.loads(self.rfile.read(length)) if length else None
-        self.server.calls.append((parts.path, parse_qsl(parts.query), body))
-        status = 500 if parts.path in self.server.failing else 200
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(b'{"error": "failed"}' if status == 500 else b"{}")
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-@pytest.fixture
-def recording() -> Iterator[Callable[..., RecordingVLLM]]:
-    servers = []
-
-    def start(failing: tuple[str, ...] = ()) -> RecordingVLLM:
-        server = RecordingVLLM(failing)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
 
 
 def reload_call(weights: Path) -> tuple[str, list, dict]:

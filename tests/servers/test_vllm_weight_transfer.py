@@ -17,9 +17,8 @@ import os
 import pickle
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -146,47 +145,6 @@ def test_buckets_hold_whole_layers_and_carry_the_state_dicts_names_dtypes_and_sh
 # ------------------------------------------------------------------------------------------------------------------
 
 
-class RecordingVLLM(ThreadingHTTPServer):
-    """Answers every POST with 200 (or 500 on `failing` paths) and records (path, JSON body)."""
-
-    def __init__(self, failing: tuple[str, ...] = ()):
-        self.calls: list[tuple[str, dict | None]] = []
-        self.failing = failing
-        super().__init__(("127.0.0.1", 0), _Recorder)
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-
-    def paths(self) -> list[str]:
-        return [path for path, _ in self.calls]
-
-
-class _Recorder(BaseHTTPRequestHandler):
-    def do_POST(self) -> None:  # noqa: N802 - the http.server API
-        length = int(self.headers.get("Content-Length") or 0)
-        self.server.calls.append((self.path, json.loads(self.rfile.read(length)) if length else None))
-        status = 500 if self.path in self.server.failing else 200
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(b'{"error": "failed"}' if status == 500 else b"{}")
-
-    def log_message(self, *args) -> None:
-        pass
-
-
-@pytest.fixture
-def recording() -> Iterator[Callable[..., RecordingVLLM]]:
-    servers = []
-
-    def start(failing: tuple[str, ...] = ()) -> RecordingVLLM:
-        server = RecordingVLLM(failing)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
 
 
 def fake_ipc_handle(tensor: torch.Tensor) -> dict[str, tuple]:
@@ -202,10 +160,11 @@ def test_an_ipc_push_inits_once_then_starts_updates_each_bucket_and_finishes(rec
 
     updates = len({layer_key(name) for name in served_names(state)})  # bucket_bytes=1: one bucket per layer
     assert vllm.paths() == TRANSFER_ROUTES[:2] + ["/update_weights"] * updates + ["/finish_weight_update"]
-    assert vllm.calls[0][1] == {"init_info": {"packed": False}}
-    assert vllm.calls[1][1] is None and vllm.calls[-1][1] == {"weight_version": "7"}
+    bodies = vllm.bodies()
+    assert bodies[0] == {"init_info": {"packed": False}}
+    assert bodies[1] is None and bodies[-1] == {"weight_version": "7"}
     sent = []
-    for _, body in vllm.calls[2:-1]:
+    for body in bodies[2:-1]:
         info = body["update_info"]
         handles = pickle.loads(base64.b64decode(info["ipc_handles_pickled"]))
         assert set(info) == {"names", "dtype_names", "shapes", "ipc_handles_pickled"}
