@@ -30,6 +30,7 @@ from .memory import (
     Parts,
     TrainerSetting,
     VLLMSetting,
+    activations,
     disk_per_checkpoint,
     engine_torch,
     engine_vllm,
@@ -234,6 +235,8 @@ def _plan_on_host(name: str, server: Any, arch: Architecture, spec: Any) -> Serv
     plan.devices.append(DeviceLoad("host", 0.0, rollouts, step))
     _disk(plan, server, arch, setting, weights_through_disk=server.engine == "vllm" or (
         setting is not None and setting.sharded))  # fmt: skip
+    if setting is not None:
+        plan.notes.append(_trainer_note(arch, setting))
     if not plan.problems:
         plan.notes.append(f"torch engine sized for {TORCH_ENGINE_TOKENS_PER_SEQUENCE}-token conversations"
                           if server.engine != "vllm" else "vLLM's CPU build: KV cache from vllm.kv_cache_gb (1 GiB)")
@@ -328,9 +331,21 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
                                        check_rollouts=not engine_refused)
     _disk(plan, server, arch, setting, weights_through_disk=_weights_through_disk(server, uses_vllm, setting))
     if setting is not None:
+        plan.notes.append(_trainer_note(arch, setting))
         plan.notes.append(_host_note(arch, sleeps, replicas=max(1, len(gpus.engine) // (v.tensor_parallel_size if v
                                                                                          else 1))))
     return plan
+
+
+def _trainer_note(arch: Architecture, s: TrainerSetting) -> str:
+    """Both activation figures (the step counts the configured one) and what loading costs a rank."""
+    on = activations(arch, s.micro_batch_tokens, s.compute_bytes, checkpointing=True) / GB
+    off = activations(arch, s.micro_batch_tokens, s.compute_bytes, checkpointing=False) / GB
+    largest = arch.vocab_size * arch.hidden_size * 4 / GB  # the embeddings, broadcast whole before being sharded
+    loading = (f"loading, a rank holds its shards and one full tensor at a time (at most {largest:.1f} GB)"
+               if s.sharded else "loading reads the whole model in fp32, as the step keeps it")
+    return (f"trainer: a {s.micro_batch_tokens}-token micro-batch's activations {on:.1f} GB with gradient"
+            f" checkpointing, {off:.1f} GB without; {loading}")
 
 
 def _host_note(arch: Architecture, sleeps: bool, replicas: int) -> str:
