@@ -4,6 +4,7 @@
     python bench/prefix_cache.py --model smollm2-135m     # the real SmolLM2-135M-Instruct (cached after first use)
     python bench/prefix_cache.py --model smollm2-135m --agents 3 --turns 16 --turn-tokens 120
     python bench/prefix_cache.py --smoke                  # seconds: the tiny model, 2 agents x 2 short turns
+    python bench/prefix_cache.py --index 100,1000,5000    # no model: microseconds per lookup/insert by entries held
 
 Like Werewolves players, each agent's conversation grows every turn by a new observation (a user message of about
 `--turn-tokens` tokens) and its own reply (up to `--max-tokens`). Prompts are built the way the server builds them:
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import sys
 import tempfile
 import time
@@ -22,6 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
+import torch
+
+from servers.engines.prefix_cache import PrefixCache
 from servers.engines.torch_engine import TorchEngine
 from servers.interfaces import SamplingParams
 from servers.models import resolve_model
@@ -74,6 +79,32 @@ async def replay(engine: TorchEngine, agents: int, turns: int, turn_tokens: int,
     return seconds
 
 
+def index_bench(sizes: list[int], calls: int = 200) -> None:
+    """Microseconds per lookup and per insert of the cache alone, holding `n` conversations of 100 tokens that
+    share a 40-token system prompt; every insert evicts one (the cache stays full)."""
+    rng = random.Random(0)
+    kv = [torch.zeros(1, 1, 1)]  # never read: one tensor serves every entry
+
+    def conversation(system: list[int]) -> list[int]:
+        return system + [rng.randrange(50_000) for _ in range(60)]
+
+    print(f"{'entries':>8}{'lookup us':>11}{'insert us':>11}")
+    for n in sizes:
+        system = [rng.randrange(50_000) for _ in range(40)]
+        cache, held = PrefixCache(budget_tokens=100 * n), [conversation(system) for _ in range(n)]
+        for tokens in held:
+            cache.insert(tokens, kv, kv)
+        prompts, fresh = [rng.choice(held) + [1, 2] for _ in range(calls)], [conversation(system) for _ in range(calls)]
+        start = time.perf_counter()
+        for p in prompts:
+            cache.lookup(p)
+        middle = time.perf_counter()
+        for t in fresh:
+            cache.insert(t, kv, kv)
+        end = time.perf_counter()
+        print(f"{n:8d}{(middle - start) / calls * 1e6:11.1f}{(end - middle) / calls * 1e6:11.1f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="model directory or alias (default: a tiny random model)")
@@ -83,7 +114,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--device", default=None)
     parser.add_argument("--smoke", action="store_true", help="a few seconds on the tiny model: does the bench run?")
+    parser.add_argument("--index", help="entry counts, e.g. 100,5000: time the cache's index alone, no model")
     args = parser.parse_args(argv)
+    if args.index:
+        return index_bench([int(n) for n in args.index.split(",")])
     if args.smoke:
         args.model, args.agents, args.turns, args.turn_tokens, args.max_tokens = None, 2, 2, 16, 4
     with tempfile.TemporaryDirectory() as scratch:

@@ -34,12 +34,21 @@ class CachedPrefix:
 
 
 class PrefixCache:
-    """LRU of cached prefixes under a token budget (used by the engine's worker thread only)."""
+    """LRU of cached prefixes under a token budget (used by the engine's worker thread only).
+
+    Entries are indexed by a radix tree of their token ids (as SGLang's RadixCache indexes its blocks), so a lookup
+    or an insert walks the prompt's tokens once and costs the same whether the cache holds ten entries or ten
+    thousand. Every node knows the most recently used entry below it: the entries sharing the longest prefix with a
+    prompt are exactly those below the node where the prompt leaves the tree, and of those the most recently used
+    is taken.
+    """
 
     def __init__(self, budget_tokens: int, min_reuse: int = 32) -> None:
         self.budget_tokens = budget_tokens
         self.min_reuse = min_reuse  # shorter shared prefixes cost more in a forward of their own than they save
-        self._entries: OrderedDict[int, CachedPrefix] = OrderedDict()
+        self._entries: OrderedDict[int, CachedPrefix] = OrderedDict()  # least recently used first
+        self._nodes: dict[int, _Node] = {}  # entry id -> the node where its tokens end
+        self._root = _Node((), None)
         self._next_id = 0
         self.tokens = 0  # held now
 
@@ -53,17 +62,12 @@ class PrefixCache:
         """
         if not self._entries or len(prompt) <= self.min_reuse:
             return None
-        query = torch.tensor(prompt, dtype=torch.long)
-        best_id, best = None, 0
-        for entry_id, entry in self._entries.items():
-            shared = _common_prefix(entry.tokens, query)
-            if shared > best:
-                best_id, best = entry_id, shared
-        best = min(best, len(prompt) - 1)
-        if best_id is None or best < self.min_reuse:
+        node, shared = self._root.descend(tuple(prompt))
+        reuse = min(shared, len(prompt) - 1)
+        if node is self._root or reuse < self.min_reuse:
             return None
-        self._entries.move_to_end(best_id)
-        return self._entries[best_id], best
+        self._touch(node.latest)
+        return self._entries[node.latest], reuse
 
     def accepts(self, length: int) -> bool:
         """Whether a sequence of `length` tokens would be kept (ask before copying its keys/values)."""
@@ -73,25 +77,115 @@ class PrefixCache:
         """Keep a finished sequence's keys/values (already copied out of the running batch)."""
         if not self.accepts(len(tokens)):
             return
-        entry = CachedPrefix(torch.tensor(tokens, dtype=torch.long), keys, values)
-        for entry_id, old in list(self._entries.items()):  # entries this one extends are no use any more
-            if len(old) <= len(entry) and _common_prefix(old.tokens, entry.tokens) == len(old):
-                self._drop(entry_id)
-        while self.tokens + len(entry) > self.budget_tokens:
+        entry_id, self._next_id = self._next_id, self._next_id + 1
+        node = self._root.place(tuple(tokens))
+        extended = [n.entry for n in node.path() if n.entry is not None]  # prefixes of this one: no use any more
+        node.entry = entry_id
+        self._entries[entry_id] = CachedPrefix(torch.tensor(tokens, dtype=torch.long), keys, values)
+        self._nodes[entry_id] = node
+        self.tokens += len(tokens)
+        self._touch(entry_id)
+        for old in extended:
+            self._drop(old)
+        while self.tokens > self.budget_tokens:  # the new entry is the most recent and fits: it is never the one
             self._drop(next(iter(self._entries)))
-        self._entries[self._next_id] = entry
-        self._next_id += 1
-        self.tokens += len(entry)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._nodes.clear()
+        self._root = _Node((), None)
         self.tokens = 0
 
+    def _touch(self, entry_id: int) -> None:
+        self._entries.move_to_end(entry_id)
+        for node in self._nodes[entry_id].path():
+            node.latest = entry_id
+
     def _drop(self, entry_id: int) -> None:
+        # No node keeps this entry as its `latest` while another entry lies below it: an entry dropped because a
+        # newer one extends it has that newer one below each of its nodes, and an evicted entry is the least
+        # recently used of all. So the pointers stay right without looking at any sibling.
         self.tokens -= len(self._entries.pop(entry_id))
+        node = self._nodes.pop(entry_id)
+        if node.entry == entry_id:
+            node.entry = None
+            node.prune()
 
 
-def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
-    n = min(a.shape[0], b.shape[0])
-    differ = (a[:n] != b[:n]).nonzero()
-    return int(differ[0]) if differ.numel() else n
+class _Node:
+    """A radix tree node: the token ids from its parent (`edge`), and the entry ending here if any."""
+
+    __slots__ = ("children", "edge", "entry", "latest", "parent")
+
+    def __init__(self, edge: tuple[int, ...], parent: _Node | None) -> None:
+        self.edge = edge
+        self.parent = parent
+        self.children: dict[int, _Node] = {}  # by the first token of their edge
+        self.entry: int | None = None
+        self.latest: int | None = None  # the most recently used entry at or below this node
+
+    def descend(self, tokens: tuple[int, ...]) -> tuple[_Node, int]:
+        """The deepest node whose subtree holds the entries sharing the most tokens with `tokens`, and how many."""
+        node, i = self, 0
+        while i < len(tokens) and (child := node.children.get(tokens[i])) is not None:
+            shared = _common_prefix(child.edge, tokens, i)
+            node, i = child, i + shared
+            if shared < len(child.edge):
+                break
+        return node, i
+
+    def place(self, tokens: tuple[int, ...]) -> _Node:
+        """The node where `tokens` end, made (splitting an edge if need be) when there is none."""
+        node, i = self, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                leaf = node.children[tokens[i]] = _Node(tokens[i:], node)
+                return leaf
+            shared = _common_prefix(child.edge, tokens, i)
+            if shared < len(child.edge):
+                child = child.split(shared)
+            node, i = child, i + shared
+        return node
+
+    def split(self, at: int) -> _Node:
+        """Cut this node's edge after `at` tokens; return the new node in between, above this one."""
+        parent = self.parent
+        middle = _Node(self.edge[:at], parent)
+        middle.latest = self.latest
+        parent.children[self.edge[0]] = middle
+        self.edge, self.parent = self.edge[at:], middle
+        middle.children[self.edge[0]] = self
+        return middle
+
+    def path(self) -> list[_Node]:
+        """This node and those above it, the root excluded."""
+        nodes, node = [], self
+        while node.parent is not None:
+            nodes.append(node)
+            node = node.parent
+        return nodes
+
+    def prune(self) -> None:
+        """Remove nodes that no entry needs any more, and merge a lone child into a node without entry."""
+        node = self
+        while node.parent is not None and node.entry is None and not node.children:
+            del node.parent.children[node.edge[0]]
+            node = node.parent
+        if node.parent is not None and node.entry is None and len(node.children) == 1:
+            (child,) = node.children.values()
+            child.edge, child.parent = node.edge + child.edge, node.parent
+            node.parent.children[child.edge[0]] = child
+
+
+def _common_prefix(edge: tuple[int, ...], tokens: tuple[int, ...], start: int) -> int:
+    """How many tokens of `edge` match `tokens` from `start` (slices compare in C; only the last block in Python)."""
+    n = min(len(edge), len(tokens) - start)
+    if edge[:n] == tokens[start : start + n]:
+        return n
+    done, block = 0, 64
+    while edge[done : done + block] == tokens[start + done : start + done + block]:
+        done += block
+    while edge[done] == tokens[start + done]:
+        done += 1
+    return done

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import random
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,103 @@ def test_the_least_recently_used_entries_leave_first_and_the_budget_holds():
     assert cache.lookup([200, *range(9), 5]) is not None and cache.lookup([300, *range(9), 5]) is None
     cache.insert(list(range(26)), *kv(26))  # larger than the whole budget: not kept, nothing evicted for it
     assert len(cache) == 2 and cache.tokens == 20
+
+
+class ScanningCache:
+    """The cache as it was before its radix tree: every lookup and insert compares the prompt with every entry.
+    Of entries sharing equally long prefixes, the most recently used is taken (the tree's rule)."""
+
+    def __init__(self, budget_tokens: int, min_reuse: int) -> None:
+        self.budget_tokens, self.min_reuse = budget_tokens, min_reuse
+        self.entries: list[list[int]] = []  # least recently used first
+
+    def lookup(self, prompt: list[int]) -> tuple[list[int], int] | None:
+        if not self.entries or len(prompt) <= self.min_reuse:
+            return None
+        best_i, best = None, 0
+        for i, entry in enumerate(self.entries):
+            shared = common_prefix(entry, prompt)
+            if shared and shared >= best:
+                best_i, best = i, shared
+        best = min(best, len(prompt) - 1)
+        if best_i is None or best < self.min_reuse:
+            return None
+        self.entries.append(self.entries.pop(best_i))
+        return self.entries[-1], best
+
+    def insert(self, tokens: list[int]) -> None:
+        if not self.min_reuse <= len(tokens) <= self.budget_tokens:
+            return
+        self.entries = [e for e in self.entries if not (len(e) <= len(tokens) and tokens[: len(e)] == e)]
+        while sum(map(len, self.entries)) + len(tokens) > self.budget_tokens:
+            self.entries.pop(0)
+        self.entries.append(tokens)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_tree_finds_what_scanning_every_entry_finds_on_random_conversations(seed: int):
+    """Conversations that grow, branch, repeat and restart over a 3-token vocabulary (so prefixes are shared a
+    lot): each lookup returns the same entry and length as the scan, and both hold the same entries in the same
+    order of use."""
+    rng = random.Random(seed)
+    budget, min_reuse = rng.choice([(60, 2), (200, 4), (1000, 3)])
+    tree, scan = PrefixCache(budget, min_reuse), ScanningCache(budget, min_reuse)
+    for _ in range(400):
+        base = rng.choice(scan.entries) if scan.entries and rng.random() < 0.7 else []
+        prompt = base[: rng.randint(0, len(base))] + [rng.randrange(3) for _ in range(rng.randint(0, 12))]
+        found, expected = tree.lookup(prompt), scan.lookup(prompt)
+        assert (found and (found[0].tokens.tolist(), found[1])) == expected
+        if rng.random() < 0.6:
+            tree.insert(prompt, *kv(len(prompt)))
+            scan.insert(prompt)
+        assert [e.tokens.tolist() for e in tree._entries.values()] == scan.entries
+        assert tree.tokens == sum(map(len, scan.entries))
+
+
+def seconds_per_call(call, args: list) -> float:
+    """The best of five passes over `args` (the least disturbed by whatever else the machine runs)."""
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        for a in args:
+            call(a)
+        best = min(best, time.perf_counter() - start)
+    return best / len(args)
+
+
+def conversations(n: int, rng: random.Random) -> list[list[int]]:
+    """`n` conversations of 100 tokens that share a 40-token system prompt, as a GRPO group's do."""
+    system = [rng.randrange(50_000) for _ in range(40)]
+    return [system + [rng.randrange(50_000) for _ in range(60)] for _ in range(n)]
+
+
+def test_lookup_and_insert_take_no_longer_with_5000_entries_than_with_100():
+    rng = random.Random(0)
+    keys, values = kv(1)  # the tensors are never read here: one pair serves every entry
+    per_call = {}
+    for n in (100, 5000):
+        cache = PrefixCache(budget_tokens=100 * n, min_reuse=32)
+        held = conversations(n, rng)
+        for tokens in held:
+            cache.insert(tokens, keys, values)
+        assert len(cache) == n
+        follow_ups = [rng.choice(held) + [7, 8, 9] for _ in range(500)]
+        lookup = seconds_per_call(cache.lookup, follow_ups)
+        assert all(cache.lookup(p)[1] == 100 for p in follow_ups[:20])
+        fresh = conversations(500, rng)  # each evicts the least recently used entry: the cache stays full
+        insert = seconds_per_call(functools.partial(cache.insert, keys=keys, values=values), fresh)
+        assert len(cache) == n
+        per_call[n] = (lookup, insert)
+    lookup_ratio = per_call[5000][0] / per_call[100][0]
+    insert_ratio = per_call[5000][1] / per_call[100][1]
+    assert lookup_ratio < 3 and insert_ratio < 3, per_call  # the scan it replaced: about 50x
 
 
 # ---------------------------------------------------------------------------------------------- in the engine
