@@ -6,7 +6,12 @@
    its body is read;
 2. it refuses a body over the limit with 413 (`request_too_large`): at once from its Content-Length, or as soon as a
    streamed body passes the limit, never reading past it;
-3. it hands the body it read on to the app, which therefore never parses more than the limit.
+3. it hands the body it read on to the app, which therefore never parses more than the limit;
+4. it parses a body over `PARSE_OFF_LOOP_BYTES` in a worker thread, counting its JSON objects as they are decoded,
+   and refuses one with more than `MAX_BODY_OBJECTS` (413 `request_too_large`) before any of them is validated. A
+   16 MiB body can hold 450,000 tiny messages, whose parse and validation took 11 s of the event loop (every other
+   request, `/health` included, waited); the count stops the parse at the limit, and the routes take the parsed
+   body from the scope (`PARSED_JSON`) instead of parsing it again on the loop.
 
 `CatchUnexpected` answers an exception that no handler took with the JSON 500 `internal_error`, as an ordinary
 response: Starlette's last-resort handler would re-raise it after answering, and the server would then drop the
@@ -15,6 +20,8 @@ keep-alive connection under the client's next request.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -35,6 +42,14 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 #: (ASGI scope, bearer token or None) -> why the request may not go on, or None when it may. What it admitted the
 #: request as (a chat call's lease) it may leave in the scope for the route, so that nothing is checked twice.
 Authorize = Callable[[Scope, str | None], Refusal | None]
+
+#: Bodies above this are parsed in a worker thread (a smaller one parses in well under a millisecond).
+PARSE_OFF_LOOP_BYTES = 64 * 2**10
+#: JSON objects one body may hold: messages, content parts, tool calls, tools and their schemas. Thousands of
+#: turns of a conversation fit; validating this many on the event loop takes a few hundred ms at most.
+MAX_BODY_OBJECTS = 8192
+#: Scope key of a body the gate parsed (servers.http_routes' routes take it from there).
+PARSED_JSON = "marl.parsed_json"
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -64,6 +79,8 @@ class RequestGate:
             await refusal_response(refusal)(scope, receive, send)
             return
         body = await self._read_body(receive)
+        if body is not None and not isinstance(body, Refusal):
+            body = await _parse_large(scope, body)
         if isinstance(body, Refusal):
             await refusal_response(body)(scope, receive, send)
         elif body is not None:
@@ -88,6 +105,39 @@ class RequestGate:
         limit_mb = self.max_body_bytes / 2**20
         return Refusal(413, ErrorCode.REQUEST_TOO_LARGE, f"the request body {what}; this server takes at most"
                        f" {self.max_body_bytes} bytes ({limit_mb:g} MiB, marl serve --max-body-mb)")
+
+
+async def _parse_large(scope: Scope, body: bytes) -> bytes | Refusal:
+    """Parse a large body off the event loop into the scope; refuse it if it holds too many objects."""
+    if len(body) <= PARSE_OFF_LOOP_BYTES:
+        return body
+    try:
+        scope[PARSED_JSON] = await asyncio.to_thread(_bounded_json, body)
+    except _TooManyObjects:
+        return Refusal(413, ErrorCode.REQUEST_TOO_LARGE, f"the request body holds more than {MAX_BODY_OBJECTS} JSON "
+                       f"objects (messages, content parts, tools); this server takes at most {MAX_BODY_OBJECTS}")
+    except ValueError:  # not JSON: the route refuses it as any bad body (its parse stops where this one did)
+        pass
+    return body
+
+
+class _TooManyObjects(Exception):
+    pass
+
+
+def _bounded_json(body: bytes) -> Any:
+    """json.loads that gives up at the MAX_BODY_OBJECTS + 1st object. The hook runs as Python between the decoder's
+    objects, so the event loop's thread gets the GIL back every few ms while this thread parses."""
+    count = 0
+
+    def counted(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal count
+        count += 1
+        if count > MAX_BODY_OBJECTS:
+            raise _TooManyObjects
+        return dict(pairs)
+
+    return json.loads(body, object_pairs_hook=counted)
 
 
 def _content_length(headers: Headers) -> int | None:

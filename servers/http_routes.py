@@ -15,11 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -33,7 +34,7 @@ from servers import openapi, translated_apis
 from servers.chat_completions import ChatService
 from servers.completions_api import CompletionRequest, create_completion
 from servers.errors import Refusal, refusal_response
-from servers.http_guards import Authorize, CatchUnexpected, RequestGate, Scope
+from servers.http_guards import PARSED_JSON, Authorize, CatchUnexpected, RequestGate, Scope
 from servers.openapi import BEARER, errors
 from servers.static_server import StaticServer
 from servers.trainable_server import TrainableServer
@@ -84,8 +85,26 @@ def create_app(server: TrainableServer | StaticServer, admin_token: str, *,
 # --- routes --------------------------------------------------------------------------------------------------------
 
 
+class _PreParsedRequest(Request):
+    async def json(self) -> Any:
+        return self.scope[PARSED_JSON] if PARSED_JSON in self.scope else await super().json()
+
+
+class _PreParsedRoute(APIRoute):
+    """A route that takes a large body as the gate parsed it in a worker thread (`RequestGate`), so FastAPI does not
+    parse it a second time on the event loop."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            return await handler(_PreParsedRequest(request.scope, request.receive))
+
+        return handle
+
+
 def _open_routes(server: SwarmServer) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=_PreParsedRoute)
 
     @router.get(p.ROUTE_HEALTH)
     async def health() -> dict:
@@ -100,7 +119,7 @@ def _open_routes(server: SwarmServer) -> APIRouter:
 
 
 def _monitoring_routes(server: SwarmServer) -> APIRouter:
-    router = APIRouter(responses=errors(401))
+    router = APIRouter(route_class=_PreParsedRoute, responses=errors(401))
 
     @router.get(p.ROUTE_STATUS)
     async def status() -> p.ServerStatus:
@@ -125,7 +144,7 @@ def _trainable_or_refuse(server: TrainableServer | StaticServer):
 
 
 def _control_routes(server: TrainableServer | StaticServer) -> APIRouter:
-    router = APIRouter(responses=errors(401, 409, 413))
+    router = APIRouter(route_class=_PreParsedRoute, responses=errors(401, 409, 413))
     trainable = _trainable_or_refuse(server)
 
     @router.post(p.ROUTE_CONFIG, responses=errors(400))
@@ -153,7 +172,7 @@ _INCLUDE_POOL = Query(False, alias=p.INCLUDE_POOL_PARAM, description="Include th
 
 def _episode_routes(server: TrainableServer | StaticServer) -> APIRouter:
     """The episode API; a static server refuses it (409 STATIC_SERVER)."""
-    router = APIRouter(responses=errors(400, 401, 403, 404, 409, 413))
+    router = APIRouter(route_class=_PreParsedRoute, responses=errors(400, 401, 403, 404, 409, 413))
     trainable = _trainable_or_refuse(server)
 
     @router.post(p.ROUTE_BEGIN, responses=errors(503))
@@ -193,7 +212,7 @@ def _episode_routes(server: TrainableServer | StaticServer) -> APIRouter:
 
 
 def _data_plane_routes(chat: ChatService) -> APIRouter:
-    router = APIRouter()
+    router = APIRouter(route_class=_PreParsedRoute)
 
     @router.get(p.ROUTE_MODELS)
     async def models() -> p.ModelList:

@@ -312,6 +312,50 @@ def test_health_answers_while_a_huge_prompt_is_handled(rolling):
     assert slowest < 1.0, f"/health took {slowest:.2f}s while the prompt was handled"
 
 
+def slowest_health_while(srv: LocalServer, work) -> tuple[object, float]:
+    """Run `work()` in a thread while polling /health from this one; its result and the slowest /health answer."""
+    answers: list = []
+    worker = threading.Thread(target=lambda: answers.append(work()))
+    worker.start()
+    slowest = 0.0
+    while worker.is_alive():
+        started = time.monotonic()
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        slowest = max(slowest, time.monotonic() - started)
+        time.sleep(0.01)
+    worker.join()
+    return answers[0], slowest
+
+
+def test_450000_tiny_messages_are_refused_at_once_and_health_never_waits(rolling):
+    """14.6 MiB, under the body limit: parsing and validating it took 11 s of the event loop. It is parsed in a
+    worker thread that gives up past MAX_BODY_OBJECTS objects, so the refusal is quick and the loop stays free."""
+    srv, http = rolling
+    lease = begin(http)
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}] * 450_000})
+    assert 14 * 2**20 < len(body) < 16 * 2**20
+    started = time.monotonic()
+    answer, slowest = slowest_health_while(srv, lambda: chat(lease, body))
+    error = refused(answer, 413, ErrorCode.REQUEST_TOO_LARGE)
+    assert "JSON objects" in error["message"]
+    assert slowest < 0.5, f"/health took {slowest:.2f}s while the body was refused"
+    assert time.monotonic() - started < 10
+    assert can_continue(http, lease["episode_id"])  # the lease is untouched: its next call is served
+
+
+def test_a_large_body_under_the_object_limit_is_parsed_off_the_loop_and_served(rolling):
+    """The routes take the body the gate parsed: a large valid body is served, a large bad one refused as before."""
+    _, http = rolling
+    lease = begin(http)
+    messages = [{"role": "user", "content": f"turn {i}: {{}} [] {{{{"} for i in range(3000)]  # braces in text
+    body = {"model": "tiny", "max_tokens": 2, "messages": messages[-1:], "metadata": {"notes": "x" * 100_000}}
+    assert chat(lease, body).status_code == 200
+    many = chat(lease, {"model": "tiny", "messages": messages, "seed": "not a number"})
+    refused(many, 400, ErrorCode.INVALID_REQUEST)
+    broken = chat(lease, json.dumps({"model": "tiny", "messages": messages})[:-1])
+    assert "not valid JSON" in refused(broken, 400, ErrorCode.INVALID_REQUEST)["message"]
+
+
 # --- 5. no unhandled 500s ---------------------------------------------------------------------------------------
 
 
