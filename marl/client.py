@@ -24,7 +24,8 @@ The call style of AgentJet's swarm API works unchanged::
         raise
 
 Waiting and retrying. A refusal whose `error.retry_after_s` is set (the engine is BOOTING, ROLLING_POST or
-WEIGHT_SYNCING, or every lease slot is busy) is temporary: the call retries with exponential backoff (starting at
+WEIGHT_SYNCING, every lease slot is busy, or an end or prepare found the episode's own model call still generating
+past the server's wait: `calls_in_flight`) is temporary: the call retries with exponential backoff (starting at
 `retry_after_s`, capped at 5 s, with jitter) until its `timeout`, then raises `SwarmTimeout`. Any other error raises at
 once (`SwarmRefused` for a 4xx, `SwarmError` otherwise); its `.code` is the server's `ErrorCode`: branch on that,
 never on the message text. Transport errors (connection refused or reset, timeouts) are retried the same way on

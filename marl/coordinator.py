@@ -45,7 +45,7 @@ from marl.game_record import GameRecord
 from marl.game_table import GameFailed, GameSettings, GameTable, Seat
 from marl.monitor import ServerMonitor
 from marl.protocol import EngineState, ErrorCode
-from marl.two_phase import Part, commit_game
+from marl.two_phase import Part, commit_game, persist
 
 if TYPE_CHECKING:
     from marl.endpoints import Endpoint
@@ -56,6 +56,8 @@ __all__ = ["Coordinator", "GameCancelled", "GameFailed", "GameRunner", "GameSett
 log = logging.getLogger("marl.coordinator")
 
 _KEEPALIVE_POLL_S = 0.25  # how often the coordinator looks for leases due for renewal
+_ABORT_S = 10.0  # how long aborting a lease retries a server that does not answer (its lease expires anyway)
+_STOPPING_ABORT_S = 2.0  # the same once the run stops, so that a dead server does not hold the exit up
 _NEVER = threading.Event()  # the `cancel` of a game nobody cancels
 
 
@@ -136,16 +138,17 @@ class Coordinator:
 
     def play_game(self, task_id: str, seed: int, *, cancel: threading.Event = _NEVER) -> GameRecord:
         """Play and commit one game. Raises `GameFailed` (every lease aborted), or `GameCancelled` if `cancel` was
-        set while the game waited for its leases."""
+        set while the game waited for its leases. Once `cancel` is set (the run stops), the commit and the aborts
+        stop retrying a server that does not answer after one short try (`marl.two_phase.persist`)."""
         with self._concurrency_slots():
             leases = self._lease_all(cancel)
             try:
                 with contextlib.ExitStack() as drawn:
                     result = self.runner(self.table, task_id, seed, leases, self._draw_statics(drawn))
-                self._commit(task_id, leases, result)
+                self._commit(task_id, leases, result, cancel)
                 return result
             except BaseException as exc:
-                self._leases.abort(leases.values())
+                self._leases.abort(leases.values(), timeout=_STOPPING_ABORT_S if cancel.is_set() else _ABORT_S)
                 if isinstance(exc, (GameFailed, KeyboardInterrupt, SystemExit)):
                     raise
                 raise GameFailed(f"game {task_id} failed: {exc!r}") from exc
@@ -248,7 +251,8 @@ class Coordinator:
 
     # --- commit ----------------------------------------------------------------------------------------------------
 
-    def _commit(self, task_id: str, leases: dict[str, HeldLease], result: GameRecord) -> None:
+    def _commit(self, task_id: str, leases: dict[str, HeldLease], result: GameRecord,
+                stop: threading.Event = _NEVER) -> None:
         """Every linked server gets its episode with the rewards of the roles it plays, or none does.
 
         One server: `end` is atomic and idempotent by itself. Several: a two-phase commit (`marl.two_phase`):
@@ -257,8 +261,10 @@ class Coordinator:
         outputs = {name: self._output(name, result) for name in leases}
         if len(leases) == 1:
             (name, lease), = leases.items()
+            client = self.endpoints[name].client
             try:
-                self.endpoints[name].client.end_episode(task_id, lease.episode_id, outputs[name], timeout=60)
+                persist(lambda timeout: client.end_episode(task_id, lease.episode_id, outputs[name], timeout=timeout),
+                        60, stop)
             except (SwarmError, httpx.HTTPError) as exc:
                 raise GameFailed(f"game {task_id}: end failed on {name}: {exc}") from exc
             self._leases.forget(lease)
@@ -266,7 +272,7 @@ class Coordinator:
         parts = {name: Part(self.endpoints[name].client, task_id, lease.episode_id, outputs[name])
                  for name, lease in leases.items()}
         outcome = commit_game(self.decisions, f"{task_id}-{uuid.uuid4().hex[:12]}", parts,  # one id per attempt
-                              io=self._io)
+                              io=self._io, stop=stop)
         for lease in leases.values():
             self._leases.forget(lease)  # prepared (key dead), committed or aborted: nothing left to abort or renew
         if not outcome.committed:
@@ -285,7 +291,8 @@ class Coordinator:
     # --- leases held ---------------------------------------------------------------------------------------------
 
     def abort_all(self) -> int:
-        """Abort every lease still held (Ctrl-C); returns how many."""
+        """Abort every lease still held (Ctrl-C, the run stops); returns how many. A server that does not answer is
+        given up after a short try: its leases expire there by themselves."""
         return self._leases.abort_all()
 
     def open_leases(self) -> int:
@@ -323,14 +330,15 @@ class _HeldLeases:
         with self._lock:
             self._open.pop((held.server, held.episode_id), None)
 
-    def abort(self, leases: Iterable[HeldLease]) -> None:
-        """Abort the leases still held (one already ended, prepared or aborted is left alone)."""
+    def abort(self, leases: Iterable[HeldLease], timeout: float = _ABORT_S) -> None:
+        """Abort the leases still held (one already ended, prepared or aborted is left alone), each retried at most
+        `timeout` while its server does not answer."""
         for held in list(leases):
             with self._lock:
                 if (held.server, held.episode_id) not in self._open:
                     continue
             try:
-                self.endpoints[held.server].client.abort_episode(held.episode_id, timeout=10)
+                self.endpoints[held.server].client.abort_episode(held.episode_id, timeout=timeout)
             except (SwarmError, httpx.HTTPError) as exc:  # the server is gone: its lease dies with it (or expires)
                 log.warning("could not abort %s on %s: %s", held.episode_id, held.server, exc)
             self.forget(held)
@@ -338,7 +346,7 @@ class _HeldLeases:
     def abort_all(self) -> int:
         with self._lock:
             held = list(self._open.values())
-        self.abort(held)
+        self.abort(held, timeout=_STOPPING_ABORT_S)
         return len(held)
 
     def count(self) -> int:

@@ -222,6 +222,9 @@ class ErrorCode(enum.StrEnum):
     ENGINE_BOOTING = "engine_booting"
     ENGINE_UNAVAILABLE = "engine_unavailable"
     LEDGER_UNAVAILABLE = "ledger_unavailable"  # the ledger write failed; nothing changed, the lease is still live
+    # end or prepare waited (`servers.episode_recorder.CALLS_WAIT_S`) for the lease's calls still generating, and some
+    # still are: nothing changed, the lease is still live; the retry records them once they finish
+    CALLS_IN_FLIGHT = "calls_in_flight"
     # 5xx: the server failed
     ENGINE_ERROR = "engine_error"  # generation failed
     INTERNAL_ERROR = "internal_error"  # anything unexpected

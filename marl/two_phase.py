@@ -12,6 +12,11 @@
    reaches that server by `redrive` (a restarted coordinator) or by the server itself, which reads the log when
    the prepared episode passes its deadline.
 
+A run that stops (`stop` is set: Ctrl-C, or it gave up on a dead server) does not wait out those retries: a server
+that does not answer is retried in tries of at most `TRY_S`, and once `stop` is set no new try starts. So a game in
+its commit holds the run's exit up for at most about one try per phase; what is left unacknowledged is `pending`,
+and the decision log re-drives it.
+
 `redrive(decisions)` finishes every game of the log not acknowledged everywhere: commit where COMMIT was decided, abort
 everywhere else (a game with no decision is decided ABORT first), as the client that holds each episode.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -28,15 +34,32 @@ from typing import Any, TypeVar
 
 import httpx
 
-from marl.client import SwarmClient, SwarmError
+from marl.client import SwarmClient, SwarmError, SwarmTimeout
 from marl.decision_log import Decision, DecisionLog, Participant
 from marl.protocol import DEFAULT_PREPARE_TIMEOUT_S
 
-__all__ = ["GameCommit", "Part", "commit_game", "redrive"]
+__all__ = ["GameCommit", "Part", "commit_game", "persist", "redrive"]
 
 logger = logging.getLogger("marl.two_phase")
 
 T = TypeVar("T")
+
+#: One try's budget while a server says to wait or cannot be reached: how soon a retrying call sees that the run stops.
+TRY_S = 5.0
+_NEVER = threading.Event()  # the `stop` of a commit nobody stops
+
+
+def persist(call: Callable[[float], T], budget_s: float, stop: threading.Event = _NEVER) -> T:
+    """`call(timeout)` (a `SwarmClient` call) retried while the server says to wait or cannot be reached, in tries of
+    at most `TRY_S`, until it answers or `budget_s` has passed; once `stop` is set, no new try starts. Raises what
+    the last try raised (`SwarmTimeout`), or at once any other error (a refusal)."""
+    deadline = time.monotonic() + budget_s
+    while True:
+        try:
+            return call(max(min(TRY_S, deadline - time.monotonic()), 1.0))
+        except SwarmTimeout:
+            if stop.is_set() or time.monotonic() >= deadline:
+                raise
 
 
 @dataclass(frozen=True)
@@ -63,11 +86,13 @@ class GameCommit:
 
 
 def commit_game(decisions: DecisionLog, game_id: str, parts: Mapping[str, Part], *,
-                prepare_timeout_s: float = DEFAULT_PREPARE_TIMEOUT_S, io: Executor | None = None) -> GameCommit:
+                prepare_timeout_s: float = DEFAULT_PREPARE_TIMEOUT_S, io: Executor | None = None,
+                stop: threading.Event = _NEVER) -> GameCommit:
     """Prepare the game's episode on every server, decide durably, then commit (or abort) everywhere.
 
     `io` runs the calls to the servers concurrently: the coordinator passes its own executor, one for all its games;
-    default: a thread pool for this call only.
+    default: a thread pool for this call only. `stop`: the run is stopping; a server that does not answer is not
+    retried past the try under way (see the module docstring), and is left `pending`.
     """
     decisions.begin(game_id, {name: Participant(p.client.url, p.episode_id, p.client.client_id)
                          for name, p in parts.items()})
@@ -75,17 +100,22 @@ def commit_game(decisions: DecisionLog, game_id: str, parts: Mapping[str, Part],
     decision_log = str(decisions.path.resolve())
 
     def prepare(part: Part) -> object:
-        return part.client.prepare_episode(part.task, part.episode_id, part.output, game_id=game_id,
-                                           prepare_timeout_s=prepare_timeout_s, decision_log=decision_log)
+        return persist(lambda timeout: part.client.prepare_episode(
+            part.task, part.episode_id, part.output, game_id=game_id, prepare_timeout_s=prepare_timeout_s,
+            decision_log=decision_log, timeout=timeout), part.client.timeout, stop)
+
+    def commit(part: Part) -> object:
+        return persist(lambda timeout: part.client.commit_episode(part.episode_id, timeout=timeout),
+                       prepare_timeout_s / 2, stop)
+
+    def abort(part: Part) -> object:
+        return persist(lambda timeout: part.client.abort_episode(part.episode_id, timeout=timeout),
+                       part.client.timeout, stop)
 
     with _executor(io, len(parts)) as pool:
         prepare_errors = _on_each(parts, prepare, pool)
         decision = decisions.decide(game_id, commit=not prepare_errors, decide_by=decide_by)
-        if decision is Decision.COMMIT:
-            pending = _on_each(parts, lambda p: p.client.commit_episode(p.episode_id, timeout=prepare_timeout_s / 2),
-                               pool)
-        else:
-            pending = _on_each(parts, lambda p: p.client.abort_episode(p.episode_id), pool)
+        pending = _on_each(parts, commit if decision is Decision.COMMIT else abort, pool)
     if not pending:
         decisions.done(game_id)
     for name, exc in pending.items():

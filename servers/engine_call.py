@@ -52,11 +52,16 @@ class EngineCall:
         try:
             async for _ in self.chunks():
                 pass
+        except Refusal:  # refused before generating (its lease was sealed meanwhile): not an engine failure
+            raise
         except Exception as exc:
             raise self.failed(exc) from exc
 
     def failed(self, exc: Exception) -> Refusal:
-        """A failed generation, kept in the server's error log too: `last_error` then says why (a dead engine)."""
+        """A failed generation, kept in the server's error log too: `last_error` then says why (a dead engine). A
+        `Refusal` (the call was refused before it generated) is passed on as it is."""
+        if isinstance(exc, Refusal):
+            return exc
         refusal = Refusal(500, ErrorCode.ENGINE_ERROR, f"generation failed: {exc}")
         self.service.telemetry.errors.report(refusal.message)
         return refusal

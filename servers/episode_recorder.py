@@ -7,6 +7,11 @@ digest of the body, in one transaction, and only once that has committed is the 
 the lease is sealed (its key takes no new calls, it never expires); if the write fails, the lease is live again and
 the client may retry (503 `ledger_unavailable`).
 
+No served call is dropped. A call of the lease that is still generating when `end` (or `prepare`) arrives is waited
+for, at most `CALLS_WAIT_S`, and recorded with the episode; calls that would start meanwhile are refused (the key is
+sealed). If some call still generates after that wait, nothing is recorded, the lease is live again, and the request
+is refused with 503 `calls_in_flight` and `retry_after_s`: `SwarmClient` retries it, and the retry records the call.
+
 Idempotent. A repeated end, prepare, commit or abort gets the outcome the first one had: from the write still in
 flight, else from the ledger (so even after a restart). The same body is answered 200 with `replayed: true`; a
 different body for an episode already recorded is refused with 409 `episode_already_ended`.
@@ -51,6 +56,11 @@ log = logging.getLogger("marl.server")
 #: Writes an ended or prepared episode: (lease, body, samples, body digest) -> the episode as recorded.
 Write = Callable[[Lease, Any, list, str], Awaitable[RecordedEpisode]]
 
+#: How long `end` or `prepare` waits for the lease's calls still generating before it answers 503 `calls_in_flight`
+#: (well under a client's request timeout, 30 s by default, so that the answer arrives).
+CALLS_WAIT_S = 10.0
+_CALLS_RETRY_S = 1.0
+
 _PHASE_WORDS = {EpisodePhase.PREPARED: "prepared", EpisodePhase.ENDED: "ended (it is in the pool)",
                 EpisodePhase.ABORTED: "prepared, then aborted"}
 
@@ -65,6 +75,7 @@ class EpisodeRecorder:
     def __init__(self, *, pool: RolloutPool, lifecycle: EngineLifecycle, ledger: LedgerThread,
                  prepared: PreparedEpisodes, counters: Counters, wakeup: BatchWakeup):
         self._pool = pool
+        self.calls_wait_s = CALLS_WAIT_S
         self._lifecycle = lifecycle
         self._ledger = ledger
         self._prepared = prepared
@@ -147,6 +158,7 @@ class EpisodeRecorder:
         self._writing[episode_id] = (digest, outcome)
         lease.sealed = True
         try:
+            await self._drained(lease)
             samples = merge_calls(episode_id, list(lease.calls), body.reward, body.agent_rewards)
             recorded = await self._written(write(lease, body, samples, digest))
         except BaseException as exc:
@@ -176,6 +188,15 @@ class EpisodeRecorder:
         except Exception:
             return False
         return True
+
+    async def _drained(self, lease: Lease) -> None:
+        """Wait for the lease's calls still generating (the sealed lease starts no new one); refuse if they outlast
+        `calls_wait_s`."""
+        if not await lease.drained(self.calls_wait_s):
+            raise Refusal(503, ErrorCode.CALLS_IN_FLIGHT, f"episode {lease.episode_id} still has {lease.inflight}"
+                          f" model call(s) generating after {self.calls_wait_s:g}s: nothing was recorded and the lease"
+                          " is still live; retry, and the calls are recorded once they finish",
+                          retry_after_s=_CALLS_RETRY_S, state=self._lifecycle.state)
 
     async def _written(self, write: Awaitable[RecordedEpisode]) -> RecordedEpisode:
         try:

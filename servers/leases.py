@@ -8,10 +8,14 @@ committed.
 
 A lease is also what a data-plane call runs under (`servers.chat_completions`): it gives the call its history (for
 prompt splicing), counts it as busy while the model works, and keeps the finished call for the episode's samples.
+A call that was already generating when the lease was sealed is still kept: `end` (or `prepare`) waits for it
+(`drained`) before it merges the calls, so a served call is never dropped; a call that had not started generating
+by then is refused instead (it generated nothing).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 import time
@@ -20,7 +24,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from marl.protocol import EPISODE_KEY_PREFIX
+from marl.protocol import EPISODE_KEY_PREFIX, ErrorCode
+from servers.errors import Refusal
 from servers.samples import CallRecord
 
 _REMEMBERED = 10_000  # dead keys, and closed episodes
@@ -39,6 +44,7 @@ class Lease:
     calls: list[CallRecord] = field(default_factory=list)  # oldest first
     closed: bool = False  # ended, aborted, expired or the engine stopped: its key is dead
     sealed: bool = False  # its end (or prepare) is being written: no new calls, no expiry
+    _idle: asyncio.Event | None = field(default=None, repr=False)  # set when the last call in flight finishes
 
     def idle_s(self, now: float | None = None) -> float:
         return 0.0 if self.inflight or self.sealed else (now or time.monotonic()) - self.last_active
@@ -48,17 +54,34 @@ class Lease:
 
     @contextlib.contextmanager
     def busy(self) -> Iterator[None]:
-        """While a call generates for this lease: it is never idle meanwhile, and active when the call ends."""
+        """While a call generates for this lease: it is never idle meanwhile, and active when the call ends. A call
+        that would start generating once the lease is sealed is refused: its end is already waiting for the calls
+        in flight, and this one would come too late for it."""
+        if self.sealed:
+            raise Refusal(401, ErrorCode.INVALID_API_KEY, "this episode is being ended: its key takes no more calls")
         self.inflight += 1
         try:
             yield
         finally:
             self.inflight -= 1
             self.touch()
+            if not self.inflight and self._idle is not None:
+                self._idle.set()
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until no call generates for this lease, at most `timeout_s`: True if none does. Call it sealed (no
+        call starts meanwhile), so that once drained the lease stays so."""
+        if self.inflight:
+            self._idle = self._idle or asyncio.Event()
+            self._idle.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
+        return not self.inflight
 
     def record(self, call: CallRecord) -> bool:
-        """Keep a finished call; False (nothing kept) if the lease closed or was sealed meanwhile: no stale writes."""
-        if self.closed or self.sealed:
+        """Keep a finished call; False (nothing kept) if the lease closed meanwhile (aborted, expired, the engine
+        stopped). A sealed lease still keeps a call that was generating when it was sealed: its end waits for it."""
+        if self.closed:
             return False
         self.calls.append(call)
         self.touch()

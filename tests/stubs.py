@@ -47,8 +47,11 @@ def load_tokenizer(model_dir: Path) -> Any:
 class StubEngine(InferenceEngine):
     """Generates `REPLY_TEXT` then end-of-sequence for every prompt (cut at max_tokens); `token_delay_s` slows it."""
 
-    def __init__(self, tokenizer: Any, *, token_delay_s: float = 0.0) -> None:
+    def __init__(self, tokenizer: Any, *, token_delay_s: float = 0.0, generate_gate: threading.Event | None = None,
+                 generating: threading.Event | None = None) -> None:
         self.tokenizer = tokenizer
+        self.generate_gate = generate_gate  # cleared: every generation waits (in flight) after its first token
+        self.generating = generating or threading.Event()  # set once a generation has started
         self.context_length = int(tokenizer.model_max_length)
         self.eos_token_ids = frozenset({tokenizer.eos_token_id})
         self.reply_ids = [*tokenizer.encode(REPLY_TEXT, add_special_tokens=False), tokenizer.eos_token_id]
@@ -61,6 +64,9 @@ class StubEngine(InferenceEngine):
         for i, token in enumerate(ids):
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
+            if i == 1:
+                self.generating.set()
+                await _passed(self.generate_gate)
             last = i == len(ids) - 1
             finish = ("stop" if token in self.eos_token_ids else "length") if last else None
             yield GenerationChunk(token_ids=[token], logprobs=[REPLY_LOGPROB], finish_reason=finish)
@@ -110,6 +116,12 @@ class StubTrainer(Trainer):
         self.step_count = json.loads((directory / self.CHECKPOINT_FILE).read_text())["step_count"]
 
 
+async def _passed(gate: threading.Event | None) -> None:
+    """Wait (without holding the event loop) until `gate` opens; no gate: at once."""
+    while gate is not None and not gate.is_set():
+        await asyncio.sleep(0.01)
+
+
 def _pass(gate: threading.Event, what: str) -> None:
     if not gate.wait(GATE_LIMIT_S):
         raise RuntimeError(f"stub {what}: its gate stayed closed for {GATE_LIMIT_S}s")
@@ -119,14 +131,18 @@ class StubBackends:
     """The engine and trainer factories handed to `build_app`, with the knobs tests turn and what was built.
 
     `boot_gate.clear()` holds the next boot in BOOTING until `boot_gate.set()`; `boot_error` makes boots fail with
-    that message (after the gate); `step_gate.clear()` holds training steps in WEIGHT_SYNCING.
+    that message (after the gate); `step_gate.clear()` holds training steps in WEIGHT_SYNCING; `generate_gate.clear()`
+    holds every generation in flight after its first token (`generating` is set once one is there).
     """
 
     def __init__(self) -> None:
         self.boot_gate = threading.Event()
         self.step_gate = threading.Event()
+        self.generate_gate = threading.Event()
+        self.generating = threading.Event()
         self.boot_gate.set()
         self.step_gate.set()
+        self.generate_gate.set()
         self.boot_error: str | None = None
         self.engines: list[StubEngine] = []
         self.trainers: list[StubTrainer] = []
@@ -135,7 +151,8 @@ class StubBackends:
         _pass(self.boot_gate, "boot")
         if self.boot_error:
             raise RuntimeError(self.boot_error)
-        engine = StubEngine(load_tokenizer(Path(model_dir)))
+        engine = StubEngine(load_tokenizer(Path(model_dir)), generate_gate=self.generate_gate,
+                            generating=self.generating)
         self.engines.append(engine)
         return engine
 
@@ -148,6 +165,7 @@ class StubBackends:
         """Open every gate (a server cannot shut down while a boot or a step waits on one)."""
         self.boot_gate.set()
         self.step_gate.set()
+        self.generate_gate.set()
 
 
 class RequestLog:
@@ -201,10 +219,12 @@ class StubServer:
 
 
 @contextlib.contextmanager
-def stub_server(model_dir: Path, data_dir: Path, *, static: bool = False) -> Iterator[StubServer]:
-    """The real server app (admin token `ADMIN`, serving "tiny") over stub backends, on a free port."""
+def stub_server(model_dir: Path, data_dir: Path, *, static: bool = False,
+                port: int | None = None) -> Iterator[StubServer]:
+    """The real server app (admin token `ADMIN`, serving "tiny") over stub backends, on `port` (default: a free
+    one; a restarted server passes its old port)."""
     backends = StubBackends()
-    port = free_port()
+    port = port or free_port()
     options = ServeOptions(model=str(model_dir), port=port, data_dir=data_dir, admin_token=ADMIN,
                            served_model_name=SERVED_NAME, static=static)
     log = RequestLog(build_app(options, engine_factory=backends.engine, trainer_factory=backends.trainer))
