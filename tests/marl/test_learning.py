@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from conftest import ADMIN
 
 from marl import SwarmClient
@@ -21,14 +22,20 @@ def rollout(client: SwarmClient, task: str) -> float:
     return ep.reward
 
 
-def test_reward_rises_from_chance_to_above_0_8_within_60s(local_server):
+#: A round is one training batch's episodes (4 groups of 8). An idle 2-core machine needs a handful; the bound is
+#: in rounds, not seconds, so a busy machine only makes the test slower.
+MAX_ROUNDS = 40
+
+
+@pytest.mark.timeout(1200)
+def test_reward_rises_from_chance_to_above_0_8_within_40_training_batches(local_server):
     with local_server() as srv, SwarmClient(srv.url, admin_token=ADMIN) as client:
         client.auto_sync_train_config_and_start_engine(
             {"batch_size": 4, "num_repeat": 8, "learning_rate": 1e-2, "save_freq": 0})
         rewards: list[float] = []
         start = time.monotonic()
         with ThreadPoolExecutor(16) as pool:
-            while time.monotonic() - start < 60:
+            for _ in range(MAX_ROUNDS):
                 tasks = [f"{len(rewards) // 32}-{g}" for g in range(4) for _ in range(8)]
                 rewards += pool.map(lambda t: rollout(client, t), tasks)
                 if len(rewards) >= 64 and sum(rewards[-32:]) / 32 > 0.8:
