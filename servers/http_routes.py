@@ -12,6 +12,7 @@ errors each route really sends (`servers.openapi`). `app.state.server` is the se
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -91,14 +92,21 @@ class _PreParsedRequest(Request):
 
 
 class _PreParsedRoute(APIRoute):
-    """A route that takes a large body as the gate parsed it in a worker thread (`RequestGate`), so FastAPI does not
-    parse it a second time on the event loop."""
+    """A route that takes a large body as the gate parsed it in a worker thread (`RequestGate`) and validates it in
+    one too (8,192 messages take ~0.1 s), so FastAPI neither parses nor validates it on the event loop: it is
+    handed the validated model, which pydantic takes as it is."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
 
         async def handle(request: Request) -> Response:
-            return await handler(_PreParsedRequest(request.scope, request.receive))
+            scope = request.scope
+            if PARSED_JSON in scope and self.body_field is not None and not self._embed_body_fields:
+                value, problems = await asyncio.to_thread(self.body_field.validate, scope[PARSED_JSON], loc=("body",))
+                if problems:
+                    raise RequestValidationError(problems)
+                scope[PARSED_JSON] = value
+            return await handler(_PreParsedRequest(scope, request.receive))
 
         return handle
 
