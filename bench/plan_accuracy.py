@@ -49,10 +49,12 @@ def _samples(vocab: int, tokens: int, count: int, trained: int) -> list:
                    policy_version=0, num_calls=1) for i in range(count)]  # fmt: skip
 
 
-def _batch(step: int, vocab: int, tokens: int, trained: int):
+def _batch(step: int, vocab: int, tokens: int, trained: int, samples: int = 2):
+    """A step's batch: one group of `samples` (each its own micro-batch). Two or more micro-batches per process, as
+    in a real step: from the second on, the gradients of the first are alive during the passes."""
     from servers.interfaces import Group, TrainBatch
 
-    group = Group(job="bench", task_id=f"t{step}", agent="a", samples=_samples(vocab, tokens, 2, trained))
+    group = Group(job="bench", task_id=f"t{step}", agent="a", samples=_samples(vocab, tokens, samples, trained))
     return TrainBatch(step=step, groups=[group])
 
 
@@ -112,11 +114,11 @@ def measure_fsdp(model_dir: str, tokens: int, trained: int, checkpointing: bool)
     trainer = FSDPTrainer(Path(model_dir), config, device="cpu", threads_per_rank=1)
     try:
         vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
-        trainer.step(_batch(1, vocab, tokens, trained))
+        trainer.step(_batch(1, vocab, tokens, trained, samples=4))  # two micro-batches per rank
         pids = trainer.ranks.pids
         for pid in pids:
             _reset_peak(pid)
-        trainer.step(_batch(2, vocab, tokens, trained))
+        trainer.step(_batch(2, vocab, tokens, trained, samples=4))
         return [_status("VmHWM", pid) for pid in pids]
     finally:
         trainer.close()
