@@ -22,6 +22,10 @@ from tool_model import TOOL_ARGUMENTS, TOOL_NAME, TOOL_REPLY, WEATHER_TOOL, tool
 from servers.ledger import Ledger
 from servers.tool_choice import ToolCallFormat, ToolTextHoldback
 
+# The first test of a session builds the tool-calling model (tests/tool_model.py: 70-110 s alone on 2 cores, more
+# on a busy machine) inside its fixture, which counts against the test's timeout.
+pytestmark = pytest.mark.timeout(900)
+
 CLIENT = "client-a"
 #: The anthropic SDK has no temperature parameter any more; the API still takes one, sent as an extra field.
 GREEDY = {"temperature": 0}
