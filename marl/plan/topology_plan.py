@@ -92,7 +92,10 @@ def plan_topology(spec: Any, *, base_dir: Path | None = None, host_memory: float
     plans, skipped = [], []
     for name, server in spec.servers.items():
         plan = _plan_server(name, server, spec, base_dir, local_gpu_memory)
-        (plans.append(plan) if plan is not None else skipped.append(name))
+        if plan is None:
+            skipped.append(name)
+        else:
+            plans.append(plan)
     cpu_plans = [p for p in plans if p.devices and p.devices[0].device == "host"]
     if cpu_plans:
         _check_host(cpu_plans, host_memory if host_memory is not None else _host_memory())
@@ -154,7 +157,7 @@ def _check_host(plans: list[ServerPlan], host_memory: float) -> None:
     largest = max(plans, key=lambda p: p.devices[0].peak)
     if certain > host_memory:
         largest.problems.append(Problem(f"servers.{largest.server}", f"the local CPU servers hold {certain / GB:.1f}"
-                                        f" GiB of weights and trainer state at once, more than this machine's"
+                                        f" GB of weights and trainer state at once, more than this machine's"
                                         f" {host_memory / GB:.1f} GB: run fewer or smaller models here, or move one"
                                         " to a GPU box"))  # fmt: skip
     elif peak > host_memory:
@@ -210,6 +213,14 @@ def _calls_at_once(name: str, spec: Any) -> int:
     return max(1, min(TORCH_ENGINE_MAX_BATCH, spec.run.concurrency * max(seats, 1)))
 
 
+def _torch_engine(name: str, server: Any, arch: Architecture, spec: Any, *, on_gpu: bool) -> Parts:
+    """The torch engine of a server: bf16 on a GPU, fp32 on the CPU (servers/engines/torch_engine.py)."""
+    prefix = server.prefix_cache_gb if server.prefix_cache_gb is not None else DEFAULT_PREFIX_CACHE_GB
+    return engine_torch(arch, weight_bytes=2 if on_gpu else 4, sequences=_calls_at_once(name, spec),
+                        tokens_per_sequence=TORCH_ENGINE_TOKENS_PER_SEQUENCE, prefix_cache_bytes=prefix * GIB,
+                        on_gpu=on_gpu)  # fmt: skip
+
+
 def _plan_on_host(name: str, server: Any, arch: Architecture, spec: Any) -> ServerPlan:
     copies = server.past_of.k if server.past_of is not None else 1
     plan = ServerPlan(name, f"{arch.name} ({arch.parameter_count() / 1e9:.2f}B) on the CPU"
@@ -218,10 +229,7 @@ def _plan_on_host(name: str, server: Any, arch: Architecture, spec: Any) -> Serv
         kv = server.vllm.kv_cache_gb if server.vllm and server.vllm.kv_cache_gb else 1.0
         engine = Parts().add("vLLM weights (fp32)", 4 * arch.parameter_count()).add("vLLM KV cache", kv * GIB)
     else:
-        prefix = server.prefix_cache_gb if server.prefix_cache_gb is not None else DEFAULT_PREFIX_CACHE_GB
-        engine = engine_torch(arch, weight_bytes=4, sequences=_calls_at_once(name, spec),
-                              tokens_per_sequence=TORCH_ENGINE_TOKENS_PER_SEQUENCE, prefix_cache_bytes=prefix * GIB,
-                              on_gpu=False)  # fmt: skip
+        engine = _torch_engine(name, server, arch, spec, on_gpu=False)
     rollouts = Parts().extend(engine, prefix="engine: ") if copies == 1 else Parts().add(
         f"{copies} engines", copies * engine.total)
     setting = trainer_setting(server, on_gpu=False)
@@ -313,15 +321,11 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
             plan.defaults["vllm.gpu_memory_utilization"] = vllm_setting.utilization
         engine, kv = engine_vllm(arch, vllm_setting)
         _check_kv(plan, key, arch, vllm_setting, kv, max_model_len)
-        v = server.vllm
         sleeps = setting is not None and bool(gpus.shared) if v is None or v.sleep_between_steps == "auto" \
             else bool(v.sleep_between_steps)
         engine_in_step = engine_vllm_asleep(engine) if sleeps else engine.total
     else:
-        prefix = server.prefix_cache_gb if server.prefix_cache_gb is not None else DEFAULT_PREFIX_CACHE_GB
-        engine = engine_torch(arch, weight_bytes=2, sequences=_calls_at_once(name, spec),
-                              tokens_per_sequence=TORCH_ENGINE_TOKENS_PER_SEQUENCE, prefix_cache_bytes=prefix * GIB,
-                              on_gpu=True)  # fmt: skip
+        engine = _torch_engine(name, server, arch, spec, on_gpu=True)
         vllm_setting, sleeps, engine_in_step = None, False, engine.total
     for group in _alike(sorted(set(gpus.engine) | set(gpus.trainer)), gpus):
         load = _gpu_load(group, gpu_bytes, gpus, engine, engine_in_step, resident, peak, sleeps)

@@ -298,17 +298,8 @@ def test_health_answers_while_a_huge_prompt_is_handled(rolling):
     srv, http = rolling
     lease = begin(http)
     big = {"model": "tiny", "messages": [{"role": "user", "content": "The quick brown fox. " * 500_000}]}  # 10 MB
-    answers: list[httpx.Response] = []
-    worker = threading.Thread(target=lambda: answers.append(chat(lease, big)))
-    worker.start()
-    slowest = 0.0
-    while worker.is_alive():
-        started = time.monotonic()
-        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
-        slowest = max(slowest, time.monotonic() - started)
-        time.sleep(0.02)
-    worker.join()
-    refused(answers[0], 400, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+    answer, slowest = slowest_health_while(srv, lambda: chat(lease, big))
+    refused(answer, 400, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
     assert slowest < 1.0, f"/health took {slowest:.2f}s while the prompt was handled"
 
 

@@ -325,16 +325,7 @@ def check_restart_then_down(srv: VLLMServer, client: openai.OpenAI, model_dir: P
 
     # Killed again: the engine is down; every call fails at once, saying why.
     os.kill(engine.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            ask(client, [{"role": "user", "content": "Say yes."}], max_tokens=4)
-        except openai.InternalServerError as exc:
-            if "down" in str(exc.body):
-                assert exc.code == ErrorCode.ENGINE_ERROR.value
-                break
-        assert time.monotonic() < deadline, "the engine never reported itself down"
-        time.sleep(0.2)
+    assert until_refused(client, "down").code == ErrorCode.ENGINE_ERROR.value
 
 
 def kill_mid_generation(engine, client: openai.OpenAI) -> openai.APIError:
@@ -363,6 +354,20 @@ def kill_mid_generation(engine, client: openai.OpenAI) -> openai.APIError:
     reader.join(timeout=60)
     assert len(errors) == 1, "the stream did not fail"
     return errors[0]
+
+
+def until_refused(client: openai.OpenAI, saying: str, timeout: float = 60) -> openai.InternalServerError:
+    """Ask until a call fails with a 500 whose body says `saying` (a call racing a crash's detection may fail
+    otherwise first); that error."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            ask(client, [{"role": "user", "content": "Say yes."}], max_tokens=4)
+        except openai.InternalServerError as exc:
+            if saying in str(exc.body):
+                return exc
+        assert time.monotonic() < deadline, f"the engine never refused saying {saying!r}"
+        time.sleep(0.2)
 
 
 def call_until(call, timeout: float = START_TIMEOUT_S):

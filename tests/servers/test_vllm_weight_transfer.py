@@ -17,7 +17,6 @@ import os
 import pickle
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -336,19 +335,10 @@ def test_a_transfer_vllm_refuses_falls_back_to_the_disk_and_the_steps_weights_se
 def check_no_restart_after_a_push(engine, http) -> None:
     """Weights that came through a push leave no copy to restart vLLM with: a vLLM that dies then is not restarted,
     and calls fail saying why. (A CPU cannot push for real: the engine is told that its latest weights were.)"""
-    import openai
-    from test_vllm_engine import ask, leased
+    from test_vllm_engine import leased, until_refused
 
     engine._pushed = True
     with leased(http) as (_, client):
         os.kill(engine.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                ask(client, [{"role": "user", "content": "Say yes."}], max_tokens=4)
-            except openai.InternalServerError as exc:
-                if "leaves no copy" in str(exc.body):
-                    break
-            assert time.monotonic() < deadline, "the engine never reported itself down"
-            time.sleep(0.2)
+        until_refused(client, "leaves no copy")
     assert engine.stats.restarts == 0
