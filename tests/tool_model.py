@@ -83,3 +83,21 @@ def tool_model_dir(tmp_path_factory) -> Path:
         prebuilt = os.environ.get("MARL_TEST_TOOL_MODEL")  # a directory build_tool_model wrote: faster reruns
         _built["dir"] = Path(prebuilt) if prebuilt else build_tool_model(tmp_path_factory.mktemp("tool-model"))
     return _built["dir"]
+
+
+def agents_weather_tool(asked: list[str]):
+    """The OpenAI Agents SDK's side of the weather tool: the tool (it notes each city asked in `asked`) and a
+    `tool_use_behavior` that ends the run after its second call."""
+    from agents import function_tool
+    from agents.agent import ToolsToFinalOutputResult
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return f"sunny in {city}"
+
+    def after_two_calls(_context, results) -> ToolsToFinalOutputResult:
+        return ToolsToFinalOutputResult(is_final_output=len(asked) == 2, final_output=results[-1].output)
+
+    return get_weather, after_two_calls

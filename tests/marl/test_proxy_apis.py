@@ -15,7 +15,7 @@ import anthropic
 import pytest
 from conftest import LocalServer, admin_http, ledger_samples, start_rolling
 from test_proxy import APP_KEY, LengthReward, N, Proxy, new_rows, running_leases, wait_for
-from tool_model import TOOL_ARGUMENTS, TOOL_NAME, TOOL_REPLY, WEATHER_TOOL, tool_model_dir
+from tool_model import TOOL_ARGUMENTS, TOOL_NAME, TOOL_REPLY, WEATHER_TOOL, agents_weather_tool, tool_model_dir
 
 # The first test of a session builds the tool-calling model (tests/tool_model.py: 70-110 s alone on 2 cores, more
 # on a busy machine) inside its fixture, which counts against the test's timeout.
@@ -91,20 +91,12 @@ def test_anthropic_sdk_through_the_proxy_plain_streamed_and_a_tool_round_trip(to
 
 
 def test_openai_agents_sdk_default_model_through_the_proxy(tool_swarm):
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner, function_tool
-    from agents.agent import ToolsToFinalOutputResult
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, RunConfig, Runner
     from openai import AsyncOpenAI, OpenAI
 
     before, asked = set(ledger_samples(tool_swarm.data_dir)), []
 
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        asked.append(city)
-        return f"sunny in {city}"
-
-    def after_two_calls(_context, results) -> ToolsToFinalOutputResult:
-        return ToolsToFinalOutputResult(is_final_output=len(asked) == 2, final_output=results[-1].output)
+    get_weather, after_two_calls = agents_weather_tool(asked)
 
     with Proxy(tool_swarm.url, prefer_tool_calls, conversation_idle_s=60.0) as proxy:
         client = AsyncOpenAI(base_url=proxy.url + "/v1", api_key=APP_KEY, max_retries=0)

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from conftest import LocalServer, admin_http, start_rolling
-from tool_model import TOOL_ARGUMENTS, TOOL_NAME, TOOL_REPLY, WEATHER_TOOL, tool_model_dir
+from tool_model import TOOL_ARGUMENTS, TOOL_NAME, TOOL_REPLY, WEATHER_TOOL, agents_weather_tool, tool_model_dir
 
 from servers.ledger import Ledger
 from servers.tool_choice import ToolCallFormat, ToolTextHoldback
@@ -174,22 +174,13 @@ def test_openai_agents_sdk_runs_a_tool_calling_turn_recorded_and_merged(tool_ser
         OpenAIResponsesModel,
         RunConfig,
         Runner,
-        function_tool,
     )
-    from agents.agent import ToolsToFinalOutputResult
 
     srv, http = tool_server
     lease = begin(http)
     asked: list[str] = []
 
-    @function_tool
-    def get_weather(city: str) -> str:
-        """The weather in a city."""
-        asked.append(city)
-        return f"sunny in {city}"
-
-    def after_two_calls(_context, results) -> ToolsToFinalOutputResult:
-        return ToolsToFinalOutputResult(is_final_output=len(asked) == 2, final_output=results[-1].output)
+    get_weather, after_two_calls = agents_weather_tool(asked)
 
     client = openai.AsyncOpenAI(base_url=lease["base_url"], api_key=lease["api_key"], max_retries=0)
     agent = Agent(name="forecaster", instructions="Answer with the weather.", tools=[get_weather],
