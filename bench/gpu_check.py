@@ -1,7 +1,8 @@
 """The GPU checklist: what a person with a GPU box runs first (`make gpu-check`), before any real topology.
 
     python bench/gpu_check.py                 # on a GPU box: every check; a report; exit 1 if one failed
-    python bench/gpu_check.py --out DIR       # also write DIR/gpu_check.json
+    python bench/gpu_check.py --out DIR       # also write DIR/gpu_check-SHAPE.json
+    python bench/gpu_check.py --shape 3b      # Qwen2.5-3B widths instead of 0.5B's
     python bench/gpu_check.py --smoke         # the same code on this CPU with a tiny model (seconds; CI runs it)
 
 Checks, in order (each one's failure is reported and the next still runs):
@@ -14,13 +15,15 @@ Checks, in order (each one's failure is reported and the next still runs):
 5. with vLLM's CUDA build in .venv-vllm (`make vllm`): a boot, a weight sync through the weight-transfer engine
    (the disk path as fallback, reported), sleep and wake, tokens/s at batch 32.
 
-Nothing here has run on a GPU yet (docs/backends.md says what has); the smoke run proves the code paths on the CPU.
+Checks 1-4 ran on one H200 on 2026-11-26 (docs/backends.md, "On a GPU"); check 5 has not run on a GPU yet. The
+smoke run proves the code paths on the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import platform
 import sys
@@ -37,6 +40,9 @@ import torch  # noqa: E402
 
 #: Qwen2.5-0.5B's widths (marl/plan/architecture.py), with the vocabulary of the tokenizer built here.
 HALF_B_SHAPE = {"hidden_size": 896, "num_layers": 24, "num_heads": 14, "intermediate_size": 4864}
+#: Qwen2.5-3B's widths: big enough that the weights, not the CUDA context and allowances, dominate the plan.
+THREE_B_SHAPE = {"hidden_size": 2048, "num_layers": 36, "num_heads": 16, "intermediate_size": 11008}
+SHAPES = {"0.5b": HALF_B_SHAPE, "3b": THREE_B_SHAPE}
 TINY_SHAPE = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128}
 
 
@@ -135,11 +141,12 @@ def check_grpo(model_dir: Path, device: str, tokens: int) -> dict:
 def check_fsdp(model_dir: Path, device: str, tokens: int) -> dict:
     from bench.plan_accuracy import _batch
     from marl.plan.architecture import architecture_of
-    from marl.plan.memory import CUDA_CONTEXT_BYTES, TrainerSetting, trainer_rank
+    from marl.plan.memory import TrainerSetting, trainer_rank
     from marl.protocol import FSDPConfig
     from servers.trainers.fsdp import FSDPTrainer
 
     ranks = torch.cuda.device_count() if device == "cuda" else 2
+    before = _device_used(device)  # this process's context and cache: not the ranks'
     trainer = FSDPTrainer(model_dir, FSDPConfig(ranks=ranks, micro_batch_tokens=tokens), device=device)
     try:
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -153,8 +160,8 @@ def check_fsdp(model_dir: Path, device: str, tokens: int) -> dict:
     setting = TrainerSetting(ranks=ranks, compute_bytes=2 if device == "cuda" else 4, micro_batch_tokens=tokens,
                              trained_tokens=tokens // 2, sharded=True, on_gpu=device == "cuda")  # fmt: skip
     plan = trainer_rank(architecture_of(str(model_dir)), setting)[1].total
-    # GPU 0 holds rank 0 and this process's CUDA context; mem_get_info sees GPU 0 only.
-    measured = memory.device_used - (CUDA_CONTEXT_BYTES if device == "cuda" else 0)
+    # GPU 0 holds rank 0 (its CUDA context too, which the plan counts); mem_get_info sees GPU 0 only.
+    measured = memory.device_used - before
     return {"ranks": ranks, "step_s": seconds, **_against(plan, measured)}
 
 
@@ -189,6 +196,15 @@ def check_vllm(model_dir: Path, device: str) -> dict:
     return report
 
 
+def _device_used(device: str) -> int:
+    if device != "cuda":
+        return 0
+    gc.collect()
+    torch.cuda.empty_cache()  # the cache of an earlier check's tensors would count as the ranks'
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 def _against(plan: float, measured: float) -> dict:
     return {"planned_gb": plan / 1e9, "measured_gb": measured / 1e9,
             "planned_over_measured": plan / measured if measured else None}
@@ -219,19 +235,20 @@ def run_checks(device: str, shape: dict, *, tokens: int, batch: int, vllm: bool)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="write gpu_check.json here")
+    parser.add_argument("--out", type=Path, help="write gpu_check-SHAPE.json here")
     parser.add_argument("--smoke", action="store_true", help="on the CPU, a tiny model: do the code paths run?")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM checks")
+    parser.add_argument("--shape", choices=SHAPES, default="0.5b", help="the model's widths on a GPU (default 0.5b)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     if device == "cpu" and not args.smoke:
         print("no GPU visible: running the CPU smoke instead (--smoke)")
-    shape = HALF_B_SHAPE if device == "cuda" else TINY_SHAPE
+    shape = SHAPES[args.shape] if device == "cuda" else TINY_SHAPE
     report = run_checks(device, shape, tokens=2048 if device == "cuda" else 128, batch=32 if device == "cuda" else 4,
                         vllm=not args.no_vllm and not args.smoke)  # fmt: skip
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+        (args.out / f"gpu_check-{args.shape}.json").write_text(json.dumps(report, indent=2, default=str))
     failed = [name for name, value in report.items() if isinstance(value, dict) and "failed" in value]
     print("failed: " + ", ".join(failed) if failed else "every check ran")
     return 1 if failed else 0

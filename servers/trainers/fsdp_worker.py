@@ -79,9 +79,14 @@ class RankSpec:
     timeout_s: float = 600.0  # a collective that waits longer fails (a peer that hangs)
 
 
-#: torchrun's names for where a rank runs; each rank exports them (and CUDA_VISIBLE_DEVICES) and reports them.
+#: torchrun's names for where a rank runs; each rank exports them (with CUDA_VISIBLE_DEVICES and its allocator's
+#: settings) and reports them.
 PLACE_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "CUDA_VISIBLE_DEVICES")
+             "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
+#: A rank's CUDA allocator unless the user set one. Measured on an H200 (bench/gpu_check.py --shape 3b): without
+#: it the FSDP rank's cached blocks that no later tensor fits took 4.6 GB (7%) over the memory plan; with it the
+#: rank's peak is within 2% of the plan. Ranks only: vLLM's sleep mode refuses expandable segments.
+RANK_ALLOCATOR = "expandable_segments:True"
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,7 @@ class RankPlace:
                "MASTER_PORT": str(self.master_port)}
         if self.cuda_visible_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.cuda_visible_devices
+        env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", RANK_ALLOCATOR)
         return env
 
 

@@ -24,7 +24,7 @@ from servers.placement import Placement, visible_devices
 from servers.tiny_model import build_tiny_model
 from servers.trainers.fsdp import FSDPConfig, FSDPTrainer, RankFailure
 from servers.trainers.fsdp_nodes import NodeJob, NodeRendezvous
-from servers.trainers.fsdp_worker import RankSpec
+from servers.trainers.fsdp_worker import RankPlace, RankSpec
 from servers.trainers.grpo import GRPOTrainer
 from tests.servers.test_fsdp_trainer import KNOBS, assert_weights_close, exported, two_group_batch
 
@@ -43,6 +43,7 @@ def one_node(model_dir):
     """Two ranks on this node, on trainer GPUs 1 and 3 of a server that sees physical GPUs 4-7."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+        env.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
         trainer = FSDPTrainer(model_dir, FSDPConfig(ranks=2, **KNOBS), device="cpu", threads_per_rank=1,
                               placement=Placement(trainer_gpus=(1, 3)))  # fmt: skip
     yield trainer
@@ -70,7 +71,14 @@ def test_ranks_of_a_node_see_its_trainer_gpus_and_pick_theirs_by_local_rank(one_
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": place_of(one_node, 0)["MASTER_PORT"],
             "CUDA_VISIBLE_DEVICES": "5,7",  # trainer GPUs 1 and 3 of 4,5,6,7: both, so NCCL sees its peer
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",  # the rank's default (the plan assumes it)
         }  # fmt: skip
+
+
+def test_a_users_allocator_setting_reaches_the_ranks(monkeypatch):
+    place = RankPlace(rank=0, local_rank=0, local_world_size=1, master_addr="127.0.0.1", master_port=1)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert place.environment(1)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
 
 
 def start_trainer_node(port: int, node_rank: int, visible: str, *, token: str = TOKEN,
