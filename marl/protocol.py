@@ -296,6 +296,27 @@ class FSDPConfig(GRPOConfig):
         " CPU. Like `ranks`, read when the ranks start.")
 
 
+#: What a LoRA adapter wraps when `target_modules` is left out: every linear layer of a Llama/Qwen decoder.
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The policy name of a server without `policies:`: its one full-weight policy.
+DEFAULT_POLICY = "default"
+
+
+class LoraSpec(_Strict):
+    """A LoRA policy's adapter (`policies.NAME.lora`), in `peft.LoraConfig`'s vocabulary: the update of a wrapped
+    linear layer W is (alpha / rank) * B @ A, with A: rank x in and B: out x rank (B starts at zero)."""
+
+    rank: Int = Field(16, ge=1, le=256, description="LoRA rank r.")
+    alpha: Real = Field(32.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank.")
+    dropout: Real = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input while training.")
+    target_modules: tuple[str, ...] = Field(LORA_DEFAULT_TARGETS, min_length=1, description="Names of the linear"
+                                            " layers to adapt (their last dotted component).")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
 #: Trainer name -> the config class of its section in `TrainConfig` (the section's key is the trainer's name).
 TRAINER_SECTIONS: dict[str, type[BaseModel]] = {"grpo": GRPOConfig, "fsdp": FSDPConfig}
 

@@ -15,12 +15,22 @@ ranks, behind a thin client that implements these classes:
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator, Iterable
+import json
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from marl.protocol import LoraSpec
 from servers.samples import Sample
+
+
+def lora_spec_of(adapter_config: Mapping[str, Any]) -> LoraSpec:
+    """The `LoraSpec` of a PEFT `adapter_config.json` (what vLLM's `--lora-modules` reads too)."""
+    targets = adapter_config.get("target_modules") or ()
+    return LoraSpec(rank=adapter_config["r"], alpha=adapter_config["lora_alpha"],
+                    dropout=adapter_config.get("lora_dropout", 0.0),
+                    target_modules=tuple(sorted(targets)) if not isinstance(targets, str) else (targets,))
 
 
 @dataclass(frozen=True)
@@ -30,6 +40,8 @@ class SamplingParams:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    #: The LoRA adapter (a policy's name) to generate with; None: the base model.
+    adapter: str | None = None
 
 
 @dataclass
@@ -92,6 +104,25 @@ class InferenceEngine(abc.ABC):
         if not files:
             raise FileNotFoundError(f"no *.safetensors weights in {directory}")
         self.load_weights(item for path in files for item in load_file(path).items())
+
+    #: Whether this engine serves LoRA adapters (`SamplingParams.adapter`, `load_adapter`).
+    serves_adapters: bool = False
+
+    def load_adapter(self, name: str, tensors: Mapping[str, Any], spec: LoraSpec) -> None:
+        """Serve adapter `name` (new, or replacing one of that name) from now on: `tensors` in PEFT's names (as
+        `peft.get_peft_model_state_dict` returns them: `base_model.model.<module>.lora_A.weight`, ...).
+
+        Called when no generation of that adapter runs; other adapters and the base keep generating meanwhile.
+        """
+        raise NotImplementedError(f"{type(self).__name__} serves no LoRA adapters")
+
+    def load_adapter_from(self, name: str, directory: Path) -> None:
+        """Serve the adapter saved in `directory` (PEFT's format: adapter_config.json, adapter_model.safetensors)
+        as `name`. The default reads it in this process and calls `load_adapter`."""
+        from safetensors.torch import load_file
+
+        spec = lora_spec_of(json.loads((Path(directory) / "adapter_config.json").read_text()))
+        self.load_adapter(name, load_file(Path(directory) / "adapter_model.safetensors"), spec)
 
     def before_training_step(self) -> None:  # noqa: B027 - optional hook
         """Called right before each training step, with no generation running: an engine that shares its device
@@ -158,3 +189,44 @@ class Trainer(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the trainer (engine stopped); a trainer with processes of its own stops them. May block."""
+
+
+class PolicyTrainer(abc.ABC):
+    """Trains the LoRA policies of one frozen base model, each its own learner: its own adapter, optimizer state,
+    step count, RNG and checkpoints (adapter-only, in PEFT's format). The base is never trained, so its KL reference
+    is the policy with its adapter turned off.
+
+    Several policies' train loops call it from their own threads: an implementation runs one call at a time (a lock)
+    and never lets one policy's call touch another's adapter or optimizer.
+    """
+
+    #: The policies' names, fixed when it is built.
+    policies: tuple[str, ...]
+
+    @abc.abstractmethod
+    def step_count(self, policy: str) -> int:
+        """Steps `policy` has taken (restored by `load`): its policy version once the engine serves them."""
+
+    @abc.abstractmethod
+    def step(self, policy: str, batch: TrainBatch) -> dict[str, float]:
+        """One update of `policy`'s adapter; the same objective and metrics as `Trainer.step`."""
+
+    @abc.abstractmethod
+    def adapter_weights(self, policy: str) -> dict[str, Any]:
+        """`policy`'s adapter tensors in PEFT's names, for `InferenceEngine.load_adapter` (copies: safe to keep)."""
+
+    @abc.abstractmethod
+    def export_adapter(self, policy: str, directory: Path) -> Path:
+        """Write `policy`'s adapter into `directory` in PEFT's format (adapter_config.json,
+        adapter_model.safetensors), as `PeftModel.from_pretrained` and vLLM's LoRA loading read it; returns it."""
+
+    @abc.abstractmethod
+    def save(self, policy: str, directory: Path) -> None:
+        """Checkpoint `policy`: its adapter (PEFT's format), optimizer state, step count and RNG."""
+
+    @abc.abstractmethod
+    def load(self, policy: str, directory: Path) -> None:
+        """Restore everything `save` wrote for `policy`; the other policies are untouched."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the model (engine stopped). May block."""
