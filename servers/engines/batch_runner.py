@@ -4,10 +4,13 @@ The engine's worker thread decides *when* (which requests join, when the batch s
 `BatchRunner` does the step itself: prefill newcomers into a batch of their own (together, or one prompt on top of
 its cached prefix), advance the running batch by one token, then sample, stream each token to its request, retire
 finished requests and keep their keys/values in the prefix cache. It owns no thread, no queue and no lock.
+Every forward tells the LoRA adapters (servers.engines.multi_lora) which adapter each of its rows uses, read off
+the rows' requests at that moment, so rows and adapters stay aligned however the batch was reordered.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from servers.engines.multi_lora import MultiLora
 from servers.engines.prefix_cache import CachedPrefix, PrefixCache
 from servers.engines.request import Request
 from servers.engines.running_batch import RunningBatch, SlabLayer
@@ -37,6 +41,7 @@ class EngineStats:
     failed_requests: int = 0
     max_batch: int = 0  # largest number of requests one decode step advanced
     weight_loads: int = 0
+    adapter_loads: int = 0  # LoRA adapters loaded or replaced
     prefilled_tokens: int = 0  # prompt tokens run through the model
     cached_tokens: int = 0  # prompt tokens whose keys/values came from the prefix cache instead
 
@@ -53,7 +58,7 @@ class BatchRunner:
 
     def __init__(
         self, model: Any, tokenizer: Any, *, device: torch.device, pad_token_id: int, stats: EngineStats,
-        prefix_cache: PrefixCache | None,
+        prefix_cache: PrefixCache | None, lora: MultiLora | None = None,
     ) -> None:  # fmt: skip
         self.model = model
         self.tokenizer = tokenizer  # decodes completions for stop strings
@@ -61,10 +66,20 @@ class BatchRunner:
         self.pad_token_id = pad_token_id
         self.stats = stats
         self.prefix_cache = prefix_cache
+        self.lora = lora
 
-    def cached_prefix(self, prompt_ids: list[int]) -> tuple[CachedPrefix, int] | None:
-        """The cached prefix this prompt extends and how many of its tokens to reuse (None: prefill it all)."""
-        return self.prefix_cache.lookup(prompt_ids) if self.prefix_cache is not None else None
+    def cached_prefix(self, request: Request) -> tuple[CachedPrefix, int] | None:
+        """The cached prefix (of the request's adapter) its prompt extends and how many of its tokens to reuse
+        (None: prefill it all)."""
+        if self.prefix_cache is None:
+            return None
+        return self.prefix_cache.lookup(request.prompt_ids, request.adapter)
+
+    def _rows(self, requests: list[Request]) -> contextlib.AbstractContextManager[None]:
+        """The next forward's rows use their requests' adapters."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        return self.lora.rows([r.adapter for r in requests])
 
     def prefill(self, group: list[Request]) -> RunningBatch | None:
         """Prefill the prompts of `group` in one left-padded forward and sample their first token.
@@ -83,14 +98,15 @@ class BatchRunner:
         # Positions count real tokens only, so a padded row sees exactly the positions of an unpadded forward.
         position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = Cache(layer_class_to_replicate=SlabLayer)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._rows(group):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         self.stats.prefill_forwards += 1
         fresh = RunningBatch(
             requests=group,
@@ -107,14 +123,15 @@ class BatchRunner:
         spare = len(suffix) + request.max_new_tokens
         layers = [SlabLayer.holding(k[:, :reused], v[:, :reused], spare) for k, v in zip(prefix.keys, prefix.values)]
         mask = torch.ones((1, total), dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=torch.tensor([suffix], dtype=torch.long, device=self.device),
-            attention_mask=mask,
-            position_ids=torch.arange(reused, total, device=self.device)[None],
-            past_key_values=Cache(layers=list(layers)),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._rows([request]):
+            out = self.model(
+                input_ids=torch.tensor([suffix], dtype=torch.long, device=self.device),
+                attention_mask=mask,
+                position_ids=torch.arange(reused, total, device=self.device)[None],
+                past_key_values=Cache(layers=list(layers)),
+                use_cache=True,
+                logits_to_keep=1,
+            )
         self.stats.prefill_forwards += 1
         self.stats.prefilled_tokens += len(suffix)
         self.stats.cached_tokens += reused
@@ -134,14 +151,15 @@ class BatchRunner:
             return None
         ones = torch.ones((len(kept.requests), 1), dtype=kept.mask.dtype, device=kept.mask.device)
         kept.mask = torch.cat([kept.mask, ones], dim=1)
-        out = self.model(
-            input_ids=kept.next_tokens[:, None],
-            attention_mask=kept.mask,
-            position_ids=kept.positions[:, None],
-            past_key_values=kept.cache(),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._rows(kept.requests):
+            out = self.model(
+                input_ids=kept.next_tokens[:, None],
+                attention_mask=kept.mask,
+                position_ids=kept.positions[:, None],
+                past_key_values=kept.cache(),
+                use_cache=True,
+                logits_to_keep=1,
+            )
         kept.positions = kept.positions + 1
         self.stats.decode_forwards += 1
         self.stats.max_batch = max(self.stats.max_batch, len(kept.requests))
@@ -181,4 +199,4 @@ class BatchRunner:
         tokens = request.prompt_ids + request.token_ids[:-1]
         if cache is None or not cache.accepts(len(tokens)):
             return
-        cache.insert(tokens, *batch.copy_row(row, len(tokens)))
+        cache.insert(tokens, *batch.copy_row(row, len(tokens)), adapter=request.adapter)

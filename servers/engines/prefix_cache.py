@@ -10,7 +10,8 @@ Entries are per-layer [heads, tokens, dim] tensors of one sequence, looked up by
 (GRPO repeats of a task share their system prompt and first observation too). The cache holds at most
 `budget_tokens` tokens, least recently used entries go first, and an entry that a newer one extends is dropped at
 once (the conversation moved on). Entries are only valid for the weights that computed them: the engine clears
-the cache when it loads new weights.
+the cache when it loads new weights. With LoRA adapters the same tokens give other keys/values under each adapter,
+so every adapter (None: the base model) has a tree of its own, and replacing an adapter forgets its entries.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class CachedPrefix:
     tokens: torch.Tensor  # [length] token ids (int64, CPU)
     keys: list[torch.Tensor]  # per layer [heads, length, dim]
     values: list[torch.Tensor]
+    adapter: str | None = None  # the LoRA adapter that computed them (None: the base model)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -48,23 +50,24 @@ class PrefixCache:
         self.min_reuse = min_reuse  # shorter shared prefixes cost more in a forward of their own than they save
         self._entries: OrderedDict[int, CachedPrefix] = OrderedDict()  # least recently used first
         self._nodes: dict[int, _Node] = {}  # entry id -> the node where its tokens end
-        self._root = _Node((), None)
+        self._roots: dict[str | None, _Node] = {}  # one radix tree per adapter
         self._next_id = 0
         self.tokens = 0  # held now
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt: list[int]) -> tuple[CachedPrefix, int] | None:
-        """The entry sharing the longest prefix with `prompt`, and how many tokens of it to reuse.
+    def lookup(self, prompt: list[int], adapter: str | None = None) -> tuple[CachedPrefix, int] | None:
+        """The entry of `adapter` sharing the longest prefix with `prompt`, and how many tokens of it to reuse.
 
         At least the prompt's last token is left to compute (its logits give the first generated token).
         """
-        if not self._entries or len(prompt) <= self.min_reuse:
+        root = self._roots.get(adapter)
+        if root is None or len(prompt) <= self.min_reuse:
             return None
-        node, shared = self._root.descend(tuple(prompt))
+        node, shared = root.descend(tuple(prompt))
         reuse = min(shared, len(prompt) - 1)
-        if node is self._root or reuse < self.min_reuse:
+        if node is root or reuse < self.min_reuse:
             return None
         self._touch(node.latest)
         return self._entries[node.latest], reuse
@@ -73,15 +76,18 @@ class PrefixCache:
         """Whether a sequence of `length` tokens would be kept (ask before copying its keys/values)."""
         return self.min_reuse <= length <= self.budget_tokens
 
-    def insert(self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-        """Keep a finished sequence's keys/values (already copied out of the running batch)."""
+    def insert(
+        self, tokens: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], adapter: str | None = None
+    ) -> None:
+        """Keep a finished sequence's keys/values (already copied out of the running batch), computed by
+        `adapter` (None: the base model)."""
         if not self.accepts(len(tokens)):
             return
         entry_id, self._next_id = self._next_id, self._next_id + 1
-        node = self._root.place(tuple(tokens))
+        node = self._roots.setdefault(adapter, _Node((), None)).place(tuple(tokens))
         extended = [n.entry for n in node.path() if n.entry is not None]  # prefixes of this one: no use any more
         node.entry = entry_id
-        self._entries[entry_id] = CachedPrefix(torch.tensor(tokens, dtype=torch.long), keys, values)
+        self._entries[entry_id] = CachedPrefix(torch.tensor(tokens, dtype=torch.long), keys, values, adapter)
         self._nodes[entry_id] = node
         self.tokens += len(tokens)
         self._touch(entry_id)
@@ -93,8 +99,14 @@ class PrefixCache:
     def clear(self) -> None:
         self._entries.clear()
         self._nodes.clear()
-        self._root = _Node((), None)
+        self._roots.clear()
         self.tokens = 0
+
+    def forget(self, adapter: str | None) -> None:
+        """Drop the entries of `adapter` (replaced: its keys/values are stale); the others stay."""
+        for entry_id in [i for i, entry in self._entries.items() if entry.adapter == adapter]:
+            self._drop(entry_id)
+        self._roots.pop(adapter, None)
 
     def _touch(self, entry_id: int) -> None:
         self._entries.move_to_end(entry_id)

@@ -34,6 +34,11 @@ class Request:
     cancelled: bool = False  # set by the consumer's side; the worker drops the request at the next step
     done: bool = False  # set by the worker once the last chunk (or an error) was posted
 
+    @property
+    def adapter(self) -> str | None:
+        """The LoRA adapter this request generates with (None: the base model)."""
+        return self.params.adapter
+
     def post(self, item: GenerationChunk | BaseException) -> None:
         """Hand a chunk or an error to the consumer's event loop (thread-safe)."""
         if isinstance(item, BaseException) or item.finish_reason is not None:

@@ -20,6 +20,10 @@ Many agents call one model at once, and one decode step over 16 sequences costs 
   (servers.engines.cpu_matmul).
 - A finished request's keys/values go to a prefix cache (servers.engines.prefix_cache). A prompt that extends one
   (an agent's next turn) is prefilled in a forward of its own on top of a copy of them, and joins the batch.
+- LoRA adapters (servers.engines.multi_lora): each request names its adapter (None: the base model) and every
+  forward applies each row's own, so requests of many policies share one batch. Loading or replacing an adapter
+  waits only for that adapter's running requests (its waiting ones are held back meanwhile) and happens between
+  two forwards; the other adapters' and the base's requests keep running.
 
 This module owns the scheduling: the queue of waiting requests, the worker thread, admission within the batch
 size and a prefill token budget, failures that take down only the requests they touch, and weight swaps that wait
@@ -45,9 +49,11 @@ from typing import Any, Self
 import torch
 from transformers import AutoModelForCausalLM
 
+from marl.protocol import LoraSpec
 from servers.engines.batch_runner import BatchRunner, EngineStats
 from servers.engines.cpu_matmul import use_weight_major_matmul_if_faster
 from servers.engines.model_limits import context_length, eos_token_ids
+from servers.engines.multi_lora import MultiLora, PreparedAdapter
 from servers.engines.prefix_cache import PrefixCache
 from servers.engines.request import Request, new_request
 from servers.engines.running_batch import RunningBatch
@@ -66,8 +72,19 @@ _PREFILL_TOKEN_BUDGET = 16384
 DEFAULT_PREFIX_CACHE_BYTES = 2 * 2**30
 
 
+class _AdapterLoad:
+    """An adapter waiting for the worker to install it; `done` is set once it serves (or `error` says why not)."""
+
+    def __init__(self, adapter: PreparedAdapter) -> None:
+        self.adapter = adapter
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
 class TorchEngine(InferenceEngine):
     """A transformers causal LM behind a continuous-batching worker thread (see the module docstring)."""
+
+    serves_adapters = True
 
     def __init__(
         self,
@@ -104,13 +121,16 @@ class TorchEngine(InferenceEngine):
         #: Keys/values of finished generations, reused by prompts that extend them (None: disabled, 0 bytes).
         self.prefix_cache = PrefixCache(prefix_cache_bytes // per_token) if prefix_cache_bytes > 0 else None
         self.stats = EngineStats()
+        #: The LoRA adapters served next to the base model (hooks on its Linear layers, once one is loaded).
+        self.lora = MultiLora(self.model)
         self._runner = BatchRunner(self.model, self.tokenizer, device=self.device, pad_token_id=self.pad_token_id,
-                                   stats=self.stats, prefix_cache=self.prefix_cache)  # fmt: skip
+                                   stats=self.stats, prefix_cache=self.prefix_cache, lora=self.lora)  # fmt: skip
         self._cv = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._batch: RunningBatch | None = None  # owned by the worker thread
         self._swap_requests = 0  # load_weights callers waiting for the worker to drain
         self._swap_lock = threading.Lock()
+        self._adapter_loads: list[_AdapterLoad] = []  # waiting for the worker to install them
         self._worker_idle = False  # the worker is parked with no running batch
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="marl-torch-engine", daemon=True)
@@ -128,6 +148,8 @@ class TorchEngine(InferenceEngine):
         """
         request = new_request(prompt_ids, params, vocab_size=self.vocab_size, context_length=self.context_length,
                               eos_token_ids=self.eos_token_ids)  # fmt: skip
+        if params.adapter not in self.lora:  # adapters are never unloaded: known now, known when it runs
+            raise ValueError(f"no LoRA adapter named {params.adapter!r} is loaded (loaded: {sorted(self.lora.names)})")
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed")
@@ -161,6 +183,24 @@ class TorchEngine(InferenceEngine):
                 for target, tensor in updates:
                     target.copy_(tensor.to(device=target.device, dtype=target.dtype))
             self.stats.weight_loads += 1
+
+    def load_adapter(self, name: str, tensors: Any, spec: LoraSpec) -> None:
+        """Serve LoRA adapter `name` (new, or replacing the one of that name) from now on (see
+        `InferenceEngine.load_adapter`); tensors in PEFT's names, ValueError for a bad one before anything changes.
+
+        Blocks until the worker installed it between two forwards: after that adapter's running requests finished
+        (its new requests wait meanwhile); other adapters' and the base's requests keep running. Its entries in the
+        prefix cache are dropped (computed by the old adapter).
+        """
+        load = _AdapterLoad(self.lora.prepare(name, tensors, spec))
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._adapter_loads.append(load)
+            self._cv.notify_all()
+        load.done.wait()
+        if load.error is not None:
+            raise load.error
 
     def close(self) -> None:
         """Stop the worker; requests still queued or running fail with RuntimeError."""
@@ -216,6 +256,7 @@ class TorchEngine(InferenceEngine):
     def _run(self) -> None:
         try:
             while (admitted := self._wait_for_work()) is not None:
+                self._install_adapters()
                 if admitted:
                     self._admit(admitted)
                 if self._batch is not None:
@@ -231,8 +272,12 @@ class TorchEngine(InferenceEngine):
                 self._waiting.clear()
                 self._batch = None
                 self._worker_idle = True
+                loads, self._adapter_loads = self._adapter_loads, []
                 self._cv.notify_all()
             self._fail(leftovers, RuntimeError("the engine is closed"))
+            for load in loads:
+                load.error = RuntimeError("the engine is closed")
+                load.done.set()
 
     def _wait_for_work(self) -> list[Request] | None:
         """Block until there is something to do; return the requests to admit now (None: shut down)."""
@@ -244,21 +289,50 @@ class TorchEngine(InferenceEngine):
                 if any(r.cancelled for r in self._waiting):
                     self._waiting = deque(r for r in self._waiting if not r.cancelled)
                 running = len(self._batch.requests) if self._batch is not None else 0
+                # Requests of an adapter being replaced wait for it: a generation never mixes two of its versions.
+                held = {load.adapter.name for load in self._adapter_loads}
                 # While a weight swap waits, nothing new starts: the running batch drains, then the worker parks.
-                admissible = self._swap_requests == 0 and bool(self._waiting) and running < self.max_batch_size
-                if running or admissible:
+                admissible = (self._swap_requests == 0 and running < self.max_batch_size
+                              and any(r.adapter not in held for r in self._waiting))  # fmt: skip
+                if running or admissible or self._installable():
                     self._worker_idle = False
-                    return _pop_prefill_group(self._waiting, self.max_batch_size - running) if admissible else []
+                    if not admissible:
+                        return []
+                    return _pop_prefill_group(self._waiting, self.max_batch_size - running, held)
                 self._worker_idle = True
                 self._cv.notify_all()
                 self._cv.wait()
+
+    def _installable(self) -> list[_AdapterLoad]:
+        """Adapter loads that may be installed now (under the lock): none of their requests runs, and no weight
+        swap is under way (its body runs outside the worker)."""
+        if self._swap_requests or not self._adapter_loads:
+            return []
+        running = {r.adapter for r in self._batch.requests} if self._batch is not None else set()
+        return [load for load in self._adapter_loads if load.adapter.name not in running]
+
+    def _install_adapters(self) -> None:
+        """Install the adapters that may be now, between two forwards (their tensors are copied outside the lock)."""
+        with self._cv:
+            loads = self._installable()
+            self._adapter_loads = [load for load in self._adapter_loads if load not in loads]
+        for load in loads:
+            try:
+                self.lora.install(load.adapter)
+                if self.prefix_cache is not None:
+                    self.prefix_cache.forget(load.adapter.name)  # computed by its old version
+                self.stats.adapter_loads += 1
+            except Exception as error:  # noqa: BLE001 - e.g. out of memory: the caller hears of it, the worker goes on
+                log.exception("loading LoRA adapter %r failed", load.adapter.name)
+                load.error = error
+            load.done.set()
 
     def _admit(self, group: list[Request]) -> None:
         """Prefill `group` and add it to the running batch: prompts extending a cached prefix one by one on top
         of it, the others together in one forward."""
         misses = []
         for request in group:
-            hit = self._runner.cached_prefix(request.prompt_ids)
+            hit = self._runner.cached_prefix(request)
             if hit is None:
                 misses.append(request)
             else:
@@ -302,16 +376,22 @@ class TorchEngine(InferenceEngine):
                 request.post(error)
 
 
-def _pop_prefill_group(waiting: deque[Request], slots: int) -> list[Request]:
-    """Pop waiting requests (FIFO) for one prefill forward, within `slots` and the padded-token budget."""
+def _pop_prefill_group(waiting: deque[Request], slots: int, held: set[str | None]) -> list[Request]:
+    """Pop waiting requests (FIFO) for one prefill forward, within `slots` and the padded-token budget; those of
+    `held` adapters stay, in their order, at the front of the queue."""
     group: list[Request] = []
+    skipped: list[Request] = []
     longest = 0
     while waiting and len(group) < slots:
+        if waiting[0].adapter in held:
+            skipped.append(waiting.popleft())
+            continue
         candidate = max(longest, len(waiting[0].prompt_ids))
         if group and candidate * (len(group) + 1) > _PREFILL_TOKEN_BUDGET:
             break
         longest = candidate
         group.append(waiting.popleft())
+    waiting.extendleft(reversed(skipped))
     return group
 
 
