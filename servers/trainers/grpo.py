@@ -98,6 +98,7 @@ __all__ = [
     "compute_advantages",
     "grpo_step",
     "micro_batch_loss",
+    "optimizer_passes",
     "pack_micro_batches",
     "token_logprobs",
     "trainable_items",
@@ -285,6 +286,26 @@ def apply_optimizer_hparams(optimizer: torch.optim.Optimizer, config: GRPOConfig
         group["weight_decay"] = config.weight_decay
 
 
+def optimizer_passes(config: GRPOConfig, optimizer: torch.optim.Optimizer, params: Sequence[torch.nn.Parameter],
+                     run_pass: Callable[[], dict[str, float]], *, step_count: int) -> PassTotals:  # fmt: skip
+    """Step 4's loop, `ppo_epochs` times: `run_pass()` (forward + backward of L over every micro-batch, returning
+    the metric sums), clip the global grad norm of `params` to `max_grad_norm`, one optimizer step unless that norm
+    is not finite. Shared by `GRPOTrainer` and the LoRA trainer (servers.trainers.lora_grpo)."""
+    totals = PassTotals()
+    for epoch in range(config.ppo_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        stats = run_pass()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm))
+        finite = math.isfinite(grad_norm)
+        if finite:
+            optimizer.step()
+        else:
+            log.warning("non-finite gradient norm at step %d epoch %d: update skipped", step_count, epoch)
+        optimizer.zero_grad(set_to_none=True)
+        totals.add(stats, grad_norm, stepped=finite)
+    return totals
+
+
 class GRPOTrainer(Trainer):
     """GRPO + PPO-clip on a Hugging Face causal LM, CPU or one GPU."""
 
@@ -327,19 +348,9 @@ class GRPOTrainer(Trainer):
         apply_optimizer_hparams(self.optimizer, cfg)
         set_gradient_checkpointing(self.policy, cfg.gradient_checkpointing)
         micro_batches = pack_micro_batches([len(s.token_ids) for s, _ in items], cfg.micro_batch_tokens)
-        totals = PassTotals()
         self.progress = (0, cfg.ppo_epochs * len(micro_batches))
-        for epoch in range(cfg.ppo_epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            stats = self.accumulate_gradients(items, micro_batches)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
-            finite = math.isfinite(grad_norm)
-            if finite:
-                self.optimizer.step()
-            else:
-                log.warning("non-finite gradient norm at step %d epoch %d: update skipped", self.step_count, epoch)
-            self.optimizer.zero_grad(set_to_none=True)
-            totals.add(stats, grad_norm, stepped=finite)
+        run_pass = lambda: self.accumulate_gradients(items, micro_batches)  # noqa: E731 - read at call time (tests wrap it)
+        totals = optimizer_passes(cfg, self.optimizer, self.params, run_pass, step_count=self.step_count)
         self.progress = None
         return totals.metrics(micro_batches=len(micro_batches), tokens_trained=tokens_trained,
                               with_ref=self.ref is not None)  # fmt: skip

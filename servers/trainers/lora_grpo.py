@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import random
 import shutil
 import tempfile
@@ -45,10 +44,10 @@ from safetensors.torch import load_file
 from marl.protocol import GRPOConfig, LoraSpec
 from servers.interfaces import PolicyTrainer, TrainBatch, lora_spec_of
 from servers.samples import Sample
-from servers.trainers.grpo import apply_optimizer_hparams, grpo_step, micro_batch_loss
+from servers.trainers.grpo import apply_optimizer_hparams, grpo_step, micro_batch_loss, optimizer_passes
 from servers.trainers.micro_batches import collate, pack_micro_batches
 from servers.trainers.policy_model import load_policy_model, resolve_dtype, set_gradient_checkpointing
-from servers.trainers.step_metrics import PassTotals, add_pass_stats
+from servers.trainers.step_metrics import add_pass_stats
 from servers.trainers.trainer_state import read_trainer_state, restore_rng_states, rng_states, write_trainer_state
 
 __all__ = ["ADAPTER_DIR", "LoraGRPOTrainer", "lora_config"]
@@ -262,10 +261,9 @@ class LoraGRPOTrainer(PolicyTrainer):
         set_gradient_checkpointing(self.model, cfg.gradient_checkpointing)
         ref = self.reference if cfg.kl_coef > 0 else None
         micro_batches = pack_micro_batches([len(s.token_ids) for s, _ in items], cfg.micro_batch_tokens)
-        totals = PassTotals()
         state.progress = (0, cfg.ppo_epochs * len(micro_batches))
-        for epoch in range(cfg.ppo_epochs):
-            state.optimizer.zero_grad(set_to_none=True)
+
+        def run_pass() -> dict[str, float]:  # forward + backward of L over every micro-batch
             stats: dict[str, float] = {}
             for indices in micro_batches:
                 mb = collate([items[i] for i in indices], self.device, self.vocab_size)
@@ -273,14 +271,9 @@ class LoraGRPOTrainer(PolicyTrainer):
                 loss.backward()
                 add_pass_stats(stats, mb_stats)
                 state.progress = (state.progress[0] + 1, state.progress[1])
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(state.params, cfg.max_grad_norm))
-            finite = math.isfinite(grad_norm)
-            if finite:
-                state.optimizer.step()
-            else:
-                log.warning("non-finite gradient norm at step %d epoch %d: update skipped", state.step_count, epoch)
-            state.optimizer.zero_grad(set_to_none=True)
-            totals.add(stats, grad_norm, stepped=finite)
+            return stats
+
+        totals = optimizer_passes(cfg, state.optimizer, state.params, run_pass, step_count=state.step_count)
         state.progress = None
         return totals.metrics(micro_batches=len(micro_batches), tokens_trained=tokens_trained,
                               with_ref=ref is not None)  # fmt: skip
