@@ -53,7 +53,27 @@ def _serve_options(args: argparse.Namespace):
         served_model_name=args.served_model_name, public_url=args.public_url, device=args.device,
         prefix_cache_gb=args.prefix_cache_gb, engine=args.engine, vllm=_vllm_settings(args),
         placement=_placement(args), max_body_mb=args.max_body_mb, log_level=args.log_level,
+        policies=_policies(args.policy),
     )
+
+
+def _policies(flags: list[str]) -> dict:
+    """--policy NAME[=JSON] flags as `LoraSpec`s by name; ValueError naming the flag of a bad one."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from marl.protocol import LoraSpec, PolicyName
+
+    policies = {}
+    for flag in flags:
+        name, _, lora = flag.partition("=")
+        if name in policies:
+            raise ValueError(f"--policy {name}: given twice")
+        try:
+            TypeAdapter(PolicyName).validate_python(name)
+            policies[name] = LoraSpec.model_validate_json(lora) if lora else LoraSpec()
+        except ValidationError as exc:
+            raise ValueError(f"--policy {flag}: {exc.errors()[0]['msg']}") from None
+    return policies
 
 
 def _placement(args: argparse.Namespace):
@@ -237,6 +257,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                             " (`make vllm` builds .venv-vllm; or point $MARL_VLLM_PYTHON at one)")
     _add_vllm_flags(serve)
     _add_placement_flags(serve)
+    serve.add_argument("--policy", action="append", default=[], metavar="NAME[=LORA]",
+                       help="train a LoRA policy of the model, each its own learner; repeat it for several. LORA: a"
+                            ' JSON object of rank, alpha, dropout, target_modules, e.g. \'speaker={"rank": 16}\''
+                            " (default: rank 16, alpha 32, every linear layer)")
     serve.add_argument("--max-body-mb", type=_megabytes, default=16.0,
                        help="largest request body accepted, in MB (413 beyond; default: 16)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -63,6 +63,7 @@ from marl.protocol import (
     ADMIN_TOKEN_ENV,
     AGENT_HEADER,
     INCLUDE_POOL_PARAM,
+    POLICY_PARAM,
     ROUTE_ABORT,
     ROUTE_BEGIN,
     ROUTE_COMMIT,
@@ -321,12 +322,16 @@ class SwarmClient:
         client_id: str | None = None,
         timeout: float = 30.0,
         max_wait_s: float = 600.0,
+        policy: str | None = None,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"swarm url must start with http:// or https://, got {url!r}")
         if timeout <= 0 or max_wait_s <= 0:
             raise ValueError(f"timeout and max_wait_s must be > 0 (got timeout={timeout}, max_wait_s={max_wait_s})")
         self.url = url.rstrip("/")
+        #: One policy of a server of several: its status, pool, config, start and stop, and its episodes.
+        self.policy = policy
+        self._policy_params = {POLICY_PARAM: policy} if policy else None
         self.client_id = client_id or uuid.uuid4().hex
         self.timeout = float(timeout)
         self.max_wait_s = float(max_wait_s)
@@ -350,7 +355,8 @@ class SwarmClient:
         self.close()
 
     def __repr__(self) -> str:
-        return f"SwarmClient({self.url!r}, client_id={self.client_id!r})"
+        policy = f", policy={self.policy!r}" if self.policy else ""
+        return f"SwarmClient({self.url!r}, client_id={self.client_id!r}{policy})"
 
     # -- control plane ----------------------------------------------------------------------------------------
 
@@ -364,15 +370,17 @@ class SwarmClient:
 
     def status(self, *, timeout: float | None = None) -> ServerStatus:
         """Engine state, model, policy version, pool and metrics."""
-        return self._call("GET", ROUTE_STATUS, ServerStatus, what="status", timeout=timeout)
+        return self._call("GET", ROUTE_STATUS, ServerStatus, what="status", params=self._policy_params,
+                          timeout=timeout)
 
     def pool(self, *, timeout: float | None = None) -> PoolInfo:
         """How far the rollout pool is from the next training step, and which leases are running."""
-        return self._call("GET", ROUTE_POOL, PoolInfo, what="pool", timeout=timeout)
+        return self._call("GET", ROUTE_POOL, PoolInfo, what="pool", params=self._policy_params, timeout=timeout)
 
     def monitor(self, *, timeout: float | None = None) -> MonitorSnapshot:
         """Everything `marl overwatch` shows: status, detailed pool, recent steps, tokens/s, latest errors."""
-        return self._call("GET", ROUTE_MONITOR, MonitorSnapshot, what="monitor", timeout=timeout)
+        return self._call("GET", ROUTE_MONITOR, MonitorSnapshot, what="monitor", params=self._policy_params,
+                          timeout=timeout)
 
     def sync_train_config(
         self, config: TrainConfig | Mapping[str, Any], *, timeout: float | None = None
@@ -384,16 +392,18 @@ class SwarmClient:
         cfg = self._as_config(config)
         return self._call(
             "POST", ROUTE_CONFIG, ConfigResponse, what="sync_train_config", json=cfg.model_dump(mode="json"),
-            timeout=timeout,
+            params=self._policy_params, timeout=timeout,
         )
 
     def start_engine(self, *, timeout: float | None = None) -> ServerStatus:
         """OFFLINE -> BOOTING (returns at once; see `wait_until_state`). 409 `engine_not_offline` otherwise."""
-        return self._call("POST", ROUTE_START, ServerStatus, what="start_engine", retry="unsent", timeout=timeout)
+        return self._call("POST", ROUTE_START, ServerStatus, what="start_engine", retry="unsent",
+                          params=self._policy_params, timeout=timeout)
 
     def stop_engine(self, *, timeout: float | None = None) -> ServerStatus:
         """Stop the engine (any state -> OFFLINE). This stops training for every client of this server."""
-        return self._call("POST", ROUTE_STOP, ServerStatus, what="stop_engine", timeout=timeout)
+        return self._call("POST", ROUTE_STOP, ServerStatus, what="stop_engine", params=self._policy_params,
+                          timeout=timeout)
 
     def wait_until_state(
         self, *states: EngineState | str, timeout: float | None = None, poll_s: float = 1.0
@@ -512,16 +522,18 @@ class SwarmClient:
 
     # -- episodes ---------------------------------------------------------------------------------------------
 
-    def begin_episode(self, *, timeout: float | None = None) -> tuple[str, EpisodeLease]:
+    def begin_episode(self, *, policy: str | None = None, timeout: float | None = None) -> tuple[str, EpisodeLease]:
         """Claim a lease; waits (up to `timeout`, default `max_wait_s`) while the server says to wait.
 
         Returns `(episode_id, lease)`; `lease.base_url`, `lease.api_key` and `lease.model` are what the OpenAI SDK
         (or any OpenAI-compatible client) needs for this episode, and only for it. End the lease with `end_episode`
-        or discard it with `abort_episode`; see also `episode()`, which does that for you.
+        or discard it with `abort_episode`; see also `episode()`, which does that for you. `policy`: which policy
+        of a server of several the episode trains (default: the client's `policy`, else the server's only one).
         """
+        body = BeginEpisodeRequest(client_id=self.client_id, policy=policy or self.policy)
         lease = self._call(
             "POST", ROUTE_BEGIN, EpisodeLease, what="begin_episode",
-            json=BeginEpisodeRequest(client_id=self.client_id).model_dump(mode="json"),
+            json=body.model_dump(mode="json", exclude_none=True),
             timeout=self.max_wait_s if timeout is None else timeout,
         )
         return lease.episode_id, lease
@@ -627,7 +639,7 @@ class SwarmClient:
             raise
 
     def episode(
-        self, task: Any, *, timeout: float | None = None, heartbeat_s: float | None = None
+        self, task: Any, *, timeout: float | None = None, heartbeat_s: float | None = None, policy: str | None = None
     ) -> Episode:
         """Context manager: begin a lease on enter, end or abort it on exit. A crash never leaks a lease.
 
@@ -635,9 +647,9 @@ class SwarmClient:
         with it on a normal exit. Or call `ep.end(output)` yourself. If the block raises, the episode is aborted and
         the exception propagates; if it exits without a reward, the episode is aborted with a warning.
         `heartbeat_s` renews the lease in the background every that many seconds (for agents that think long
-        between model calls). `timeout` bounds the wait for the lease.
+        between model calls). `timeout` bounds the wait for the lease. `policy`: as in `begin_episode`.
         """
-        return Episode(self, task, timeout=timeout, heartbeat_s=heartbeat_s)
+        return Episode(self, task, timeout=timeout, heartbeat_s=heartbeat_s, policy=policy)
 
     # -- OpenAI SDK ---------------------------------------------------------------------------------------------
 
@@ -906,7 +918,8 @@ class Episode:
     `EndEpisodeResponse` once ended, `aborted` is True once aborted.
     """
 
-    def __init__(self, client: SwarmClient, task: Any, *, timeout: float | None, heartbeat_s: float | None) -> None:
+    def __init__(self, client: SwarmClient, task: Any, *, timeout: float | None, heartbeat_s: float | None,
+                 policy: str | None = None) -> None:  # fmt: skip
         if heartbeat_s is not None and heartbeat_s <= 0:
             raise ValueError(f"heartbeat_s must be > 0, got {heartbeat_s}")
         self.client = client
@@ -920,6 +933,7 @@ class Episode:
         self._lease: EpisodeLease | None = None
         self._timeout = timeout
         self._heartbeat_s = heartbeat_s
+        self._policy = policy
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -995,7 +1009,7 @@ class Episode:
     def __enter__(self) -> Episode:
         if self._lease is not None:
             raise RuntimeError("an Episode can be entered only once: call client.episode(task) again")
-        _, self._lease = self.client.begin_episode(timeout=self._timeout)
+        _, self._lease = self.client.begin_episode(policy=self._policy, timeout=self._timeout)
         if self._heartbeat_s:
             self._heartbeat = threading.Thread(
                 target=self._beat, name=f"marl-heartbeat-{self._lease.episode_id}", daemon=True

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from marl.protocol import TRAINER_RENDEZVOUS_PORT, gpu_list_text
+from marl.protocol import TRAINER_RENDEZVOUS_PORT, LoraSpec, gpu_list_text
 from marl.topology.spec import PlacementSpec, VLLMSpec
 
 #: glibc malloc settings for server processes (the environment overrides them): few arenas, so the tensors that the
@@ -64,7 +64,7 @@ class ServerProcess:
                  device: str | None = None, served_name: str | None = None, port: int | None = None,
                  prefix_cache_gb: float | None = None, engine: str = "torch", vllm: VLLMSpec | None = None,
                  placement: PlacementSpec | None = None, host: str = "127.0.0.1", die_with_parent: bool = False,
-                 environment: Mapping[str, str] | None = None):
+                 environment: Mapping[str, str] | None = None, policies: Mapping[str, LoraSpec] | None = None):
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
@@ -87,6 +87,8 @@ class ServerProcess:
             self.args += vllm_flags(vllm)
         if placement is not None:
             self.args += placement_flags(placement)
+        for name, lora in (policies or {}).items():
+            self.args += ["--policy", f"{name}={lora.model_dump_json()}"]
         self.extra_environment = dict(environment or {})
         if host != "127.0.0.1":
             self.args += ["--host", host]

@@ -59,6 +59,8 @@ MAX_ID_LENGTH = 512
 #: costs the server three ledger reads; without it `pool` is None. (A query parameter, not a body field: the body's
 #: digest is what makes a repeated end answerable, and asking for the pool must not make a repeat a different end.)
 INCLUDE_POOL_PARAM = "include_pool"
+#: Query parameter of the control routes (config, status, pool, monitor) naming one policy of a server of several.
+POLICY_PARAM = "policy"
 
 
 # vLLM's command line, as `marl run` asks `marl serve` for it (a local server's `vllm:` section) and `marl serve`
@@ -116,6 +118,11 @@ Real = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 #: The range of a seed (torch and every other RNG take 64 bits).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH)]
+#: A policy's name: it is the lease's `model`, and part of its episode ids and keys (`POLICY_SEPARATOR`).
+PolicyName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+#: Between a policy's name and the rest of its episode ids and keys on a server of several policies: the server finds
+#: an episode's or a key's policy from it (no policy name holds it).
+POLICY_SEPARATOR = "."
 
 
 #: Deepest nesting of lists and objects a request may have (deeper JSON would exhaust the recursion of whoever
@@ -205,6 +212,8 @@ class ErrorCode(enum.StrEnum):
     # 404 / 405: what is asked for does not exist
     EPISODE_NOT_FOUND = "episode_not_found"
     MODEL_NOT_FOUND = "model_not_found"
+    POLICY_NOT_FOUND = "policy_not_found"  # a `policy` this server does not train
+    POLICY_REQUIRED = "policy_required"  # 400: the server trains several policies and the call names none
     ROUTE_NOT_FOUND = "route_not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     # 413: the body is over the server's limit (marl serve --max-body-mb)
@@ -432,6 +441,9 @@ class ServerStatus(BaseModel):
     pool: PoolInfo | None = None
     last_error: str | None = None
     metrics: dict[str, float] = {}
+    #: A server of several policies: each one's own status (its state, version, pool, last step); the fields above
+    #: then sum the pools and show the least advanced policy's state and version.
+    policies: dict[str, ServerStatus] = {}
 
 
 class StepRecord(BaseModel):
@@ -440,6 +452,7 @@ class StepRecord(BaseModel):
     step: int
     time: float  # unix time the step finished
     metrics: dict[str, float] = {}
+    policy: str | None = None  # on a server of several policies, whose step (in its monitor's merged list)
 
 
 class ErrorEvent(BaseModel):
@@ -478,6 +491,8 @@ class MonitorSnapshot(BaseModel):
 
 class BeginEpisodeRequest(_Strict):
     client_id: Id = Field(description="Identifies the holder: only it may end or abort the lease.")
+    policy: PolicyName | None = Field(None, description="Which of the server's policies the episode trains"
+                                      " (required where it trains several; default: its only one).")
 
 
 class EpisodeLease(BaseModel):

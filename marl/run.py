@@ -66,6 +66,7 @@ from marl.plot import percent, plot_run, summarize_games
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, ServerStatus
 from marl.terminal import safe
 from marl.topology import Problem, ServerKind, ServerSpec, Topology, TopologyError
+from marl.topology.graph import LEARNER_SEPARATOR
 from marl.topology.spec import VLLMSpec
 from marl.two_phase import redrive
 
@@ -226,18 +227,18 @@ class _Session:
                            if self.cluster else Supervisor(self.processes, report=self._report_death))
         self.supervisor.start()
         self._finish_earlier_commits(endpoints, token)
-        self.monitor = ServerMonitor({name: endpoints[name] for name in self.topology.trainable_servers()},
+        self.monitor = ServerMonitor({name: endpoints[name] for name in self.topology.learners()},
                                      max_revivals=self.max_failures, on_step=self._step_done).start()
         run = self.spec.run
         self.coordinator = Coordinator(
             env_factory=self.topology.make_env,
-            role_servers=self.topology.players(),
+            role_servers=self.topology.role_learners(),
             endpoints=endpoints,
             settings=GameSettings(lease_timeout_s=run.lease_timeout_s, max_tokens=run.max_tokens,
                                   temperature=run.temperature, transcripts=run.transcripts,
                                   sampling={role: spec.sampling.overrides() for role, spec in self.spec.roles.items()
                                             if spec.sampling is not None}),
-            linked_servers=self.topology.linked_servers(),
+            linked_servers=self.topology.linked_learners(),
             monitor=self.monitor,
             decisions=self.decisions,
             runner=self.cluster.play if self.cluster and run.ray.spread_games else None,
@@ -250,7 +251,8 @@ class _Session:
         options = dict(model=server.model, admin_token=self.token, data_dir=self.run_dir / "servers" / name,
                        log_path=self.run_dir / "logs" / f"{name}.log", static=not server.trainable,
                        device=server.device, port=server.port, prefix_cache_gb=server.prefix_cache_gb,
-                       engine=server.engine or "torch", vllm=server.vllm, placement=server.placement)
+                       engine=server.engine or "torch", vllm=server.vllm, placement=server.placement,
+                       policies={name: policy.lora for name, policy in (server.policies or {}).items()})
         if self.cluster is not None:
             return self.cluster.launch(name, options, server.resources)
         process = ServerProcess(**options).start()
@@ -263,8 +265,14 @@ class _Session:
     def _server_restarted(self, name: str) -> None:
         """Ray restarted server `name`'s actor, maybe on another node or port: point its endpoint and servers.json
         at its URL now (the monitor then finds it OFFLINE and starts its engine)."""
-        _repoint(self.endpoints[name], self.processes[name].url, self.token)
+        for learner in self._learners_of(name):
+            _repoint(self.endpoints[learner], self.processes[name].url, self.token)
         _write_servers_file(self.run_dir, self.processes, self.token)
+
+    def _learners_of(self, server: str) -> list[str]:
+        """The endpoints of local server `server`: its learners (one per policy), or itself."""
+        learners = [name for name, (owner, _) in self.topology.learners().items() if owner == server]
+        return learners or [server]
 
     def play(self, started: float) -> None:
         run = self.spec.run
@@ -307,8 +315,8 @@ class _Session:
         """A run that stopped inside a game's two-phase commit: apply its logged decision on every server of the
         game that can be reached (the others resolve it from the log at their prepared episode's deadline)."""
         tokens = {}
-        for name in self.topology.trainable_servers():
-            server = self.spec.servers[name]
+        for name, (server_name, _) in self.topology.learners().items():
+            server = self.spec.servers[server_name]
             remote = server.kind == ServerKind.REMOTE_SWARM
             tokens[endpoints[name].client.url] = os.environ.get(server.admin_token_env or "") if remote else token
         for game_id, outcome in redrive(self.decisions, tokens).items():
@@ -395,7 +403,11 @@ def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dic
     for proc in processes.values():
         proc.wait_healthy()
     _write_servers_file(run_dir, processes, token)
-    endpoints = {name: _endpoint(topology, name, processes, pools, token) for name in spec.servers}
+    learners = topology.learners()
+    endpoints = {name: _endpoint(topology, name, processes, pools, token) for name, server in spec.servers.items()
+                 if not server.policies}  # a server of policies is reached as its learners
+    endpoints.update({name: _endpoint(topology, server, processes, pools, token, policy=policy)
+                      for name, (server, policy) in learners.items() if policy is not None})
 
     def boot(name: str) -> None:
         endpoint = endpoints[name]
@@ -415,24 +427,26 @@ def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dic
 
 
 def _endpoint(topology: Topology, name: str, processes: dict[str, ServerProcess | RayServer],
-              pools: dict[str, SnapshotPool], token: str) -> Endpoint:
-    """How the coordinator reaches server `name`: a swarm client (trainable), an OpenAI-compatible URL, or a pool
-    of snapshots (past_of)."""
+              pools: dict[str, SnapshotPool], token: str, *, policy: str | None = None) -> Endpoint:
+    """How the coordinator reaches server `name`: a swarm client (trainable; bound to `policy`, one of its LoRA
+    policies, for that learner), an OpenAI-compatible URL, or a pool of snapshots (past_of)."""
     server, run = topology.spec.servers[name], topology.spec.run
     if server.kind == ServerKind.PAST_SNAPSHOTS:
         return SnapshotPoolEndpoint(name, pools[name])
     if server.kind == ServerKind.LOCAL_TRAINABLE:
-        client = SwarmClient(processes[name].url, admin_token=token, max_wait_s=3600)
+        client = SwarmClient(processes[name].url, admin_token=token, max_wait_s=3600, policy=policy)
     elif server.kind == ServerKind.REMOTE_SWARM:
         client = SwarmClient(server.swarm_url, admin_token=os.environ.get(server.admin_token_env or ""),
-                             max_wait_s=3600)
+                             max_wait_s=3600, policy=policy)
     elif server.kind == ServerKind.LOCAL_STATIC:
         return StaticEndpoint(name, base_url=processes[name].url + "/v1", model=server.model)
     else:
         return StaticEndpoint(name, base_url=server.url, model=server.model,
                               api_key=os.environ.get(server.api_key_env or "", "none"))
-    return TrainableEndpoint(name, client=client, max_concurrency=run.per_server_concurrency,
-                             train_config=server.train.model_dump())
+    train = server.policy_train(policy) if policy is not None else server.train
+    learner = f"{name}{LEARNER_SEPARATOR}{policy}" if policy is not None else name
+    return TrainableEndpoint(learner, client=client, max_concurrency=run.per_server_concurrency,
+                             train_config=train.model_dump())
 
 
 def _repoint(endpoint: Endpoint, url: str, token: str) -> None:
@@ -441,7 +455,7 @@ def _repoint(endpoint: Endpoint, url: str, token: str) -> None:
     if isinstance(endpoint, StaticEndpoint):
         endpoint.base_url = url + "/v1"
     else:  # the old client is left open: other threads may still hold it, and its connections died with the server
-        endpoint.client = SwarmClient(url, admin_token=token, max_wait_s=3600)
+        endpoint.client = SwarmClient(url, admin_token=token, max_wait_s=3600, policy=endpoint.client.policy)
 
 
 def _write_servers_file(run_dir: Path, processes: dict[str, ServerProcess | RayServer], token: str) -> None:

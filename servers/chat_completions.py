@@ -66,6 +66,10 @@ class ChatService:
         self.admit = admit
         self.telemetry = telemetry
 
+    def route(self, admitted: CallSession) -> tuple[ChatService, CallSession]:
+        """The service and session a call runs under, from what `admit` gave: here, this one service."""
+        return self, admitted
+
     def models(self) -> p.ModelList:
         engine = self.model.engine
         length = engine.context_length if engine is not None else None

@@ -6,18 +6,21 @@ import logging
 import os
 import secrets
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
 
-from marl.protocol import ADMIN_TOKEN_ENV, DEFAULT_MAX_BODY_MB, TrainConfig
+from marl.protocol import ADMIN_TOKEN_ENV, DEFAULT_MAX_BODY_MB, LoraSpec, TrainConfig
 from servers.engines.vllm_process import VLLMSettings
 from servers.http_routes import create_app
-from servers.interfaces import Trainer
+from servers.interfaces import PolicyTrainer, Trainer
 from servers.lifecycle import EngineFactory, TrainerFactory
 from servers.placement import Placement, visible_devices
+from servers.policy_backends import PolicyTrainerFactory
+from servers.policy_server import PolicyServer
 from servers.static_server import StaticServer
 from servers.trainable_server import TrainableServer
 
@@ -38,6 +41,8 @@ class ServeOptions:
     vllm: VLLMSettings | None = None  # engine vllm: how vLLM runs (None: the defaults of the device)
     placement: Placement = field(default_factory=Placement)  # which GPUs the engine and trainer ranks use
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413) before they are read
+    #: LoRA policies of the base model, each its own learner (`servers.policy_server`); empty: one full-weight policy
+    policies: dict[str, LoraSpec] = field(default_factory=dict)
     log_level: str = "info"
 
     def served_name(self) -> str:
@@ -93,6 +98,23 @@ def default_trainer_factory(device: str | None, placement: Placement | None = No
     return build
 
 
+def lora_trainer_factory(device: str | None, placement: Placement | None = None) -> PolicyTrainerFactory:
+    """Builds the one-process trainer of a server's LoRA policies, each with its config's GRPO section."""
+    placement = placement or Placement()
+
+    def build(model_dir: Path, policies: Mapping[str, tuple[LoraSpec, TrainConfig]]) -> PolicyTrainer:
+        from servers.trainers.lora_grpo import LoraGRPOTrainer
+
+        not_grpo = sorted(name for name, (_, config) in policies.items() if config.trainer != "grpo")
+        if not_grpo:
+            raise ValueError(f"policies {', '.join(not_grpo)}: LoRA policies train with trainer: grpo (one process);"
+                             " FSDP does not train adapters yet")
+        return LoraGRPOTrainer(model_dir, {name: (spec, config.grpo) for name, (spec, config) in policies.items()},
+                               device=placement.trainer_device(device))
+
+    return build
+
+
 def resolve(name: str) -> Path:
     from servers.models import resolve_model
 
@@ -129,13 +151,21 @@ def vllm_placement(options: ServeOptions) -> dict:
 
 
 def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None = None,
-                 trainer_factory: TrainerFactory | None = None) -> tuple[TrainableServer | StaticServer, str]:
+                 trainer_factory: TrainerFactory | None = None,
+                 policy_trainer_factory: PolicyTrainerFactory | None = None,
+                 ) -> tuple[TrainableServer | PolicyServer | StaticServer, str]:  # fmt: skip
     """The server `options` describe, and its admin token. The factories default to the torch engine and the
-    trainer the config names; tests and benches pass their own (a stub engine, a slow trainer)."""
+    trainer the config names (the LoRA trainer for `policies`); tests and benches pass their own."""
     served_name = options.served_name()
     token = admin_token(options)
     engine_factory = engine_factory or engine_factory_for(options)
-    if options.static:
+    if options.policies and not options.static:
+        server = PolicyServer(model=options.model, served_name=served_name, policies=options.policies,
+                              data_dir=options.resolved_data_dir(), resolve_model=resolve,
+                              engine_factory=engine_factory, public_url=options.public_url,
+                              trainer_factory=policy_trainer_factory or lora_trainer_factory(
+                                  options.device, options.placement))
+    elif options.static:
         server = StaticServer(model=options.model, served_name=served_name, resolve_model=resolve,
                               engine_factory=engine_factory)
     else:
@@ -147,9 +177,11 @@ def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None 
     return server, token
 
 
-def build_app(options: ServeOptions, *, engine_factory=None, trainer_factory=None) -> FastAPI:
+def build_app(options: ServeOptions, *, engine_factory=None, trainer_factory=None,
+              policy_trainer_factory=None) -> FastAPI:  # fmt: skip
     """The ASGI app of the server `options` describe: what `marl serve` runs, and what tests run in-process."""
-    server, token = build_server(options, engine_factory=engine_factory, trainer_factory=trainer_factory)
+    server, token = build_server(options, engine_factory=engine_factory, trainer_factory=trainer_factory,
+                                 policy_trainer_factory=policy_trainer_factory)
     return create_app(server, token, max_body_mb=options.max_body_mb)
 
 

@@ -37,10 +37,17 @@ from servers.completions_api import CompletionRequest, create_completion
 from servers.errors import Refusal, refusal_response
 from servers.http_guards import PARSED_JSON, Authorize, CatchUnexpected, RequestGate, Scope
 from servers.openapi import BEARER, errors
+from servers.policy_server import PolicyServer
 from servers.static_server import StaticServer
 from servers.trainable_server import TrainableServer
 
 log = logging.getLogger("marl.server")
+
+
+#: What the training routes see: a server's learners (one; or one per policy), each a `TrainableServer`.
+Learners = TrainableServer | PolicyServer
+#: The control routes' `?policy=`: one policy of a server of several (left out: the whole server, or its only one).
+_POLICY = Query(None, alias=p.POLICY_PARAM, description="One policy of a server of several.")
 
 
 class SwarmServer(Protocol):
@@ -57,7 +64,7 @@ class SwarmServer(Protocol):
     async def metrics_text(self) -> bytes: ...
 
 
-def create_app(server: TrainableServer | StaticServer, admin_token: str, *,
+def create_app(server: Learners | StaticServer, admin_token: str, *,
                max_body_mb: float = p.DEFAULT_MAX_BODY_MB) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -129,21 +136,27 @@ def _open_routes(server: SwarmServer) -> APIRouter:
 def _monitoring_routes(server: SwarmServer) -> APIRouter:
     router = APIRouter(route_class=_PreParsedRoute, responses=errors(401))
 
-    @router.get(p.ROUTE_STATUS)
-    async def status() -> p.ServerStatus:
-        return await server.status()
+    @router.get(p.ROUTE_STATUS, responses=errors(400, 404))
+    async def status(policy: str | None = _POLICY) -> p.ServerStatus:
+        return await (_learner(server, policy).status() if policy else server.status())
 
     @router.get(p.ROUTE_MONITOR)
-    async def monitor() -> p.MonitorSnapshot:
-        return await server.monitor()
+    async def monitor(policy: str | None = _POLICY) -> p.MonitorSnapshot:
+        return await (_learner(server, policy).monitor() if policy else server.monitor())
 
     return router
 
 
-def _trainable_or_refuse(server: TrainableServer | StaticServer):
+def _learner(server: Learners | StaticServer, policy: str | None) -> TrainableServer:
+    if isinstance(server, StaticServer):
+        server.refuse_training()
+    return server.for_policy(policy)
+
+
+def _trainable_or_refuse(server: Learners | StaticServer):
     """A dependency: the trainable server, or a 409 STATIC_SERVER refusal on a static one."""
 
-    def trainable() -> TrainableServer:
+    def trainable() -> Learners:
         if isinstance(server, StaticServer):
             server.refuse_training()
         return server
@@ -151,25 +164,26 @@ def _trainable_or_refuse(server: TrainableServer | StaticServer):
     return Depends(trainable)
 
 
-def _control_routes(server: TrainableServer | StaticServer) -> APIRouter:
+def _control_routes(server: Learners | StaticServer) -> APIRouter:
     router = APIRouter(route_class=_PreParsedRoute, responses=errors(401, 409, 413))
     trainable = _trainable_or_refuse(server)
 
     @router.post(p.ROUTE_CONFIG, responses=errors(400))
-    async def sync_config(config: p.TrainConfig, srv: TrainableServer = trainable) -> p.ConfigResponse:
-        return await srv.lifecycle.sync_config(config)
+    async def sync_config(config: p.TrainConfig, policy: str | None = _POLICY,
+                          srv: Learners = trainable) -> p.ConfigResponse:
+        return await srv.for_policy(policy).lifecycle.sync_config(config)
 
     @router.post(p.ROUTE_START)
-    async def start_engine(srv: TrainableServer = trainable) -> p.ServerStatus:
-        return await srv.start_engine()
+    async def start_engine(policy: str | None = _POLICY, srv: Learners = trainable) -> p.ServerStatus:
+        return await (srv.for_policy(policy) if policy else srv).start_engine()
 
     @router.post(p.ROUTE_STOP)
-    async def stop_engine(srv: TrainableServer = trainable) -> p.ServerStatus:
-        return await srv.stop_engine()
+    async def stop_engine(policy: str | None = _POLICY, srv: Learners = trainable) -> p.ServerStatus:
+        return await (srv.for_policy(policy) if policy else srv).stop_engine()
 
     @router.get(p.ROUTE_POOL)
-    async def pool(srv: TrainableServer = trainable) -> p.PoolInfo:
-        return await srv.pool.info(detailed=True)
+    async def pool(policy: str | None = _POLICY, srv: Learners = trainable) -> p.PoolInfo:
+        return await srv.for_policy(policy).pool.info(detailed=True)
 
     return router
 
@@ -178,43 +192,44 @@ def _control_routes(server: TrainableServer | StaticServer) -> APIRouter:
 _INCLUDE_POOL = Query(False, alias=p.INCLUDE_POOL_PARAM, description="Include the pool's progress in the reply.")
 
 
-def _episode_routes(server: TrainableServer | StaticServer) -> APIRouter:
+def _episode_routes(server: Learners | StaticServer) -> APIRouter:
     """The episode API; a static server refuses it (409 STATIC_SERVER)."""
     router = APIRouter(route_class=_PreParsedRoute, responses=errors(400, 401, 403, 404, 409, 413))
     trainable = _trainable_or_refuse(server)
 
     @router.post(p.ROUTE_BEGIN, responses=errors(503))
     async def begin(body: p.BeginEpisodeRequest, request: Request,
-                    srv: TrainableServer = trainable) -> p.EpisodeLease:
-        return srv.pool.begin(body.client_id, request_url=str(request.base_url))
+                    srv: Learners = trainable) -> p.EpisodeLease:
+        return srv.for_policy(body.policy).pool.begin(body.client_id, request_url=str(request.base_url))
 
     @router.post(p.ROUTE_END, responses=errors(503))
     async def end(episode_id: str, body: p.EndEpisodeRequest, include_pool: bool = _INCLUDE_POOL,
-                  srv: TrainableServer = trainable) -> p.EndEpisodeResponse:
-        return await srv.recorder.end(episode_id, body, include_pool=include_pool)
+                  srv: Learners = trainable) -> p.EndEpisodeResponse:
+        return await srv.for_episode(episode_id).recorder.end(episode_id, body, include_pool=include_pool)
 
     @router.post(p.ROUTE_PREPARE, responses=errors(503))
     async def prepare(episode_id: str, body: p.PrepareEpisodeRequest,
-                      srv: TrainableServer = trainable) -> p.PrepareEpisodeResponse:
-        return await srv.recorder.prepare(episode_id, body)
+                      srv: Learners = trainable) -> p.PrepareEpisodeResponse:
+        return await srv.for_episode(episode_id).recorder.prepare(episode_id, body)
 
     @router.post(p.ROUTE_COMMIT)
     async def commit(episode_id: str, body: p.ClientRequest, include_pool: bool = _INCLUDE_POOL,
-                     srv: TrainableServer = trainable) -> p.EndEpisodeResponse:
-        return await srv.recorder.commit(episode_id, body.client_id, include_pool=include_pool)
+                     srv: Learners = trainable) -> p.EndEpisodeResponse:
+        return await srv.for_episode(episode_id).recorder.commit(episode_id, body.client_id,
+                                                                 include_pool=include_pool)
 
     @router.post(p.ROUTE_ABORT)
     async def abort(episode_id: str, body: p.ClientRequest,
-                    srv: TrainableServer = trainable) -> p.AbortEpisodeResponse:
-        return await srv.recorder.abort(episode_id, body.client_id)
+                    srv: Learners = trainable) -> p.AbortEpisodeResponse:
+        return await srv.for_episode(episode_id).recorder.abort(episode_id, body.client_id)
 
     @router.post(p.ROUTE_RENEW)
-    async def renew(episode_id: str, body: p.ClientRequest, srv: TrainableServer = trainable) -> p.EpisodeState:
-        return srv.pool.renew(episode_id, body.client_id)
+    async def renew(episode_id: str, body: p.ClientRequest, srv: Learners = trainable) -> p.EpisodeState:
+        return srv.for_episode(episode_id).pool.renew(episode_id, body.client_id)
 
     @router.get(p.ROUTE_EPISODE)
-    async def episode(episode_id: str, srv: TrainableServer = trainable) -> p.EpisodeState:
-        return await srv.recorder.episode_state(episode_id)
+    async def episode(episode_id: str, srv: Learners = trainable) -> p.EpisodeState:
+        return await srv.for_episode(episode_id).recorder.episode_state(episode_id)
 
     return router
 
@@ -232,24 +247,28 @@ def _data_plane_routes(chat: ChatService) -> APIRouter:
         **errors(400, 401, 404, 413, 500, 503)})
     async def chat_completions(body: p.ChatCompletionRequest, request: Request,
                                agent: str | None = Header(None, alias=p.AGENT_HEADER)):
-        reply = await chat.create(body, request.scope[_CHAT_SESSION], agent)
+        service, session = chat.route(request.scope[_CHAT_SESSION])
+        reply = await service.create(body, session, agent)
         return reply if isinstance(reply, p.ChatCompletionResponse) else StreamingResponse(
             reply, media_type="text/event-stream")
 
     @router.post(p.ROUTE_RESPONSES, dependencies=[BEARER], responses=_CALL_RESPONSES)
     async def responses(body: ResponsesRequest, request: Request,
                         agent: str | None = Header(None, alias=p.AGENT_HEADER)):
-        return await translated_apis.create_response(chat, body, request.scope[_CHAT_SESSION], agent)
+        service, session = chat.route(request.scope[_CHAT_SESSION])
+        return await translated_apis.create_response(service, body, session, agent)
 
     @router.post(p.ROUTE_MESSAGES, dependencies=[BEARER], responses=_CALL_RESPONSES)
     async def messages(body: MessagesRequest, request: Request,
                        agent: str | None = Header(None, alias=p.AGENT_HEADER)):
-        return await translated_apis.create_message(chat, body, request.scope[_CHAT_SESSION], agent)
+        service, session = chat.route(request.scope[_CHAT_SESSION])
+        return await translated_apis.create_message(service, body, session, agent)
 
     @router.post(p.ROUTE_COMPLETIONS, dependencies=[BEARER], responses=_CALL_RESPONSES)
     async def completions(body: CompletionRequest, request: Request,
                           agent: str | None = Header(None, alias=p.AGENT_HEADER)):
-        reply = await create_completion(chat, body, request.scope[_CHAT_SESSION], agent)
+        service, session = chat.route(request.scope[_CHAT_SESSION])
+        reply = await create_completion(service, body, session, agent)
         return reply if isinstance(reply, dict) else StreamingResponse(reply, media_type="text/event-stream")
 
     return router

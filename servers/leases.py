@@ -95,7 +95,10 @@ class NoFreeSlot(Exception):
 class LeaseTable:
     """The open leases by episode id and by key, and why recently closed keys died."""
 
-    def __init__(self) -> None:
+    def __init__(self, id_prefix: str = "") -> None:
+        #: Starts every episode id and follows EPISODE_KEY_PREFIX in every key: a policy's name and separator on a
+        #: server of several policies, which routes by it (`servers.policy_server`); empty otherwise.
+        self.id_prefix = id_prefix
         self.by_episode: dict[str, Lease] = {}
         self._by_key: dict[str, Lease] = {}
         self._dead_keys: OrderedDict[str, str] = OrderedDict()
@@ -108,8 +111,8 @@ class LeaseTable:
         if len(self.by_episode) >= max_leases:
             raise NoFreeSlot
         lease = Lease(
-            episode_id=uuid.uuid4().hex,
-            key=EPISODE_KEY_PREFIX + secrets.token_urlsafe(24),
+            episode_id=self.id_prefix + uuid.uuid4().hex,
+            key=EPISODE_KEY_PREFIX + self.id_prefix + secrets.token_urlsafe(24),
             client_id=client_id,
             generation=generation,
             patience_s=patience_s,

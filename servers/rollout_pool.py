@@ -41,8 +41,8 @@ _REAP_INTERVAL_S = 0.25
 
 class RolloutPool:
     def __init__(self, lifecycle: EngineLifecycle, ledger: LedgerThread, prepared: PreparedEpisodes, counters: Counters,
-                 wakeup: BatchWakeup, public_url: str | None = None):
-        self.leases = LeaseTable()
+                 wakeup: BatchWakeup, public_url: str | None = None, id_prefix: str = ""):
+        self.leases = LeaseTable(id_prefix)
         self._lifecycle = lifecycle
         self._ledger = ledger
         self._prepared = prepared

@@ -19,9 +19,18 @@ import contextlib
 from collections.abc import Callable
 from pathlib import Path
 
-from marl.protocol import EngineState, MonitorSnapshot, ServerStatus, TrainConfig
+from marl.protocol import (
+    DEFAULT_POLICY,
+    POLICY_SEPARATOR,
+    EngineState,
+    ErrorCode,
+    MonitorSnapshot,
+    ServerStatus,
+    TrainConfig,
+)
 from servers.chat_completions import ChatService
 from servers.episode_recorder import EpisodeRecorder
+from servers.errors import Refusal
 from servers.ledger import Ledger, LedgerThread
 from servers.lifecycle import EngineFactory, EngineLifecycle, TrainerFactory
 from servers.overdue import OverdueResolver
@@ -35,7 +44,10 @@ from servers.training_record import TrainingRecord
 
 class TrainableServer:
     def __init__(self, *, model: str, served_name: str, data_dir: Path, resolve_model: Callable[[str], Path],
-                 engine_factory: EngineFactory, trainer_factory: TrainerFactory, public_url: str | None = None):
+                 engine_factory: EngineFactory, trainer_factory: TrainerFactory, public_url: str | None = None,
+                 policy: str | None = None):
+        #: A LoRA policy's name on a server of several (`servers.policy_server`); None: the one full-weight policy.
+        self.policy = policy
         self.data_dir = data_dir
         self.telemetry = Telemetry()
         self.record = TrainingRecord(data_dir)
@@ -52,7 +64,8 @@ class TrainableServer:
             ledger=self._ledger_thread, errors=self.telemetry.errors, wakeup=wakeup)
         prepared = PreparedEpisodes(self.ledger)
         counters = self.telemetry.counters
-        self.pool = RolloutPool(self.lifecycle, self._ledger_thread, prepared, counters, wakeup, public_url)
+        self.pool = RolloutPool(self.lifecycle, self._ledger_thread, prepared, counters, wakeup, public_url,
+                                id_prefix=policy + POLICY_SEPARATOR if policy else "")
         self.recorder = EpisodeRecorder(pool=self.pool, lifecycle=self.lifecycle, ledger=self._ledger_thread,
                                         prepared=prepared, counters=counters, wakeup=wakeup)
         self._overdue = OverdueResolver(ledger=self._ledger_thread, prepared=prepared, recorder=self.recorder,
@@ -70,6 +83,17 @@ class TrainableServer:
     @property
     def state(self) -> EngineState:
         return self.lifecycle.state
+
+    def for_policy(self, policy: str | None) -> TrainableServer:
+        """The learner of `policy`: this server's one policy (named DEFAULT_POLICY or its served name)."""
+        if policy in (None, DEFAULT_POLICY, self.served_name):
+            return self
+        raise Refusal(404, ErrorCode.POLICY_NOT_FOUND, f"policy '{policy}' is not trained here: this server trains"
+                      f" one full-weight policy ('{DEFAULT_POLICY}')", param="policy")
+
+    def for_episode(self, episode_id: str) -> TrainableServer:
+        """The learner an episode belongs to: this server's one."""
+        return self
 
     async def startup(self) -> None:
         self._tasks = [asyncio.create_task(self.pool.expire_idle_leases()), asyncio.create_task(self.train_loop.run()),
@@ -109,9 +133,12 @@ class TrainableServer:
                                        recent_steps=self.record.recent, training=self.train_loop.progress())
 
     async def metrics_text(self) -> bytes:
+        return render(await self.metrics_reading())
+
+    async def metrics_reading(self) -> MetricsReading:
         lifecycle, telemetry = self.lifecycle, self.telemetry
-        return render(MetricsReading(
+        return MetricsReading(policy=self.policy or DEFAULT_POLICY,
             model=lifecycle.served_name, state=lifecycle.state, policy_version=lifecycle.policy_version,
             running_leases=len(self.pool.leases), tokens_per_s=telemetry.generated.per_s(),
             counters=telemetry.counters, engine_stats=getattr(lifecycle.engine, "stats", None),
-            pool=await self.pool.info(), last_step=self._last_step_metrics()))
+            pool=await self.pool.info(), last_step=self._last_step_metrics())

@@ -49,12 +49,12 @@ class LocalServer:
     """
 
     def __init__(self, model: Path, data_dir: Path, *, static: bool = False, port: int | None = None,
-                 trainer_factory: TrainerFactory | None = None):
+                 trainer_factory: TrainerFactory | None = None, policies: dict | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.data_dir = data_dir
         options = ServeOptions(model=str(model), port=self.port, admin_token=ADMIN, data_dir=data_dir, static=static,
-                               served_model_name="tiny", device="cpu")
+                               served_model_name="tiny", device="cpu", policies=policies or {})
         self.server, token = build_server(options, trainer_factory=trainer_factory)
         config = uvicorn.Config(create_app(self.server, token), host="127.0.0.1", port=self.port, log_level="warning")
         self._uvicorn = uvicorn.Server(config)
@@ -79,9 +79,9 @@ def local_server(tiny_model, tmp_path):
     """Factory: `with local_server() as srv:` starts a fresh server on its own data dir."""
 
     def make(static: bool = False, data_dir: Path | None = None, port: int | None = None,
-             trainer_factory: TrainerFactory | None = None) -> LocalServer:
+             trainer_factory: TrainerFactory | None = None, policies: dict | None = None) -> LocalServer:
         return LocalServer(tiny_model, data_dir or tmp_path / "server", static=static, port=port,
-                           trainer_factory=trainer_factory)
+                           trainer_factory=trainer_factory, policies=policies)
 
     return make
 

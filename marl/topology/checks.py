@@ -43,7 +43,7 @@ class Findings:
 
 def check_spec(spec: TopologySpec, findings: Findings) -> None:
     """Run every check; fills in the defaults of `run.repeats` and `run.run_dir`."""
-    for check in (check_names, check_role_players, check_unused_servers, check_repeats, check_stop,
+    for check in (check_names, check_role_players, check_role_policies, check_unused_servers, check_repeats, check_stop,
                   check_urls, check_past_of, check_eval_every, check_ray_gpus):
         check(spec, findings)
     if spec.run.run_dir is None:
@@ -71,6 +71,39 @@ def check_role_players(spec: TopologySpec, findings: Findings) -> None:
         elif role.server is not None and role.server not in spec.servers:
             findings.bad(["roles", name, "server"], f"unknown server {role.server!r}; known servers:"
                                                     f" {_known_servers(spec)}{did_you_mean(role.server, spec.servers)}")
+
+
+def check_role_policies(spec: TopologySpec, findings: Findings) -> None:
+    """A role of a server with LoRA policies plays one of them (named, where there are several); every policy is
+    played (else it never gets an episode); a policy keeps its server's group size (a game fills every group)."""
+    played: dict[str, set[str]] = {}
+    for name, role in spec.roles.items():
+        server = spec.servers.get(role.server) if role.server else None
+        if server is None:
+            continue
+        policies = server.policies or {}
+        if role.policy is not None and not policies:
+            findings.bad(["roles", name, "policy"], f"servers.{role.server} trains one full-weight model, no"
+                                                    f" policies: remove policy, or add servers.{role.server}.policies")
+        elif role.policy is not None and role.policy not in policies:
+            findings.bad(["roles", name, "policy"], f"unknown policy {role.policy!r} of servers.{role.server};"
+                                                    f" its policies: {', '.join(policies)}"
+                                                    f"{did_you_mean(role.policy, policies)}")
+        elif role.policy is None and len(policies) > 1:
+            findings.bad(["roles", name], f"servers.{role.server} trains {len(policies)} policies"
+                                          f" ({', '.join(policies)}): name this role's with policy:")
+        elif policies:
+            played.setdefault(role.server, set()).add(role.policy or next(iter(policies)))
+    for server_name, server in spec.servers.items():
+        for policy in (server.policies or {}) if server_name in played else ():
+            if policy not in played[server_name]:
+                findings.bad(["servers", server_name, "policies", policy], "no role plays this policy: it would"
+                             " never get an episode, so run.max_steps could never be reached. Point a role at it"
+                             f" (roles.<role>.policy: {policy}) or remove it")
+            elif "num_repeat" in server.policies[policy].train:
+                findings.bad(["servers", server_name, "policies", policy, "train", "num_repeat"],
+                             "a game plays one task for every policy at once: policies keep their server's"
+                             " num_repeat (set it in the server's train:)")
 
 
 def check_unused_servers(spec: TopologySpec, findings: Findings) -> None:

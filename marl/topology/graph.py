@@ -22,6 +22,9 @@ from .load import read_dict, read_file
 from .problems import Problem, TopologyError
 from .spec import PastOfSpec, ServerKind, TopologySpec
 
+#: Between a server's name and its policy's in a learner's name (server names hold no dots).
+LEARNER_SEPARATOR = "."
+
 
 class Topology:
     """A validated topology: the typed spec (`spec`), the role/server/team graph (`graph`), and `warnings`.
@@ -170,6 +173,39 @@ class Topology:
         """
         linked = {t for _, t, kind in self.graph.edges(data="kind") if kind == "played_by"}
         return [name for name in self.trainable_servers() if self.node("server", name) in linked]
+
+    # -- learners: who trains on a role's episodes --------------------------------------------------------------
+
+    def learners(self) -> dict[str, tuple[str, str | None]]:
+        """Learner name -> (server, policy), in file order. A trainable server without `policies:` is one learner,
+        named after it (policy None); each LoRA policy of a server is one, named `server.policy`. The coordinator
+        leases, commits and watches learners: a policy is to it what a server of its own is."""
+        out: dict[str, tuple[str, str | None]] = {}
+        for name in self.trainable_servers():
+            policies = self.spec.servers[name].policies
+            out.update({f"{name}{LEARNER_SEPARATOR}{p}": (name, p) for p in policies} if policies
+                       else {name: (name, None)})  # fmt: skip
+        return out
+
+    def learner_of(self, role: str) -> str | None:
+        """The learner that trains on `role`'s episodes: its server, or `server.policy`; for a role of a static
+        server, that server; None for a scripted role."""
+        server = self.server_of(role)
+        policies = self.spec.servers[server].policies if server is not None else None
+        if not policies:
+            return server
+        policy = self.spec.roles[role].policy or next(iter(policies))
+        return f"{server}{LEARNER_SEPARATOR}{policy}"
+
+    def role_learners(self) -> dict[str, str | None]:
+        """`players()` with learners: role -> who the coordinator leases for it (the seating plan of `marl run`)."""
+        return {name: self.learner_of(name) for name in self.spec.roles}
+
+    def linked_learners(self) -> list[str]:
+        """The learners that play at least one role: `linked_servers()`, each server of policies as its policies."""
+        played = set(self.role_learners().values())
+        return [name for name, (server, _) in self.learners().items()
+                if name in played and server in self.linked_servers()]  # fmt: skip
 
     def trainable_servers(self) -> list[str]:
         """Servers that train (local trainable and remote swarm servers)."""

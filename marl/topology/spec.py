@@ -26,7 +26,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from marl.protocol import TRAINER_RENDEZVOUS_PORT, VLLM_DTYPES, VLLM_MANAGED_FLAGS, VLLM_WEIGHT_SYNC_MODES, TrainConfig
+from marl.protocol import (
+    TRAINER_RENDEZVOUS_PORT,
+    VLLM_DTYPES,
+    VLLM_MANAGED_FLAGS,
+    VLLM_WEIGHT_SYNC_MODES,
+    LoraSpec,
+    TrainConfig,
+)
 
 from .importing import import_path_problem
 
@@ -162,6 +169,16 @@ class PlacementSpec(_Spec):
         return bool(set(self.engine_gpus or [0]) & set(self.trainer_gpus or [0]))
 
 
+class PolicySpec(_Spec):
+    """One LoRA policy of a trainable server (`servers.S.policies.NAME`): its adapter, and what of the server's
+    `train:` it changes (e.g. `train: {grpo: {learning_rate: 1.0e-4}}`); each policy is its own learner."""
+
+    lora: LoraSpec = Field(default_factory=LoraSpec, description="The adapter: rank, alpha, dropout,"
+                           " target_modules (peft's LoraConfig vocabulary).")
+    train: dict[str, Any] = Field(default_factory=dict, description="Keys of the server's train: this policy sets"
+                                  " otherwise (merged into it, sections key by key).")
+
+
 class ServerSpec(_Spec):
     """One model server. Which keys are set decides its kind (see the module docstring)."""
 
@@ -194,7 +211,10 @@ class ServerSpec(_Spec):
     swarm_url: str | None = Field(None, description="Remote swarm server root URL, e.g. http://gpu-box:10086.")
     admin_token_env: str | None = Field(None, description="Remote swarm: environment variable holding the admin token.")
     # trainable servers
-    train: TrainConfig | None = Field(None, description="Trainable: the config synced to the server.")
+    train: TrainConfig | None = Field(None, description="Trainable: the config synced to the server (with"
+                                       " policies: every policy's defaults).")
+    policies: dict[str, PolicySpec] | None = Field(None, description="Trainable: LoRA policies of this one base"
+                                                   " model, each trained on its own (roles name theirs: policy:).")
     # a league of past selves
     past_of: PastOfSpec | None = Field(None, description="Past snapshots: serve past checkpoints of a local"
                                                          " trainable server, e.g. past_of: {server: learner}.")
@@ -214,13 +234,17 @@ class ServerSpec(_Spec):
         """Runs on this machine, started by `marl run` (past snapshots too: one `marl serve --static` per snapshot)."""
         return self.kind in (ServerKind.LOCAL_TRAINABLE, ServerKind.LOCAL_STATIC, ServerKind.PAST_SNAPSHOTS)
 
+    def policy_train(self, policy: str) -> TrainConfig:
+        """The config synced for `policy`: the server's `train:` with the policy's own keys merged in."""
+        return _merged_train(self.train or TrainConfig(), self.policies[policy].train)  # type: ignore[index]
+
     @model_validator(mode="after")
     def _rules(self) -> ServerSpec:
         kind_rules = _kind_rules(self)
         if kind_rules:  # its kind cannot be told: the other rules would only guess
             _raise_rules(self, kind_rules)
         _raise_rules(self, [*_placement_rules(self), *_external_rules(self), *_swarm_rules(self),
-                            *_past_of_rules(self), *_train_rules(self), *_vllm_rules(self)])
+                            *_past_of_rules(self), *_train_rules(self), *_vllm_rules(self), *_policy_rules(self)])
         _raise_rules(self, _gpu_rules(self))  # after the others: they read train and vllm as valid
         _default_ranks(self)
         return self
@@ -318,6 +342,38 @@ def _vllm_rules(s: ServerSpec) -> list[Rule]:
         return [(("vllm", "sleep_between_steps"), "sleep mode needs CUDA (the CPU build of vLLM has none): set it"
                                                   " to auto or false, or device: cuda")]
     return []
+
+
+def _merged_train(base: TrainConfig, changes: dict[str, Any]) -> TrainConfig:
+    data = base.model_dump()
+    for key, value in changes.items():
+        data[key] = {**data[key], **value} if isinstance(value, dict) and isinstance(data.get(key), dict) else value
+    return TrainConfig.model_validate(data)
+
+
+def _policy_rules(s: ServerSpec) -> list[Rule]:
+    if not s.policies:
+        return [(("policies",), "policies: is empty: name at least one, e.g. policies: {speaker: {lora: {rank:"
+                                " 16}}}, or remove it")] if s.policies is not None else []
+    if not s.trainable or s.kind not in (ServerKind.LOCAL_TRAINABLE, ServerKind.REMOTE_SWARM):
+        return [(("policies",), "only a trainable swarm server trains policies (model: + trainable: true, or"
+                                " swarm_url:): remove policies, or set trainable: true")]
+    rules: list[Rule] = [(("policies", name), f"bad policy name {name!r}: {NAME_RULE}") for name in s.policies
+                         if not NAME_RE.match(name)]  # fmt: skip
+    if s.engine == "vllm":
+        rules.append((("engine",), "LoRA policies are served by the torch engine for now (vLLM's LoRA serving is"
+                                   " not wired yet): remove engine: vllm, or remove policies"))
+    for name in s.policies:
+        try:
+            merged = s.policy_train(name)
+        except ValidationError as exc:
+            rules.append((("policies", name, "train"), f"does not make a valid train config: {exc.errors()[0]['msg']}"
+                                                       f" at {'.'.join(map(str, exc.errors()[0]['loc']))}"))
+            continue
+        if merged.trainer != "grpo":
+            rules.append((("policies", name, "train"), f"LoRA policies train with trainer: grpo (one process), not"
+                                                       f" {merged.trainer}: FSDP does not train adapters yet"))
+    return rules
 
 
 def _train_rules(s: ServerSpec) -> list[Rule]:
@@ -428,6 +484,8 @@ class RoleSpec(_Spec):
     """
 
     server: str | None = None
+    policy: str | None = Field(None, description="Which of its server's LoRA policies plays this role (required"
+                               " where the server has several).")
     scripted: bool = False
     count: int | None = Field(None, ge=1, description="How many agents play this role in one game (default: the"
                                                       " env's count).")

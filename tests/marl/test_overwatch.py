@@ -34,7 +34,7 @@ def test_metrics_count_leases_calls_tokens_and_steps(local_server):
     with local_server() as srv, admin_http(srv.url) as http:
         assert http.get("/metrics", headers={"Authorization": ""}).status_code == 200  # open, like vLLM's
         offline = scrape(http)
-        assert offline["marl_engine_state", (("model", "tiny"), ("state", "OFFLINE"))] == 1
+        assert offline["marl_engine_state", (("model", "tiny"), ("policy", "default"), ("state", "OFFLINE"))] == 1
         start_rolling(http, batch_size=1, num_repeat=2, max_leases=4)
 
         generated = prompt = calls = 0
@@ -55,19 +55,19 @@ def test_metrics_count_leases_calls_tokens_and_steps(local_server):
         http.post(f"/episodes/{aborted['episode_id']}/abort", json={"client_id": "c"})
 
         m = scrape(http)
-        tiny = ("model", "tiny")
-        assert m["marl_leases_total", (("event", "begun"), tiny)] == 3
-        assert m["marl_leases_total", (("event", "ended"), tiny)] == 2
-        assert m["marl_leases_total", (("event", "aborted"), tiny)] == 1
-        assert m["marl_calls_total", (tiny,)] == calls == 4
-        assert m["marl_tokens_total", (("kind", "generated"), tiny)] == generated
-        assert m["marl_tokens_total", (("kind", "prompt"), tiny)] == prompt
-        assert m["marl_train_steps_total", (tiny,)] == 1
-        assert m["marl_policy_version", (tiny,)] == 1
-        assert m["marl_engine_state", (tiny, ("state", "ROLLING"))] == 1
-        assert m["marl_engine_state", (tiny, ("state", "OFFLINE"))] == 0
-        assert m["marl_pool_target_groups", (tiny,)] == 1
-        assert m["marl_last_step_reward_mean", (tiny,)] == pytest.approx(0.5)
+        tiny = (("model", "tiny"), ("policy", "default"))  # a server without policies: its one, "default"
+        assert m["marl_leases_total", (("event", "begun"), *tiny)] == 3
+        assert m["marl_leases_total", (("event", "ended"), *tiny)] == 2
+        assert m["marl_leases_total", (("event", "aborted"), *tiny)] == 1
+        assert m["marl_calls_total", tiny] == calls == 4
+        assert m["marl_tokens_total", (("kind", "generated"), *tiny)] == generated
+        assert m["marl_tokens_total", (("kind", "prompt"), *tiny)] == prompt
+        assert m["marl_train_steps_total", tiny] == 1
+        assert m["marl_policy_version", tiny] == 1
+        assert m["marl_engine_state", (*tiny, ("state", "ROLLING"))] == 1
+        assert m["marl_engine_state", (*tiny, ("state", "OFFLINE"))] == 0
+        assert m["marl_pool_target_groups", tiny] == 1
+        assert m["marl_last_step_reward_mean", tiny] == pytest.approx(0.5)
 
         snap = MonitorSnapshot.model_validate(http.get("/control/monitor").json())
         assert [s.step for s in snap.recent_steps] == [1] and snap.recent_steps[0].metrics["reward_mean"] == 0.5
