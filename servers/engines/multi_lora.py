@@ -19,8 +19,10 @@ that read each adapter once per forward, whatever the rows: for a few adapters o
 fewer kernels than one matmul per adapter present. A base row's delta is an exact zero, so its output is
 bit-identical to the unadapted model's; a forward whose rows are all base skips the adapters altogether.
 
-The adapters are forward hooks on the model's own `nn.Linear`s, so the model's parameter names (what
-`load_weights` and a trainer's state dict use) and its Linear forwards (servers.engines.cpu_matmul) stay as they are.
+Each adapted `nn.Linear` keeps its place and parameters, and only its `forward` is wrapped (base forward, then the
+delta): the model's parameter names (what `load_weights` and a trainer's state dict use) stay as they are, and so
+does the Linear's own forward (servers.engines.cpu_matmul's variant included). A wrapped forward is cheaper than a
+forward hook, which takes every call through nn.Module's slow path.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class _Slots:
         weight = linear.weight
         self.a = weight.new_zeros((0, 0, linear.in_features))
         self.b = weight.new_zeros((linear.out_features, 0, 0))
+        self.a_t, self.b_t = self.a.view(-1, self.a.shape[-1]).t(), self.b.view(self.b.shape[0], -1).t()
 
     def resize(self, n: int, rank: int) -> None:
         """Room for `n` adapters of rank `rank` (zero-padded; kept adapters keep their values)."""
@@ -58,6 +61,8 @@ class _Slots:
         a[:keep_n, :keep_r] = self.a[:keep_n, :keep_r]
         b[:, :keep_n, :keep_r] = self.b[:, :keep_n, :keep_r]
         self.a, self.b = a, b
+        self.a_t = a.view(-1, a.shape[-1]).t()  # [in, n * r_max]
+        self.b_t = b.view(b.shape[0], -1).t()  # [n * r_max, out]
 
     def put(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Write one adapter (None: it does not adapt this layer; its slot becomes zero)."""
@@ -150,7 +155,8 @@ class MultiLora:
         for module in adapter.layers.keys() - self._slots.keys():
             linear = self._linears[module]
             self._slots[module] = _Slots(linear)
-            linear.register_forward_hook(functools.partial(self._adapt, self._slots[module]))
+            # The Linear's forward as it is now (an instance attribute where cpu_matmul replaced it).
+            linear.forward = functools.partial(self._adapt, self._slots[module], linear.forward)
         for module, slots in self._slots.items():
             slots.resize(len(self._names), self._rank)
             slots.put(index - 1, *adapter.layers.get(module, (None, None)))
@@ -170,18 +176,15 @@ class MultiLora:
         some = next(iter(self._slots.values())).a
         slot = torch.tensor(indices, device=some.device) - 1  # -1: the base, matches no slot
         mine = slot[:, None] == torch.arange(len(self._names), device=some.device)[None]
-        return mine.to(some.dtype).repeat_interleave(self._rank, dim=1)
+        return mine.to(some.dtype).repeat_interleave(self._rank, dim=1)[:, None, :]  # [rows, 1 (tokens), n * r]
 
-    def _adapt(self, slots: _Slots, module: torch.nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor):
-        """The forward hook of an adapted Linear: output + each row's own B A x (see the module docstring)."""
+    def _adapt(self, slots: _Slots, base_forward: Any, x: torch.Tensor) -> torch.Tensor:
+        """The forward of an adapted Linear: W x + b, plus each row's own B A x (see the module docstring)."""
+        y = base_forward(x)
         mask = self._mask
         if mask is None:
-            return None
-        x = inputs[0]
-        if x.shape[0] != mask.shape[0]:
-            raise RuntimeError(f"LoRA rows: the forward has {x.shape[0]} rows, {mask.shape[0]} adapters were set")
-        a = slots.a.view(-1, slots.a.shape[-1])
-        b = slots.b.view(slots.b.shape[0], -1)
-        h = torch.matmul(x, a.t()) * mask.view(mask.shape[0], *[1] * (x.dim() - 2), mask.shape[1])
-        flat = output.reshape(-1, output.shape[-1])
-        return torch.addmm(flat, h.reshape(-1, h.shape[-1]), b.t()).view_as(output)
+            return y
+        if x.dim() != 3 or x.shape[0] != mask.shape[0]:
+            raise RuntimeError(f"LoRA rows: an input of shape {tuple(x.shape)}, adapters set for {mask.shape[0]} rows")
+        h = torch.matmul(x, slots.a_t).mul_(mask)
+        return torch.addmm(y.reshape(-1, y.shape[-1]), h.view(-1, h.shape[-1]), slots.b_t).view_as(y)
