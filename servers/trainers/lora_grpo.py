@@ -32,7 +32,7 @@ import tempfile
 import threading
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +138,6 @@ class PolicyState:
     step_count: int = 0
     #: (done, total) micro-batch passes of the step running now, None between steps.
     progress: tuple[int, int] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def adapter_parameters(model: torch.nn.Module, policy: str) -> list[torch.nn.Parameter]:
@@ -187,7 +186,7 @@ class LoraGRPOTrainer(PolicyTrainer):
                     self.peft_model.add_adapter(name, lora_config(spec))
         self.model = self.peft_model.get_base_model()  # the HF model, its linear layers now LoRA layers
         self.model.eval()  # dropout off, as GRPOTrainer: the training forward reproduces the engine's logprobs
-        self.model.requires_grad_(False)
+        self.model.requires_grad_(False)  # base and adapters; a step's set_adapter flags its own adapter trainable
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self._states = {name: self._new_state(name, spec, config, rngs[name])
                         for name, (spec, config) in policies.items()}  # fmt: skip
