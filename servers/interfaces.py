@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from marl.protocol import LoraSpec
+from marl.protocol import GRPOConfig, LoraSpec
 from servers.samples import Sample
 
 
@@ -210,6 +210,14 @@ class PolicyTrainer(abc.ABC):
     @abc.abstractmethod
     def step(self, policy: str, batch: TrainBatch) -> dict[str, float]:
         """One update of `policy`'s adapter; the same objective and metrics as `Trainer.step`."""
+
+    @abc.abstractmethod
+    def set_config(self, policy: str, config: GRPOConfig) -> None:
+        """Train `policy` with `config` from its next step on (its synced config, given at each of its boots)."""
+
+    def progress(self, policy: str) -> tuple[int, int] | None:
+        """`Trainer.progress` of `policy`'s step running now (None: none, or unknown)."""
+        return None
 
     @abc.abstractmethod
     def adapter_weights(self, policy: str) -> dict[str, Any]:

@@ -86,9 +86,11 @@ class AdapterEngine(InferenceEngine):
 class PolicyTrainerView(Trainer):
     """One policy's view of the shared `PolicyTrainer`, as the `Trainer` its train loop drives."""
 
-    def __init__(self, shared: Shared[PolicyTrainer], model_dir: Path, policy: str) -> None:
+    def __init__(self, shared: Shared[PolicyTrainer], model_dir: Path, policy: str, config: TrainConfig) -> None:
         self._shared, self._trainer, self.policy = shared, shared.acquire(model_dir), policy
         self._closed = False
+        # The shared trainer may have been built at another policy's boot, before this one's config was synced.
+        self._trainer.set_config(policy, config.grpo)
 
     @property
     def step_count(self) -> int:  # type: ignore[override]
@@ -96,7 +98,7 @@ class PolicyTrainerView(Trainer):
 
     @property
     def progress(self) -> tuple[int, int] | None:  # type: ignore[override]
-        return getattr(self._trainer, "progress", None)
+        return self._trainer.progress(self.policy)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         return self._trainer.step(self.policy, batch)
@@ -140,4 +142,4 @@ class PolicyBackends:
         return lambda model_dir: AdapterEngine(self.engine, model_dir, policy, self.specs[policy])
 
     def trainer_factory(self, policy: str) -> Callable[[Path, TrainConfig], Trainer]:
-        return lambda model_dir, _config: PolicyTrainerView(self.trainer, model_dir, policy)
+        return lambda model_dir, config: PolicyTrainerView(self.trainer, model_dir, policy, config)
