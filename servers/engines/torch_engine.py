@@ -42,7 +42,7 @@ import functools
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Self
 
@@ -141,10 +141,10 @@ class TorchEngine(InferenceEngine):
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
         """Stream the generation of one request (see `InferenceEngine.generate`).
 
-        Raises ValueError for a bad prompt or bad sampling parameters before anything is queued. Generation stops
-        with "length" at `max_tokens` or at the context length, whichever comes first; with "stop" at an eos token
-        (included in `token_ids`) or when the decoded completion contains one of `params.stop` (the token that
-        completed it is included; cutting the text is the caller's business).
+        Raises ValueError for a bad prompt, bad sampling parameters or an adapter that is not loaded, before
+        anything is queued. Generation stops with "length" at `max_tokens` or at the context length, whichever
+        comes first; with "stop" at an eos token (included in `token_ids`) or when the decoded completion contains
+        one of `params.stop` (the token that completed it is included; cutting the text is the caller's business).
         """
         request = new_request(prompt_ids, params, vocab_size=self.vocab_size, context_length=self.context_length,
                               eos_token_ids=self.eos_token_ids)  # fmt: skip
@@ -184,7 +184,7 @@ class TorchEngine(InferenceEngine):
                     target.copy_(tensor.to(device=target.device, dtype=target.dtype))
             self.stats.weight_loads += 1
 
-    def load_adapter(self, name: str, tensors: Any, spec: LoraSpec) -> None:
+    def load_adapter(self, name: str, tensors: Mapping[str, Any], spec: LoraSpec) -> None:
         """Serve LoRA adapter `name` (new, or replacing the one of that name) from now on (see
         `InferenceEngine.load_adapter`); tensors in PEFT's names, ValueError for a bad one before anything changes.
 
