@@ -3,7 +3,8 @@
     reward_curves.png             from games.jsonl: per trainable server, the mean reward of every role in the
                                   game against that server's policy version (what the other roles did matters too)
     servers/<name>/training.png   from the server's metrics.jsonl: reward mean ± std per role, loss, entropy and
-                                  grad norm against the training step
+                                  grad norm against the training step (servers/<name>/policies/<policy>/ for
+                                  each LoRA policy of a server)
     evals.png                     from evals.jsonl (`run.eval_every`): per role, the greedy win rate and mean
                                   reward of each evaluated pairing, with 95% intervals, against the training step
 
@@ -35,7 +36,8 @@ def plot_run(run_dir: Path) -> list[Path]:
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir} is not a directory (expected a run dir such as runs/signalling-cpu)")
     written = [plot_reward_curves(run_dir)]
-    data_dirs = sorted(p.parent for p in run_dir.glob("servers/*/metrics.jsonl"))
+    data_dirs = sorted(p.parent for pattern in ("servers/*/metrics.jsonl", "servers/*/policies/*/metrics.jsonl")
+                       for p in run_dir.glob(pattern))  # a server of LoRA policies: one learner each
     if (run_dir / "metrics.jsonl").exists():  # a server's own data dir works too
         data_dirs.append(run_dir)
     written += [plot_training(d) for d in data_dirs]

@@ -287,9 +287,9 @@ def test_an_agents_next_turn_over_the_sdk_reuses_its_conversation(local_server):
             messages += [{"role": "assistant", "content": out.choices[0].message.content},
                          {"role": "user", "content": f"Night {turn} is over. Who do you vote for now?"}]  # fmt: skip
         m = scrape(http)
-        tiny = ("model", "tiny")
-        cached = m["marl_engine_prompt_tokens_total", (("kind", "cached"), tiny)]
-        prefilled = m["marl_engine_prompt_tokens_total", (("kind", "prefilled"), tiny)]
+        tiny = (("model", "tiny"), ("policy", "default"))
+        cached = m["marl_engine_prompt_tokens_total", (("kind", "cached"), *tiny)]
+        prefilled = m["marl_engine_prompt_tokens_total", (("kind", "prefilled"), *tiny)]
         assert cached + prefilled == sum(prompt_tokens)
         # Turns 2 and 3 reuse all of the previous turn but its last generated token (sampled, never fed back).
         assert cached == sum(prompt_tokens[t] + completion_tokens[t] - 1 for t in (0, 1))

@@ -1,0 +1,47 @@
+"""`marl run` on a topology whose roles are two LoRA policies of one server (tiny model): one `marl serve`, two
+learners that each take their own steps, their records under the server's data dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from marl.game_record import read_games
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_marl_run_trains_two_policies_of_one_server(tiny_model, tmp_path):
+    spec = {
+        "name": "tiny-lora",
+        "servers": {"team": {"model": str(tiny_model), "trainable": True, "device": "cpu",
+                             "train": {"job": "tiny", "batch_size": 1, "num_repeat": 2, "save_freq": 1,
+                                       "grpo": {"learning_rate": 1e-3}},
+                             "policies": {"speaker": {"lora": {"rank": 4}}, "listener": {"lora": {"rank": 8}}}}},
+        "roles": {"speaker": {"server": "team", "policy": "speaker"},
+                  "listener": {"server": "team", "policy": "listener"}},
+        "env": {"class": "envs.signalling:SignallingGame", "args": {"num_items": 3}},
+        "run": {"max_steps": 2, "concurrency": 2, "run_dir": str(tmp_path / "run")},
+    }
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = subprocess.run([sys.executable, "-m", "marl.cli", "run", str(path)], capture_output=True, text=True,
+                            timeout=500, env={**os.environ, "COLUMNS": "120"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    run_dir = tmp_path / "run"
+    assert "stopped 1 local server" in result.stdout
+    for policy in ("speaker", "listener"):
+        data_dir = run_dir / "servers" / "team" / "policies" / policy
+        steps = [json.loads(line) for line in (data_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [s["step"] for s in steps][:2] == [1, 2]
+        latest = sorted((data_dir / "checkpoints").glob("step_*"))[-1]  # adapter-only, in PEFT's format
+        assert (latest / "adapter" / "adapter_config.json").exists() and (latest / "trainer_state.pt").exists()
+    games = read_games(run_dir / "games.jsonl")
+    assert games and all({p.server for p in g.co_players.values()} == {"team.speaker", "team.listener"}
+                         for g in games)
+    assert (run_dir / "servers" / "team" / "policies" / "speaker" / "training.png").exists()
