@@ -53,7 +53,7 @@ def _serve_options(args: argparse.Namespace):
         served_model_name=args.served_model_name, public_url=args.public_url, device=args.device,
         prefix_cache_gb=args.prefix_cache_gb, engine=args.engine, vllm=_vllm_settings(args),
         placement=_placement(args), max_body_mb=args.max_body_mb, log_level=args.log_level,
-        policies=_policies(args.policy),
+        policies=_policies(args.policy), adapter=Path(args.adapter) if args.adapter else None,
     )
 
 
@@ -261,6 +261,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        help="train a LoRA policy of the model, each its own learner; repeat it for several. LORA: a"
                             ' JSON object of rank, alpha, dropout, target_modules, e.g. \'speaker={"rank": 16}\''
                             " (default: rank 16, alpha 32, every linear layer)")
+    serve.add_argument("--adapter", metavar="DIR",
+                       help="with --static: serve the model with this LoRA adapter (a PEFT directory, e.g. a policy"
+                            " checkpoint's adapter/) applied to every call")
     serve.add_argument("--max-body-mb", type=_megabytes, default=16.0,
                        help="largest request body accepted, in MB (413 beyond; default: 16)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

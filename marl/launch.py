@@ -54,7 +54,8 @@ class ServerProcess:
     """One `marl serve` subprocess; its output goes to `log_path`.
 
     `host`: the interface it listens on (default: loopback only). `vllm`: a topology server's `vllm:` section, passed
-    as `--vllm-*` flags; `placement` as --engine-gpus, --trainer-gpus, --trainer-nodes. `environment`: more variables
+    as `--vllm-*` flags; `placement` as --engine-gpus, --trainer-gpus, --trainer-nodes; `adapter` (with `static`): a
+    PEFT adapter directory served on `model`. `environment`: more variables
     for it (a Ray actor's CUDA_VISIBLE_DEVICES). `die_with_parent`: on Linux, the server is killed
     when the thread that started it dies (a Ray actor's, marl/ray_cluster.py: a restarted actor must never find the
     old server still on its data dir); that thread must live as long as the server.
@@ -64,7 +65,8 @@ class ServerProcess:
                  device: str | None = None, served_name: str | None = None, port: int | None = None,
                  prefix_cache_gb: float | None = None, engine: str = "torch", vllm: VLLMSpec | None = None,
                  placement: PlacementSpec | None = None, host: str = "127.0.0.1", die_with_parent: bool = False,
-                 environment: Mapping[str, str] | None = None, policies: Mapping[str, LoraSpec] | None = None):
+                 environment: Mapping[str, str] | None = None, policies: Mapping[str, LoraSpec] | None = None,
+                 adapter: Path | None = None):
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
@@ -75,6 +77,8 @@ class ServerProcess:
                      "--data-dir", str(data_dir), "--log-level", "warning"]
         if static:
             self.args.append("--static")
+        if adapter is not None:  # a LoRA policy's snapshot: `model` is its base model
+            self.args += ["--adapter", str(adapter)]
         if device:
             self.args += ["--device", device]
         if served_name:

@@ -43,7 +43,18 @@ class ServeOptions:
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413) before they are read
     #: LoRA policies of the base model, each its own learner (`servers.policy_server`); empty: one full-weight policy
     policies: dict[str, LoraSpec] = field(default_factory=dict)
+    #: static only: a PEFT adapter directory (a LoRA policy's checkpoint) served on the model on every call
+    adapter: Path | None = None
     log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.adapter is None:
+            return
+        if not self.static:
+            raise ValueError("--adapter serves a LoRA adapter as it is: give --static too (a trainable server"
+                             " trains its adapters, --policy)")
+        if not (Path(self.adapter) / "adapter_config.json").is_file():
+            raise ValueError(f"--adapter {self.adapter}: not a PEFT adapter directory (no adapter_config.json)")
 
     def served_name(self) -> str:
         """`served_model_name`, else the model's alias or the last component of its path: what clients send as
@@ -167,7 +178,7 @@ def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None 
                                   options.device, options.placement))
     elif options.static:
         server = StaticServer(model=options.model, served_name=served_name, resolve_model=resolve,
-                              engine_factory=engine_factory)
+                              engine_factory=engine_factory, adapter=options.adapter and Path(options.adapter))
     else:
         server = TrainableServer(model=options.model, served_name=served_name, data_dir=options.resolved_data_dir(),
                                  resolve_model=resolve, engine_factory=engine_factory,

@@ -2,12 +2,16 @@
 
 It loads the model when the process starts (BOOTING, then STATIC). Any key may call the data plane; calls are
 counted, never recorded. The control and episode routes answer 409 STATIC_SERVER (`refuse_training`).
+
+With an adapter (`marl serve --static --adapter DIR`, a PEFT adapter directory: a LoRA policy's checkpoint, as
+`marl eval` plays it) every call generates with that adapter on the base model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -17,13 +21,17 @@ from marl.protocol import EngineState, ErrorCode, MonitorSnapshot, ServerStatus
 from servers.chat_completions import ChatService
 from servers.chat_format import ChatFormatter
 from servers.errors import Refusal
-from servers.interfaces import InferenceEngine
+from servers.interfaces import InferenceEngine, lora_spec_of
 from servers.lifecycle import EngineFactory
+from servers.policy_backends import AdapterEngine, Shared
 from servers.prometheus_metrics import MetricsReading, render
 from servers.samples import CallRecord
 from servers.telemetry import Telemetry
 
 log = logging.getLogger("marl.server")
+
+#: The name the static server's one adapter is loaded under in its engine.
+ADAPTER_NAME = "static"
 
 
 class _Unleased:
@@ -40,13 +48,32 @@ class _Unleased:
         return True
 
 
+def adapted_engine(engine_factory: EngineFactory, adapter: Path) -> EngineFactory:
+    """`engine_factory`'s engine with the PEFT adapter in `adapter` on every generation: the view a LoRA policy's
+    server generates through (`AdapterEngine`), on an engine of its own, the adapter loaded at boot."""
+
+    def build(model_dir: Path) -> InferenceEngine:
+        spec = lora_spec_of(json.loads((adapter / "adapter_config.json").read_text()))
+        engine = AdapterEngine(Shared(engine_factory), model_dir, ADAPTER_NAME, spec)
+        try:
+            engine.load_weights_from(adapter)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    return build
+
+
 class StaticServer:
     def __init__(self, *, model: str, served_name: str, resolve_model: Callable[[str], Path],
-                 engine_factory: EngineFactory):
+                 engine_factory: EngineFactory, adapter: Path | None = None):
+        """`adapter`: a PEFT adapter directory that every call generates with (None: the model as it is)."""
         self.model = model
+        self.adapter = adapter
         self.served_name = served_name
         self.resolve_model = resolve_model
-        self.engine_factory = engine_factory
+        self.engine_factory = engine_factory if adapter is None else adapted_engine(engine_factory, adapter)
         self.state = EngineState.OFFLINE  # BOOTING from startup, STATIC once the model is loaded
         self.policy_version = 0
         self.engine: InferenceEngine | None = None
