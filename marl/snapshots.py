@@ -1,9 +1,14 @@
-"""Snapshots: a server's weights at one policy version, and the static `marl serve` processes that serve them.
+"""Snapshots: a learner's weights at one policy version, and the static `marl serve` processes that serve them.
 
 A snapshot is what `marl serve --model X --static` loads: a server's base model (policy version 0, `initial`), or a
 checkpoint that a local trainable server wrote into its data dir, `<run_dir>/servers/<server>/checkpoints/step_N/`
 with N zero-padded to 6 digits (a Hugging Face model dir holding policy version N; servers/checkpoint_dirs.py renames it
 into place only once complete). The paths are re-derived here, not imported: marl/ reaches servers over HTTP only.
+
+A LoRA policy of a server (the learner `server.policy`) checkpoints into
+`<run_dir>/servers/<server>/policies/<policy>/checkpoints/step_N/`, whose `adapter/` (PEFT's format) is served on the
+server's base model (`marl serve --static --model BASE --adapter DIR`). Its `initial` is the base model alone: a new
+adapter's B is zero, so it changes nothing.
 
 Used by `marl eval` and `run.eval_every` (marl/eval/) and by past_of servers (marl/league.py).
 """
@@ -24,11 +29,14 @@ from marl.endpoints import StaticEndpoint
 from marl.launch import ServerProcess
 from marl.protocol import EngineState
 from marl.topology import ServerKind, Topology
+from marl.topology.graph import LEARNER_SEPARATOR
 
 log = logging.getLogger("marl.snapshots")
 
 INITIAL, LATEST = "initial", "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# in a policy's checkpoint (as servers/trainers/lora_grpo.py writes it)
+_ADAPTER_DIR, _ADAPTER_CONFIG = "adapter", "adapter_config.json"
 _VERSION = re.compile(r"^(?:v|step_?)?(\d+)$")
 _BOOT_TIMEOUT_S = 600.0
 _STATUS_TIMEOUT_S = 5.0
@@ -46,22 +54,45 @@ class Snapshot:
     version: int | None  # its policy version (0: the base model); None: unknown (a directory given by path)
     model: str  # what `marl serve --model` loads: a checkpoint dir, or the base model (a dir or an alias)
     trainable: bool = True  # a trainable server's weights (recorded as `snapshot_of`); False: a static server's model
+    policy: str | None = None  # the server's LoRA policy whose weights these are; None: the server's own
+    adapter: str | None = None  # what `marl serve --adapter` applies to `model`: the policy's adapter dir (None: none)
+
+    @property
+    def learner(self) -> str:
+        """The server, or `server.policy`: two policies of one server are two players, so names and labels differ."""
+        return self.server if self.policy is None else f"{self.server}{LEARNER_SEPARATOR}{self.policy}"
 
     @property
     def label(self) -> str:
         if self.version is None:
-            return Path(self.model).name
+            return _checkpoint_dir(Path(self.adapter or self.model)).name
         return INITIAL if self.version == 0 else f"v{self.version}"
 
     @property
     def name(self) -> str:
-        """Its endpoint's name and served model name, e.g. `speaker_model@v5`."""
-        return f"{self.server}@{self.label}"
+        """Its endpoint's name and served model name, e.g. `speaker_model@v5`, `team.speaker@v5`."""
+        return f"{self.learner}@{self.label}"
+
+    def describe(self) -> str:
+        """What it serves, for logs and errors: the model, and the adapter on it."""
+        return self.model if self.adapter is None else f"{self.model} + adapter {self.adapter}"
 
 
-def checkpoints_of(run_dir: Path, server: str) -> dict[int, Path]:
-    """The complete checkpoints of local trainable server `server` of the run in `run_dir`: step -> directory."""
-    root = Path(run_dir) / "servers" / server / "checkpoints"
+def _checkpoint_dir(path: Path) -> Path:
+    """The checkpoint a path names: an adapter's `step_N/adapter` is `step_N`."""
+    return path.parent if path.name == _ADAPTER_DIR else path
+
+
+def checkpoints_root(run_dir: Path, server: str, policy: str | None = None) -> Path:
+    """Where local trainable server `server` (or its LoRA policy `policy`) keeps its checkpoints."""
+    server_dir = Path(run_dir) / "servers" / server
+    return (server_dir if policy is None else server_dir / "policies" / policy) / "checkpoints"
+
+
+def checkpoints_of(run_dir: Path, server: str, policy: str | None = None) -> dict[int, Path]:
+    """The complete checkpoints of local trainable server `server` of the run in `run_dir`, or of its LoRA policy
+    `policy`: step -> directory (a policy's holds its adapter in `adapter/`)."""
+    root = checkpoints_root(run_dir, server, policy)
     if not root.is_dir():
         return {}
     found = {int(m.group(1)): p for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))}
@@ -74,17 +105,30 @@ def checkpoint_source(topology: Topology, server: str) -> str:
     return past_of.server if past_of is not None else server
 
 
-def resolve_snapshot(topology: Topology, run_dir: Path, server: str, ref: str) -> Snapshot:
-    """The snapshot `ref` names for trainable server `server`: `initial`, `latest` (the newest checkpoint, else
-    initial), a step (`5`, `v5`, `step_5`), or a checkpoint directory (a path). Raises `SnapshotError`."""
+def role_checkpoints(topology: Topology, role: str) -> str:
+    """The learner whose checkpoints `role` plays: its own (a server, or `server.policy` for a role of a LoRA
+    policy), or a past_of server's source (checks.py refuses past_of a server of policies)."""
+    server = topology.server_of(role)
+    if server is not None and topology.spec.servers[server].past_of is not None:
+        return checkpoint_source(topology, server)
+    learner = topology.learner_of(role)
+    assert learner is not None, f"role {role} is scripted: it plays no checkpoints"
+    return learner
+
+
+def resolve_snapshot(topology: Topology, run_dir: Path, learner: str, ref: str) -> Snapshot:
+    """The snapshot `ref` names for learner `learner` (a trainable server, or `server.policy`): `initial`, `latest`
+    (the newest checkpoint, else initial), a step (`5`, `v5`, `step_5`), or a checkpoint directory (a path; of a
+    policy: its checkpoint or its adapter directory). Raises `SnapshotError`."""
+    server, policy = topology.learners().get(learner, (learner, None))
     spec = topology.spec.servers[server]
+    if spec.policies and policy is None:
+        raise SnapshotError(f"servers.{server} trains LoRA policies, each its own checkpoints: name one of"
+                            f" {', '.join(f'{server}{LEARNER_SEPARATOR}{p}' for p in spec.policies)}")
+    who = f"servers.{server}" + (f".policies.{policy}" if policy is not None else "")
     if "/" in ref or ref.startswith((".", "~")):
-        path = Path(ref).expanduser()
-        if not path.is_dir():
-            raise SnapshotError(f"{ref}: no such checkpoint directory")
-        step = _STEP_DIR.match(path.name)
-        return Snapshot(server, int(step.group(1)) if step else None, str(path))
-    initial = Snapshot(server, 0, spec.model or "")
+        return _snapshot_at(Path(ref).expanduser(), ref, server, policy, spec.model or "")
+    initial = Snapshot(server, 0, spec.model or "", policy=policy)
     if ref == INITIAL:
         if not spec.model:
             raise SnapshotError(f"servers.{server} names no model: give its initial weights as a directory")
@@ -92,22 +136,36 @@ def resolve_snapshot(topology: Topology, run_dir: Path, server: str, ref: str) -
     if spec.kind is not ServerKind.LOCAL_TRAINABLE:
         raise SnapshotError(f"servers.{server} is a {spec.kind.value} server: only local trainable servers keep"
                             f" checkpoints in the run directory; give a checkpoint directory instead of {ref!r}")
-    found = checkpoints_of(run_dir, server)
-    if ref == LATEST:
-        return Snapshot(server, max(found), str(found[max(found)])) if found else initial
+    found = checkpoints_of(run_dir, server, policy)
     match = _VERSION.match(ref)
-    if match is None:
+    if ref != LATEST and match is None:
         raise SnapshotError(f"{ref!r} is not a checkpoint: give initial, latest, a step (5, v5) or a directory")
-    version = int(match.group(1))
+    version = (max(found) if found else 0) if ref == LATEST else int(match.group(1))
     if version == 0:
         return initial
     if version not in found:
         have = ", ".join(map(str, found)) or "none"
-        raise SnapshotError(f"servers.{server} has no checkpoint of step {version} in"
-                            f" {Path(run_dir) / 'servers' / server / 'checkpoints'} (steps kept: {have}; also"
-                            " initial). Checkpoints are kept every train.save_freq steps, the newest"
-                            " train.keep_checkpoints of them")
-    return Snapshot(server, version, str(found[version]))
+        raise SnapshotError(f"{who} has no checkpoint of step {version} in {checkpoints_root(run_dir, server, policy)}"
+                            f" (steps kept: {have}; also initial). Checkpoints are kept every train.save_freq steps,"
+                            " the newest train.keep_checkpoints of them")
+    if policy is None:
+        return Snapshot(server, version, str(found[version]))
+    return Snapshot(server, version, spec.model or "", policy=policy, adapter=str(found[version] / _ADAPTER_DIR))
+
+
+def _snapshot_at(path: Path, ref: str, server: str, policy: str | None, base_model: str) -> Snapshot:
+    """The snapshot of a checkpoint directory given by path; a policy's is its checkpoint or its adapter dir."""
+    if not path.is_dir():
+        raise SnapshotError(f"{ref}: no such checkpoint directory")
+    step = _STEP_DIR.match(_checkpoint_dir(path).name)
+    version = int(step.group(1)) if step else None
+    if policy is None:
+        return Snapshot(server, version, str(path))
+    adapter = path if (path / _ADAPTER_CONFIG).is_file() else path / _ADAPTER_DIR
+    if not (adapter / _ADAPTER_CONFIG).is_file():
+        raise SnapshotError(f"{ref}: not a LoRA adapter checkpoint of policy {policy} (no {_ADAPTER_CONFIG} in it"
+                            f" or in its {_ADAPTER_DIR}/)")
+    return Snapshot(server, version, base_model, policy=policy, adapter=str(adapter))
 
 
 class StaticFleet:
@@ -191,7 +249,8 @@ class StaticFleet:
         proc = ServerProcess(model=snapshot.model, admin_token=self.token, data_dir=self.log_dir / snapshot.name,
                              log_path=self.log_dir / f"{snapshot.name}.log", static=True,
                              device=self.devices.get(snapshot.server), served_name=snapshot.name,
-                             prefix_cache_gb=self.prefix_cache_gb)
+                             prefix_cache_gb=self.prefix_cache_gb,
+                             adapter=Path(snapshot.adapter) if snapshot.adapter else None)
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"could not serve {snapshot.name}: the fleet is closed")
@@ -201,15 +260,15 @@ class StaticFleet:
             _wait_static(proc, self.token)
         except Exception as exc:
             proc.stop()
-            why = f"could not serve {snapshot.name} ({snapshot.model}): {exc}; see {proc.log_path}"
+            why = f"could not serve {snapshot.name} ({snapshot.describe()}): {exc}; see {proc.log_path}"
             raise RuntimeError(why) from exc
         finally:
             with self._lock:
                 self._booting.discard(proc)
-        log.info("serving %s (%s) on %s", snapshot.name, snapshot.model, proc.url)
+        log.info("serving %s (%s) on %s", snapshot.name, snapshot.describe(), proc.url)
         endpoint = StaticEndpoint(snapshot.name, base_url=proc.url + "/v1", model=snapshot.name,
-                            policy_version=snapshot.version,
-                            snapshot_of=snapshot.server if snapshot.trainable else None)
+                                  policy_version=snapshot.version,
+                                  snapshot_of=snapshot.learner if snapshot.trainable else None)
         return proc, endpoint
 
 

@@ -5,9 +5,11 @@
     marl eval topologies/signalling-cpu.yaml listener=0,5,10,20 speaker=0,5,10,20 --games 32   # a 4 × 4 matrix
 
 A `ROLE=...` argument names a role (no dot) and one checkpoint or a comma-separated list: `initial` (the server's
-`model:`), `latest` (its newest checkpoint; the default), a step (`5`, `v5`) or a checkpoint directory. Every
-combination is a pairing. Checkpoints are read from the run directory (`run.run_dir`, or `--run-dir`). A dotted
-`key=value` is a topology override, as for `marl run`. Every pairing plays the same `--games` seeds.
+`model:`), `latest` (its newest checkpoint; the default), a step (`5`, `v5`) or a checkpoint directory. A role of a
+LoRA policy (`roles.R.policy`) plays that policy's checkpoints: its adapter on the server's model (`initial`: the
+model alone). Every combination is a pairing. Checkpoints are read from the run directory (`run.run_dir`, or
+`--run-dir`). A dotted `key=value` is a topology override, as for `marl run`. Every pairing plays the same `--games`
+seeds.
 
 Prints per pairing and role: win rate and mean reward with 95% intervals, and the valid-reply rate; writes
 eval.json, eval.csv and (for a matrix) eval.png into `--out` (default `<run dir>/eval`). Exits 2 on a bad topology

@@ -1,6 +1,7 @@
 """Pairings: which snapshot plays each role, and one pairing's games, played on static servers.
 
-A pairing seats a snapshot (marl/snapshots.py) in every role played by a trainable or a past_of server; the other
+A pairing seats a snapshot (marl/snapshots.py) in every role played by a trainable or a past_of server (a role of
+a LoRA policy: a snapshot of that policy, its adapter on the server's base model); the other
 roles play as the topology says (a local static server is started like a snapshot, an external endpoint is used as
 it is, a scripted role is the env's). Every server is static, so games lease nothing and nothing is trained or
 recorded on a server. Game i of every pairing plays task `eval-i` with seed `seed * 1_000_003 + i`
@@ -19,7 +20,7 @@ from marl.coordinator import Coordinator, GameSettings
 from marl.endpoints import Endpoint, StaticEndpoint
 from marl.game_record import GameRecord
 from marl.games import play_games, tasks
-from marl.snapshots import LATEST, Snapshot, SnapshotError, StaticFleet, checkpoint_source, resolve_snapshot
+from marl.snapshots import LATEST, Snapshot, SnapshotError, StaticFleet, resolve_snapshot, role_checkpoints
 from marl.topology import ServerKind, Topology
 
 
@@ -47,19 +48,22 @@ class Pairing:
         return " ".join(f"{role}={snapshot.label}" for role, snapshot in self.seats.items())
 
     def describe(self) -> dict[str, dict]:
-        return {role: {"server": s.server, "version": s.version, "model": s.model, "label": s.label}
+        return {role: {"server": s.server, "policy": s.policy, "version": s.version, "model": s.model,
+                       "adapter": s.adapter, "label": s.label}
                 for role, s in self.seats.items()}
 
 
 def checkpointed_roles(topology: Topology) -> list[str]:
-    """Roles played by a trainable or a past_of server: the ones a pairing chooses checkpoints for (file order)."""
+    """Roles played by a trainable or a past_of server (a LoRA policy's roles too): the ones a pairing chooses
+    checkpoints for (file order)."""
     servers = topology.spec.servers
     return [role for role, server in topology.players().items()
             if server is not None and (servers[server].trainable or servers[server].past_of is not None)]
 
 
 def plan_pairings(topology: Topology, run_dir: Path, choices: Mapping[str, Sequence[str]]) -> list[Pairing]:
-    """Every combination of the checkpoints chosen per role (a role not chosen plays `latest`), in role order.
+    """Every combination of the checkpoints chosen per role (a role not chosen plays `latest`), in role order; a
+    role's checkpoints are its learner's (`role_checkpoints`: a role of a LoRA policy plays that policy's).
     Raises `SnapshotError` for an unknown role, a role without checkpoints, or a checkpoint that does not exist."""
     roles = checkpointed_roles(topology)
     for role in choices:
@@ -71,7 +75,7 @@ def plan_pairings(topology: Topology, run_dir: Path, choices: Mapping[str, Seque
                                 f" or past_of servers take one ({', '.join(roles) or 'none here'})")
     options = []
     for role in roles:
-        source = checkpoint_source(topology, topology.server_of(role))
+        source = role_checkpoints(topology, role)
         options.append([resolve_snapshot(topology, run_dir, source, ref) for ref in choices.get(role, [LATEST])])
     return [Pairing(dict(zip(roles, combination))) for combination in itertools.product(*options)]
 

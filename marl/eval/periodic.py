@@ -1,12 +1,14 @@
 """`run.eval_every: K`: while `marl run` trains, greedy games between checkpoints every K steps, into evals.jsonl.
 
-When the run starts (step 0) and each time every trainable server has a checkpoint at or past the next multiple of
-K (the evaluation's step: the oldest of their newest checkpoints), a background thread plays `run.eval_games`
+When the run starts (step 0) and each time every learner (a trainable server, or each LoRA policy of one) has a
+checkpoint at or past the next multiple of K (the evaluation's step: the oldest of their newest checkpoints), a
+background thread plays `run.eval_games`
 greedy games (temperature 0, the run's seed: the same games every time) per pairing, on static servers of their own
 (training goes on meanwhile):
-- `latest`: every checkpointed role on its server's newest checkpoint (the initial models at step 0);
-- `<server> latest` (past step 0, unless the server plays every checkpointed role): that server's roles on its
-  newest checkpoint, every other checkpointed role on its initial model: did this model improve, partners fixed?
+- `latest`: every checkpointed role on its learner's newest checkpoint (the initial models at step 0);
+- `<learner> latest` (past step 0, unless the learner plays every checkpointed role): that learner's roles on its
+  newest checkpoint, every other checkpointed role on its initial model: did this policy improve, partners fixed?
+  (e.g. `speaker_model latest`, or `team.speaker latest` for the policy speaker of server team)
 A past_of role counts as its trainable server's: `latest` is then self-play of the newest checkpoint, and
 `<server> latest` the newest against the initial model.
 
@@ -32,9 +34,9 @@ from marl.snapshots import (
     LATEST,
     SnapshotError,
     StaticFleet,
-    checkpoint_source,
     checkpoints_of,
     resolve_snapshot,
+    role_checkpoints,
 )
 from marl.topology import Topology
 
@@ -50,13 +52,13 @@ class PeriodicEval:
         assert run.eval_every is not None, "run.eval_every is not set"
         self.topology, self.run_dir, self.every = topology, Path(run_dir), run.eval_every
         self.report, self.poll_s = report, poll_s
-        self.trainable = topology.trainable_servers()
+        self.learners = topology.learners()  # learner -> (server, policy): whose checkpoints are evaluated
         self.settings = EvalSettings(games=run.eval_games, seed=run.seed, temperature=0.0,
                                      concurrency=min(4, run.eval_games), max_tokens=run.max_tokens,
                                      max_failures=run.max_failures, lease_timeout_s=run.lease_timeout_s)
         # One fleet for the whole run: the initial models stay up; older checkpoints make room for newer ones.
         self.fleet = StaticFleet(self.run_dir / "logs" / "eval", token=token, devices=fleet_devices(topology),
-                                 max_servers=2 * len(self.trainable))
+                                 max_servers=2 * len(self.learners))
         self.evaluated: list[int] = []  # the steps evaluated, in order
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="periodic-eval", daemon=True)
@@ -73,8 +75,9 @@ class PeriodicEval:
             self._thread.join(timeout=60)
 
     def reached(self) -> int:
-        """The step every trainable server has a checkpoint of (its newest; 0 before any)."""
-        return min((max(checkpoints_of(self.run_dir, s), default=0) for s in self.trainable), default=0)
+        """The step every learner has a checkpoint of (its newest; 0 before any)."""
+        return min((max(checkpoints_of(self.run_dir, server, policy), default=0)
+                    for server, policy in self.learners.values()), default=0)
 
     def _loop(self) -> None:
         due = 0
@@ -88,15 +91,16 @@ class PeriodicEval:
     def pairings(self, step: int) -> dict[str, Pairing]:
         """The pairings of the evaluation at `step` (see the module docstring)."""
         topology, roles = self.topology, checkpointed_roles(self.topology)
-        latest = {s: resolve_snapshot(topology, self.run_dir, s, LATEST) for s in self.trainable}
-        initial = {s: resolve_snapshot(topology, self.run_dir, s, INITIAL) for s in self.trainable}
-        source = {role: checkpoint_source(topology, topology.server_of(role)) for role in roles}
+        latest = {s: resolve_snapshot(topology, self.run_dir, s, LATEST) for s in self.learners}
+        initial = {s: resolve_snapshot(topology, self.run_dir, s, INITIAL) for s in self.learners}
+        source = {role: role_checkpoints(topology, role) for role in roles}
         pairings = {"latest": Pairing({role: latest[source[role]] for role in roles})}
-        for server in self.trainable if step > 0 else ():
-            if all(topology.server_of(role) == server for role in roles):
+        for learner in self.learners if step > 0 else ():
+            # a past_of role's learner is the past_of server: it stays on the initial model here
+            if all(topology.learner_of(role) == learner for role in roles):
                 continue  # it plays every checkpointed role: the same pairing as `latest`
-            pairings[f"{server} latest"] = Pairing({role: latest[server] if topology.server_of(role) == server
-                                                    else initial[source[role]] for role in roles})
+            pairings[f"{learner} latest"] = Pairing({role: latest[learner] if topology.learner_of(role) == learner
+                                                     else initial[source[role]] for role in roles})
         return pairings
 
     def _evaluate(self, step: int) -> None:

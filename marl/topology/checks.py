@@ -173,7 +173,7 @@ def check_urls(spec: TopologySpec, findings: Findings) -> None:
 
 
 def check_past_of(spec: TopologySpec, findings: Findings) -> None:
-    """A past_of server names a local trainable server, whose checkpoints it plays."""
+    """A past_of server names a local trainable server, whose checkpoints it plays (not yet one of LoRA policies)."""
     for name, server in spec.servers.items():
         if server.past_of is None:
             continue
@@ -187,13 +187,18 @@ def check_past_of(spec: TopologySpec, findings: Findings) -> None:
         if kind is not ServerKind.LOCAL_TRAINABLE:
             findings.bad(where, f"servers.{source} is a {kind.value} server: past_of plays the checkpoints that a"
                                 " local trainable server (model: + trainable: true) writes into the run directory")
+        elif spec.servers[source].policies:
+            findings.bad(where, f"servers.{source} trains LoRA policies: past_of a server of policies is not"
+                                " supported yet (its checkpoints are adapters, one set per policy); name a server"
+                                " without policies instead")
         elif spec.servers[source].train.save_freq == 0:
             findings.warn(where, f"servers.{source}.train.save_freq is 0: it never saves a checkpoint, so this"
                                  " server always plays its initial model")
 
 
 def check_eval_every(spec: TopologySpec, findings: Findings) -> None:
-    """run.eval_every plays checkpoints: every trainable server must be local and save them."""
+    """run.eval_every plays checkpoints: every trainable server must be local and save them (each of its LoRA
+    policies, with its own train.save_freq)."""
     every = spec.run.eval_every
     if every is None:
         return
@@ -204,13 +209,16 @@ def check_eval_every(spec: TopologySpec, findings: Findings) -> None:
         if server.kind is not ServerKind.LOCAL_TRAINABLE:
             findings.bad(["run", "eval_every"], f"servers.{name} is a remote swarm server: evaluations play the"
                                                 " checkpoints local trainable servers write into the run directory")
-        elif server.train.save_freq == 0:
-            findings.bad(["run", "eval_every"], f"servers.{name}.train.save_freq is 0: it saves no checkpoints to"
-                                                f" evaluate; set it to a divisor of {every}")
-        elif every % server.train.save_freq:
-            findings.warn(["run", "eval_every"], f"{every} is not a multiple of servers.{name}.train.save_freq"
-                                                 f" ({server.train.save_freq}): each evaluation plays the newest"
-                                                 " checkpoint at that point")
+            continue
+        learners = {f"servers.{name}.policies.{p}": server.policy_train(p) for p in server.policies or {}}
+        for where, train in (learners or {f"servers.{name}": server.train}).items():
+            if train.save_freq == 0:
+                findings.bad(["run", "eval_every"], f"{where}.train.save_freq is 0: it saves no checkpoints to"
+                                                    f" evaluate; set it to a divisor of {every}")
+            elif every % train.save_freq:
+                findings.warn(["run", "eval_every"], f"{every} is not a multiple of {where}.train.save_freq"
+                                                     f" ({train.save_freq}): each evaluation plays the newest"
+                                                     " checkpoint at that point")
 
 
 def check_ray_gpus(spec: TopologySpec, findings: Findings) -> None:
