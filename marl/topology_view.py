@@ -39,7 +39,9 @@ def topology_tree(topology: Topology) -> Tree:
 
 
 def _role_line(topology: Topology, role: str) -> str:
-    return f"{role} ×{topology.dealt_roles()[role].count} (team {topology.team_of(role)})"
+    policy = topology.spec.roles[role].policy
+    played = f", policy {policy}" if policy else ""
+    return f"{role} ×{topology.dealt_roles()[role].count} (team {topology.team_of(role)}{played})"
 
 
 def _add_servers(root: Tree, topology: Topology) -> None:
@@ -60,6 +62,11 @@ def _add_servers(root: Tree, topology: Topology) -> None:
             shown = " ".join(f"{k}={v}" for k, v in set_keys.items())
             node.add(Text.assemble(("train  ", "dim"), shown or "(all defaults)",
                                    (f"  num_repeat={s.train.num_repeat}" if "num_repeat" not in set_keys else "", "")))
+        for policy, spec in (s.policies or {}).items():
+            lora = spec.lora
+            changes = " ".join(f"{k}={v}" for k, v in spec.train.items())
+            node.add(Text.assemble(("policy  ", "dim"), (policy, "bold"), f"  LoRA rank={lora.rank}"
+                                   f" alpha={lora.alpha:g}", f"  train {changes}" if changes else ""))
         plays = ", ".join(_role_line(topology, r) for r in topology.roles_of(name))
         node.add(Text.assemble(("plays  ", "dim"), plays or ("(no role)", "red")))
 
@@ -77,7 +84,7 @@ def _add_teams(root: Tree, topology: Topology) -> None:
     teams = root.add(Text.assemble(("teams", "bold"), (f"  ({source})", "dim")))
     dealt = topology.dealt_roles()
     for team, roles in topology.teams().items():
-        members = ", ".join(f"{r} ×{dealt[r].count} → {topology.server_of(r) or 'scripted'}" for r in roles)
+        members = ", ".join(f"{r} ×{dealt[r].count} → {topology.learner_of(r) or 'scripted'}" for r in roles)
         teams.add(Text.assemble((team, "bold"), "  ", members))
 
 
