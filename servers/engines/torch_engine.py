@@ -50,10 +50,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from marl.protocol import LoraSpec
+from servers.engines.adapter_loads import AdapterLoads, install
 from servers.engines.batch_runner import BatchRunner, EngineStats
 from servers.engines.cpu_matmul import use_weight_major_matmul_if_faster
 from servers.engines.model_limits import context_length, eos_token_ids
-from servers.engines.multi_lora import MultiLora, PreparedAdapter
+from servers.engines.multi_lora import MultiLora
 from servers.engines.prefix_cache import PrefixCache
 from servers.engines.request import Request, new_request
 from servers.engines.running_batch import RunningBatch
@@ -70,15 +71,6 @@ _PREFILL_TOKEN_BUDGET = 16384
 
 # Memory for the keys/values of finished conversations (see prefix_cache): about 45k tokens of SmolLM2-135M in fp32.
 DEFAULT_PREFIX_CACHE_BYTES = 2 * 2**30
-
-
-class _AdapterLoad:
-    """An adapter waiting for the worker to install it; `done` is set once it serves (or `error` says why not)."""
-
-    def __init__(self, adapter: PreparedAdapter) -> None:
-        self.adapter = adapter
-        self.done = threading.Event()
-        self.error: BaseException | None = None
 
 
 class TorchEngine(InferenceEngine):
@@ -130,7 +122,7 @@ class TorchEngine(InferenceEngine):
         self._batch: RunningBatch | None = None  # owned by the worker thread
         self._swap_requests = 0  # load_weights callers waiting for the worker to drain
         self._swap_lock = threading.Lock()
-        self._adapter_loads: list[_AdapterLoad] = []  # waiting for the worker to install them
+        self._adapter_loads = AdapterLoads()  # waiting for the worker to install them
         self._worker_idle = False  # the worker is parked with no running batch
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="marl-torch-engine", daemon=True)
@@ -192,15 +184,13 @@ class TorchEngine(InferenceEngine):
         (its new requests wait meanwhile); other adapters' and the base's requests keep running. Its entries in the
         prefix cache are dropped (computed by the old adapter).
         """
-        load = _AdapterLoad(self.lora.prepare(name, tensors, spec))
+        adapter = self.lora.prepare(name, tensors, spec)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the engine is closed")
-            self._adapter_loads.append(load)
+            load = self._adapter_loads.add(adapter)
             self._cv.notify_all()
-        load.done.wait()
-        if load.error is not None:
-            raise load.error
+        load.wait()
 
     def close(self) -> None:
         """Stop the worker; requests still queued or running fail with RuntimeError."""
@@ -272,12 +262,9 @@ class TorchEngine(InferenceEngine):
                 self._waiting.clear()
                 self._batch = None
                 self._worker_idle = True
-                loads, self._adapter_loads = self._adapter_loads, []
+                self._adapter_loads.fail_all(RuntimeError("the engine is closed"))
                 self._cv.notify_all()
-            self._fail(leftovers, RuntimeError("the engine is closed"))
-            for load in loads:
-                load.error = RuntimeError("the engine is closed")
-                load.done.set()
+            _fail(leftovers, RuntimeError("the engine is closed"), self.stats)
 
     def _wait_for_work(self) -> list[Request] | None:
         """Block until there is something to do; return the requests to admit now (None: shut down)."""
@@ -289,12 +276,11 @@ class TorchEngine(InferenceEngine):
                 if any(r.cancelled for r in self._waiting):
                     self._waiting = deque(r for r in self._waiting if not r.cancelled)
                 running = len(self._batch.requests) if self._batch is not None else 0
-                # Requests of an adapter being replaced wait for it: a generation never mixes two of its versions.
-                held = {load.adapter.name for load in self._adapter_loads}
+                held = self._adapter_loads.held()
                 # While a weight swap waits, nothing new starts: the running batch drains, then the worker parks.
                 admissible = (self._swap_requests == 0 and running < self.max_batch_size
                               and any(r.adapter not in held for r in self._waiting))  # fmt: skip
-                if running or admissible or self._installable():
+                if running or admissible or self._adapter_loads.installable(self._batch, self._swap_requests > 0):
                     self._worker_idle = False
                     if not admissible:
                         return []
@@ -303,29 +289,12 @@ class TorchEngine(InferenceEngine):
                 self._cv.notify_all()
                 self._cv.wait()
 
-    def _installable(self) -> list[_AdapterLoad]:
-        """Adapter loads that may be installed now (under the lock): none of their requests runs, and no weight
-        swap is under way (its body runs outside the worker)."""
-        if self._swap_requests or not self._adapter_loads:
-            return []
-        running = {r.adapter for r in self._batch.requests} if self._batch is not None else set()
-        return [load for load in self._adapter_loads if load.adapter.name not in running]
-
     def _install_adapters(self) -> None:
         """Install the adapters that may be now, between two forwards (their tensors are copied outside the lock)."""
         with self._cv:
-            loads = self._installable()
-            self._adapter_loads = [load for load in self._adapter_loads if load not in loads]
-        for load in loads:
-            try:
-                self.lora.install(load.adapter)
-                if self.prefix_cache is not None:
-                    self.prefix_cache.forget(load.adapter.name)  # computed by its old version
-                self.stats.adapter_loads += 1
-            except Exception as error:  # noqa: BLE001 - e.g. out of memory: the caller hears of it, the worker goes on
-                log.exception("loading LoRA adapter %r failed", load.adapter.name)
-                load.error = error
-            load.done.set()
+            loads = self._adapter_loads.installable(self._batch, self._swap_requests > 0)
+            self._adapter_loads.take(loads)
+        install(loads, self.lora, self.prefix_cache, self.stats)
 
     def _admit(self, group: list[Request]) -> None:
         """Prefill `group` and add it to the running batch: prompts extending a cached prefix one by one on top
@@ -346,34 +315,38 @@ class TorchEngine(InferenceEngine):
 
     def _join(self, requests: list[Request], prefill: Callable[[], RunningBatch | None]) -> None:
         """Run `prefill` and merge its batch into the running one; a failure fails only what it touched."""
-        try:
-            fresh = prefill()
-        except Exception as error:  # noqa: BLE001 - e.g. out of memory on a long prompt
-            self._step_failed(error, requests)  # the running batch is untouched and goes on
-            return
-        if fresh is None:
-            return
-        if self._batch is None:
-            self._batch = fresh
-            return
-        try:
-            self._batch.absorb(fresh)
-        except Exception as error:  # noqa: BLE001 - the batch may be half-merged: drop it all
-            victims = fresh.requests + self._batch.requests
-            self._batch = None
-            self._step_failed(error, victims)
+        self._batch = _joined(self._batch, requests, prefill, self._step_failed)
 
     def _step_failed(self, error: Exception, victims: list[Request]) -> None:
         log.exception("torch engine step failed; failing %d request(s)", len(victims), exc_info=error)
-        self._fail(victims, RuntimeError(f"generation failed: {type(error).__name__}: {error}"))
+        _fail(victims, RuntimeError(f"generation failed: {type(error).__name__}: {error}"), self.stats)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _fail(self, requests: Iterable[Request], error: BaseException) -> None:
-        for request in requests:
-            if not request.done:
-                self.stats.failed_requests += 1
-                request.post(error)
+
+def _joined(batch: RunningBatch | None, requests: list[Request], prefill: Callable[[], RunningBatch | None],
+            failed: Callable[[Exception, list[Request]], None]) -> RunningBatch | None:  # fmt: skip
+    """`batch` with what `prefill` returns merged in; a failure fails only what it touched (`failed`)."""
+    try:
+        fresh = prefill()
+    except Exception as error:  # noqa: BLE001 - e.g. out of memory on a long prompt
+        failed(error, requests)  # the running batch is untouched and goes on
+        return batch
+    if fresh is None or batch is None:
+        return fresh if batch is None else batch
+    try:
+        batch.absorb(fresh)
+    except Exception as error:  # noqa: BLE001 - the batch may be half-merged: drop it all
+        failed(error, fresh.requests + batch.requests)
+        return None
+    return batch
+
+
+def _fail(requests: Iterable[Request], error: BaseException, stats: EngineStats) -> None:
+    for request in requests:
+        if not request.done:
+            stats.failed_requests += 1
+            request.post(error)
 
 
 def _pop_prefill_group(waiting: deque[Request], slots: int, held: set[str | None]) -> list[Request]:
