@@ -83,6 +83,14 @@ class Architecture:
     def parameter_count(self) -> int:
         return self.num_layers * self.layer_params() + self.embedding_params() + self.hidden_size  # + final norm
 
+    def lora_params(self, rank: int, target_modules: tuple[str, ...]) -> int:
+        """Parameters of a rank-`rank` LoRA adapter on the named linear layers of every decoder layer: r x (in + out)
+        each (a Llama/Qwen decoder's names; an MoE's experts count as one MLP)."""
+        h, q, kv, i = self.hidden_size, self.q_width, self.kv_width, self.active_intermediate()
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                  "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+        return self.num_layers * sum(rank * sum(shapes[m]) for m in target_modules if m in shapes)
+
     def active_intermediate(self) -> int:
         """MLP width one token runs through: the dense MLP's, or its experts' together."""
         return self.experts_per_token * self.moe_intermediate_size if self.num_experts else self.intermediate_size

@@ -25,6 +25,10 @@ per token and layer, within 2% across four shapes (SmolLM2's, and 8 heads with 8
 in the micro-batch's length, since that mode counts an in-place operation on an existing tensor (an optimizer's)
 as a new one. Whole peaks are compared with processes' resident memory instead (bench/plan_accuracy.py).
 
+The one-process trainer of k LoRA policies (adapters of A_j parameters): the frozen fp32 base 4P, each adapter and
+its AdamW moments 12·A_j, during a step one adapter's gradients 4·max A_j and the same activations and logits (the
+backward still runs through every layer to reach the adapters below); no KL reference (the adapter turned off).
+
 The vLLM engine on one of its `tp` GPUs, weights in `b` bytes (docs/backends.md):
 
     weights P·b/tp, activations of its profiling forward (max_num_batched_tokens through a layer, and the sampler's
@@ -102,10 +106,14 @@ class TrainerSetting:
     kl_reference: bool = False
     sharded: bool = False  # FSDP2 (gathers parameters) rather than one process holding them whole
     on_gpu: bool = False
+    #: LoRA policies: each one's adapter parameters (empty: the model's own weights are trained)
+    adapters: tuple[int, ...] = ()
 
 
 def trainer_rank(arch: Architecture, s: TrainerSetting) -> tuple[Parts, Parts]:
     """(what one rank keeps between steps, its peak during a step) in bytes."""
+    if s.adapters:
+        return _lora_trainer(arch, s)
     p, n = arch.parameter_count(), s.ranks
     resident = Parts().add("parameters (fp32 shard)" if s.sharded else "parameters (fp32)", 4 * p / n)
     resident.add("AdamW moments (fp32)", 8 * p / n)
@@ -123,6 +131,21 @@ def trainer_rank(arch: Architecture, s: TrainerSetting) -> tuple[Parts, Parts]:
     peak = Parts().extend(resident).add("gradients (fp32 shard)" if s.sharded else "gradients (fp32)", 4 * p / n)
     peak.extend(passes if passes.total >= optimizer_step.total else optimizer_step)
     return resident, peak
+
+
+def _lora_trainer(arch: Architecture, s: TrainerSetting) -> tuple[Parts, Parts]:
+    """The one-process trainer of LoRA policies: a frozen fp32 base (no gradients, no AdamW; its KL reference is
+    the adapter turned off), every policy's adapter and AdamW moments; one policy steps at a time."""
+    adapters, largest = sum(s.adapters), max(s.adapters)
+    resident = Parts().add("parameters (fp32, frozen)", 4 * arch.parameter_count())
+    resident.add(f"{len(s.adapters)} adapters + AdamW moments (fp32)", 12 * adapters)
+    resident.add("CUDA context", CUDA_CONTEXT_BYTES if s.on_gpu else 0)
+    passes = Parts().add("activations", activations(arch, s.micro_batch_tokens, s.compute_bytes, s.checkpointing))
+    trained = s.micro_batch_tokens if s.trained_tokens is None else s.trained_tokens
+    passes.add("logits (one chunk)", logits_bytes(arch, trained, s.compute_bytes))
+    peak = Parts().extend(resident).add("gradients (one adapter, fp32)", 4 * largest)
+    return resident, peak.extend(passes if passes.total >= 4 * largest else Parts().add("AdamW temporaries",
+                                                                                         4 * largest))
 
 
 @dataclass(frozen=True)
@@ -174,9 +197,13 @@ def engine_torch(arch: Architecture, *, weight_bytes: int, sequences: int, token
     return parts.add("CUDA context", CUDA_CONTEXT_BYTES if on_gpu else 0)
 
 
-def disk_per_checkpoint(arch: Architecture, *, sharded: bool, export_bytes: int) -> Parts:
+def disk_per_checkpoint(arch: Architecture, *, sharded: bool, export_bytes: int, adapters: tuple[int, ...] = ()
+                        ) -> Parts:  # fmt: skip
     """A training checkpoint: fp32 parameters and AdamW moments (every rank's shards, or one file), and the model
-    export a static server or `marl eval` serves (in the trainer's compute dtype)."""
+    export a static server or `marl eval` serves (in the trainer's compute dtype); of LoRA policies, each policy's
+    adapter and its AdamW moments only."""
+    if adapters:
+        return Parts().add(f"{len(adapters)} adapters + AdamW (fp32)", 12 * sum(adapters))
     p = arch.parameter_count()
     if sharded:
         return Parts().add("sharded parameters + AdamW (fp32)", 12 * p).add("model export", export_bytes * p)

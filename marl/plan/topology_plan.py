@@ -175,7 +175,8 @@ def _certain(parts: Parts) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def trainer_setting(server: Any, *, on_gpu: bool, ranks: int | None = None) -> TrainerSetting | None:
+def trainer_setting(server: Any, *, on_gpu: bool, ranks: int | None = None,
+                    arch: Architecture | None = None) -> TrainerSetting | None:  # fmt: skip
     train = getattr(server, "train", None)
     if not server.trainable or train is None:
         return None
@@ -185,7 +186,14 @@ def trainer_setting(server: Any, *, on_gpu: bool, ranks: int | None = None) -> T
     bf16 = sharded and (mixed == "bf16" or (mixed == "auto" and on_gpu))
     return TrainerSetting(ranks=(ranks or section.ranks) if sharded else 1, compute_bytes=2 if bf16 else 4,
                           micro_batch_tokens=section.micro_batch_tokens, checkpointing=section.gradient_checkpointing,
-                          kl_reference=section.kl_coef > 0, sharded=sharded, on_gpu=on_gpu)  # fmt: skip
+                          kl_reference=section.kl_coef > 0, sharded=sharded, on_gpu=on_gpu,
+                          adapters=adapter_params(server, arch))  # fmt: skip
+
+
+def adapter_params(server: Any, arch: Architecture | None) -> tuple[int, ...]:
+    """Each LoRA policy's adapter parameters (empty: the server trains its model's own weights)."""
+    policies = getattr(server, "policies", None) or {}
+    return tuple(arch.lora_params(p.lora.rank, p.lora.target_modules) for p in policies.values()) if arch else ()
 
 
 def _disk(plan: ServerPlan, server: Any, arch: Architecture, setting: TrainerSetting | None, *,
@@ -194,9 +202,11 @@ def _disk(plan: ServerPlan, server: Any, arch: Architecture, setting: TrainerSet
         return
     p = arch.parameter_count()
     if weights_through_disk:
-        plan.disk_per_step.add("weights for the engine", p * setting.compute_bytes)
+        plan.disk_per_step.add("weights for the engine", (max(setting.adapters) if setting.adapters else p)
+                               * setting.compute_bytes)  # fmt: skip
     if server.train.save_freq:
-        checkpoint = disk_per_checkpoint(arch, sharded=setting.sharded, export_bytes=setting.compute_bytes)
+        checkpoint = disk_per_checkpoint(arch, sharded=setting.sharded, export_bytes=setting.compute_bytes,
+                                         adapters=setting.adapters)  # fmt: skip
         plan.disk_per_checkpoint = checkpoint
         every = server.train.save_freq
         plan.disk_per_step.add(f"checkpoint every {every} steps", checkpoint.total / every)
@@ -216,9 +226,10 @@ def _calls_at_once(name: str, spec: Any) -> int:
 def _torch_engine(name: str, server: Any, arch: Architecture, spec: Any, *, on_gpu: bool) -> Parts:
     """The torch engine of a server: bf16 on a GPU, fp32 on the CPU (servers/engines/torch_engine.py)."""
     prefix = server.prefix_cache_gb if server.prefix_cache_gb is not None else DEFAULT_PREFIX_CACHE_GB
-    return engine_torch(arch, weight_bytes=2 if on_gpu else 4, sequences=_calls_at_once(name, spec),
-                        tokens_per_sequence=TORCH_ENGINE_TOKENS_PER_SEQUENCE, prefix_cache_bytes=prefix * GIB,
-                        on_gpu=on_gpu)  # fmt: skip
+    parts = engine_torch(arch, weight_bytes=2 if on_gpu else 4, sequences=_calls_at_once(name, spec),
+                         tokens_per_sequence=TORCH_ENGINE_TOKENS_PER_SEQUENCE, prefix_cache_bytes=prefix * GIB,
+                         on_gpu=on_gpu)  # fmt: skip
+    return parts.add("LoRA adapters", sum(adapter_params(server, arch)) * (2 if on_gpu else 4))
 
 
 def _plan_on_host(name: str, server: Any, arch: Architecture, spec: Any) -> ServerPlan:
@@ -232,7 +243,7 @@ def _plan_on_host(name: str, server: Any, arch: Architecture, spec: Any) -> Serv
         engine = _torch_engine(name, server, arch, spec, on_gpu=False)
     rollouts = Parts().extend(engine, prefix="engine: ") if copies == 1 else Parts().add(
         f"{copies} engines", copies * engine.total)
-    setting = trainer_setting(server, on_gpu=False)
+    setting = trainer_setting(server, on_gpu=False, arch=arch)
     step = None
     if setting is not None:
         resident, peak = trainer_rank(arch, setting)
@@ -305,7 +316,8 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
     key = f"servers.{name}"
     placement = getattr(server, "placement", None)
     per_node = len(placement.trainer_gpus or []) if placement is not None else 0
-    setting = trainer_setting(server, on_gpu=True, ranks=per_node * placement.nodes if per_node else None)
+    setting = trainer_setting(server, on_gpu=True, ranks=per_node * placement.nodes if per_node else None,
+                              arch=arch)
     uses_vllm = server.engine == "vllm" or not server.is_local
     v = server.vllm
     replicas = (v.tensor_parallel_size * v.data_parallel_size) if v is not None else 1

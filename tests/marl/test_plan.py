@@ -173,3 +173,42 @@ def test_vllms_share_beside_a_trainer_rank_is_sized_by_the_plan_and_passed_by_ma
         "vllm.gpu_memory_utilization": utilization_beside(resident, 80e9)}
     check_memory_plan(topology, "t.yaml", Console(file=None, quiet=True))
     assert topology.spec.servers["a"].vllm.gpu_memory_utilization == utilization_beside(resident, 80e9) == 0.35
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj")], ids=["qv", "all-linear"])
+def test_lora_parameters_are_peft_s(targets):
+    from peft import LoraConfig, get_peft_model
+
+    config = _qwen_config(QWEN_7B)
+    with torch.device("meta"):
+        model = get_peft_model(AutoModelForCausalLM.from_config(config),
+                               LoraConfig(r=16, lora_alpha=32, target_modules=list(targets)))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert QWEN_7B.lora_params(16, targets) == trainable
+
+
+def test_lora_policies_keep_one_frozen_base_and_small_adapters():
+    adapter = QWEN_7B.lora_params(16, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    full = TrainerSetting(micro_batch_tokens=4096, checkpointing=True, on_gpu=True)
+    lora = TrainerSetting(micro_batch_tokens=4096, checkpointing=True, on_gpu=True, adapters=(adapter,) * 3)
+    p = QWEN_7B.parameter_count()
+    parts = dict(trainer_rank(QWEN_7B, lora)[1].items)
+    assert parts["parameters (fp32, frozen)"] == 4 * p
+    assert parts["3 adapters + AdamW moments (fp32)"] == 36 * adapter
+    assert parts["gradients (one adapter, fp32)"] == 4 * adapter
+    assert "AdamW moments (fp32)" not in parts  # the base has no optimizer state
+    # 3 LoRA policies in one trainer against one full-weight trainer: about a third of its peak
+    assert trainer_rank(QWEN_7B, lora)[1].total < 0.4 * trainer_rank(QWEN_7B, full)[1].total
+
+
+def test_the_plan_of_a_lora_topology_counts_its_adapters():
+    plan = plan_topology(Topology.load(REPO / "topologies" / "signalling-lora.yaml").spec, host_memory=24 * GB)
+    team = next(p for p in plan.servers if p.server == "team")
+    step = dict(team.devices[0].step.items)
+    adapter = KNOWN_ARCHITECTURES["huggingfacetb/smollm2-135m-instruct"].lora_params(16, (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    assert adapter == 4_884_480  # 19.5 MB in fp32: what the trainer exports (bench/lora_publish.py)
+    assert step["trainer: 2 adapters + AdamW moments (fp32)"] == 24 * adapter
+    assert step["engine: LoRA adapters"] == 2 * adapter * 4
+    assert team.disk_per_checkpoint.total == 24 * adapter
