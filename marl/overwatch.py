@@ -35,6 +35,8 @@ from marl.client import SwarmClient, SwarmError
 from marl.launch import SERVERS_FILE
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, MonitorSnapshot, TrainingProgress
 from marl.terminal import safe
+from marl.topology.graph import LEARNER_SEPARATOR
+from marl.topology.spec import ServerSpec
 
 _STATE_STYLE = {
     EngineState.OFFLINE: "bold white on grey35",
@@ -56,6 +58,7 @@ class Source:
     name: str
     url: str
     admin_token: str | None = None
+    policy: str | None = None  # one LoRA policy of a server of several: its own row (pool, steps, rewards)
 
 
 @dataclass
@@ -73,7 +76,8 @@ class ServerView:
 
     def poll(self, timeout: float = 2.0) -> None:
         if self._client is None:
-            self._client = SwarmClient(self.source.url, admin_token=self.source.admin_token, timeout=timeout)
+            self._client = SwarmClient(self.source.url, admin_token=self.source.admin_token, timeout=timeout,
+                                       policy=self.source.policy)
         try:
             snapshot = self._client.monitor(timeout=timeout)
         except (SwarmError, httpx.HTTPError) as exc:
@@ -238,14 +242,21 @@ def _topology_sources(path: Path, overrides: list[str], token: str | None) -> li
                 raise OverwatchError(f"no address for local server '{name}': {run_dir / SERVERS_FILE} is written by "
                                      f"`{run}` while it runs; start the run first (give overwatch the same"
                                      " overrides), or pass URLs")
-            sources.append(Source(name, local[name]["url"], local[name].get("admin_token") or token))
+            sources += _policy_sources(name, server, local[name]["url"], local[name].get("admin_token") or token)
         elif server.kind == ServerKind.REMOTE_SWARM:
             remote_token = os.environ.get(server.admin_token_env or "") or token
-            sources.append(Source(name, server.swarm_url.rstrip("/"), remote_token))
+            sources += _policy_sources(name, server, server.swarm_url.rstrip("/"), remote_token)
         # external OpenAI endpoints are not swarm servers: nothing to monitor
     if not sources:
         raise OverwatchError(f"{path} has no swarm server to watch (only external OpenAI endpoints)")
     return sources
+
+
+def _policy_sources(name: str, server: ServerSpec, url: str, token: str | None) -> list[Source]:
+    """A server's row, or one row per LoRA policy (named as `marl run` names the learner: server.policy)."""
+    if not server.policies:
+        return [Source(name, url, token)]
+    return [Source(f"{name}{LEARNER_SEPARATOR}{policy}", url, token, policy=policy) for policy in server.policies]
 
 
 def poll_all(views: list[ServerView], pool: ThreadPoolExecutor) -> None:

@@ -184,6 +184,12 @@ run: {{run_dir: {run_dir}, max_steps: 1}}
     (run_dir / "servers.json").write_text(json.dumps({"mine": {"url": "http://127.0.0.1:5", "admin_token": "x"}}))
     assert resolve_sources([str(topo)]) == [Source("mine", "http://127.0.0.1:5", "x"),
                                             Source("theirs", "http://gpu:10086", "tok")]
+    # a server of LoRA policies: one row per policy, each read with ?policy=
+    lora = topo.read_text().replace('train: {job: j}}', 'train: {job: j}, policies: {s: {}, l: {}}}').replace(
+        "b: {server: theirs}", "b: {server: theirs, policy: s}\n  c: {server: theirs, policy: l}")
+    topo.write_text(lora)
+    assert resolve_sources([str(topo)])[1:] == [Source("theirs.s", "http://gpu:10086", "tok", policy="s"),
+                                                Source("theirs.l", "http://gpu:10086", "tok", policy="l")]
     assert sparkline([0, 1, 0.5]) == "▁█▅" and sparkline([2, 2]) == "▅▅"
 
 

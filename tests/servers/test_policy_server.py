@@ -98,6 +98,10 @@ def test_a_policys_step_leaves_the_other_rolling_and_unchanged(local_server, tmp
                                                                                            "listener": 1}
         metrics = http.get("/metrics").text
         assert 'marl_policy_version{model="tiny",policy="speaker"} 1.0' in metrics
+        speaker = http.get("/control/monitor", params={"policy": "speaker"}).json()  # overwatch's row of a policy
+        assert [s["step"] for s in speaker["recent_steps"]] == [1] and speaker["pool"]["num_repeat"] == 2
+        merged = http.get("/control/monitor").json()
+        assert sorted(s["policy"] for s in merged["recent_steps"]) == ["listener", "speaker"]
 
 
 def test_a_trained_policy_serves_differently_and_resumes_exactly(local_server, tmp_path):
