@@ -26,14 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
+from bench.engine_throughput import prompts
 from marl.protocol import LORA_DEFAULT_TARGETS, LoraSpec
 from servers.engines.torch_engine import TorchEngine
 from servers.interfaces import SamplingParams
 from servers.models import resolve_model
 from servers.tiny_model import build_tiny_model
-
-TOPICS = ["a fox", "a lighthouse", "the moon", "a village", "a river", "a robot", "winter", "a market",
-          "a storm", "an old clock", "a dragon", "a garden", "a train", "the sea", "a forest", "a violin"]  # fmt: skip
 
 
 def random_adapter(engine: TorchEngine, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:
@@ -46,15 +44,6 @@ def random_adapter(engine: TorchEngine, spec: LoraSpec, seed: int) -> dict[str, 
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(spec.rank, module.in_features, generator=generator) * 0.01
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(module.out_features, spec.rank, generator=generator) * 0.01
     return tensors
-
-
-def prompts(tokenizer, n: int) -> list[list[int]]:
-    out = []
-    for i in range(n):
-        messages = [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}]
-        ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
-        out.append(list(ids["input_ids"] if isinstance(ids, dict) else ids))
-    return out
 
 
 def run_agents(engine: TorchEngine, batch: list[list[int]], adapters: list[str | None], max_tokens: int):

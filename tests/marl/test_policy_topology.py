@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from marl.topology import Topology
-from tests.marl.test_topology import _DEL, _set, env_path, load_error, train  # noqa: F401 - env_path: a fixture
+from tests.marl.test_topology import _DEL, _set, assert_problem, env_path, load_error, train  # noqa: F401 - env_path: a fixture
 
 
 @pytest.fixture
@@ -97,9 +97,4 @@ def test_policy_errors_name_their_key(team, case):
             data["roles"]["extra"] = {"server": "team", "policy": "bad.name"}
             continue
         _set(data, dotted, value)
-    err = load_error(data)
-    keys = [p.key for p in err.problems]
-    assert key in keys, f"{case}: {err}"
-    problem = next(p for p in err.problems if p.key == key)
-    for fragment in fragments:
-        assert fragment in problem.message, f"{case}: {fragment!r} not in {problem.message!r}"
+    assert_problem(load_error(data), key, fragments, case)

@@ -375,12 +375,17 @@ def test_validation_error_names_its_key(base, case):
     for dotted, value in changes.items():
         _set(data, dotted, value)
     err = load_error(data)
+    assert_problem(err, key, fragments, case)
+    assert f"{key}: " in str(err)
+
+
+def assert_problem(err, key: str, fragments: list[str], case: str) -> None:
+    """`err` has a problem at `key` whose message holds every fragment."""
     keys = [p.key for p in err.problems]
     assert key in keys, f"{case}: {err}"
     problem = next(p for p in err.problems if p.key == key)
     for fragment in fragments:
         assert fragment in problem.message, f"{case}: {fragment!r} not in {problem.message!r}"
-    assert f"{key}: " in str(err)
 
 
 def test_a_league_of_past_selves_in_the_graph(base):
