@@ -32,7 +32,7 @@ def start_proxy(swarm_url: str) -> tuple[subprocess.Popen, str]:
         [sys.executable, "-m", "marl.cli", "proxy", "--server", swarm_url, "--reward", "rule", "--reward-option",
          "max_words=3", "--port", str(port), "--conversation-idle-s", "0", "--log-level", "warning"],
         env={**os.environ, "MARL_ADMIN_TOKEN": ADMIN, "MARL_PROXY_API_KEY": APP_KEY},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_as_in_a_terminal)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -46,6 +46,12 @@ def start_proxy(swarm_url: str) -> tuple[subprocess.Popen, str]:
             out, err = proc.communicate()
             raise AssertionError(f"marl proxy did not serve (exit {proc.returncode}):\n{out}\n{err}")
         time.sleep(0.1)
+
+
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT as a terminal delivers it: a test runner started in the background (`cmd &` in a script) ignores
+    SIGINT, its children inherit that, and Python then never turns Ctrl-C into KeyboardInterrupt (exit 0, not 130)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
