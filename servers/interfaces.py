@@ -107,6 +107,9 @@ class InferenceEngine(abc.ABC):
 
     #: Whether this engine serves LoRA adapters (`SamplingParams.adapter`, `load_adapter`).
     serves_adapters: bool = False
+    #: Whether the server publishes the trainer's weights at boot even without a checkpoint (a LoRA policy's view:
+    #: its adapter exists in the engine only once loaded). Otherwise the engine already serves the initial weights.
+    needs_first_publish: bool = False
 
     def load_adapter(self, name: str, tensors: Mapping[str, Any], spec: LoraSpec) -> None:
         """Serve adapter `name` (new, or replacing one of that name) from now on: `tensors` in PEFT's names (as

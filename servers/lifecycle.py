@@ -145,7 +145,7 @@ class EngineLifecycle:
                 await asyncio.to_thread(trainer.load, latest)
                 await self.publish_weights(engine, trainer)
                 log.info("resumed from checkpoint %s (step %d)", latest, trainer.step_count)
-            elif getattr(engine, "needs_first_publish", False):  # a LoRA policy: its adapter, even untrained
+            elif engine.needs_first_publish:  # a LoRA policy: its adapter, even untrained
                 await self.publish_weights(engine, trainer)
             released = await self._ledger.recover(trainer.step_count)
             if released:

@@ -30,14 +30,15 @@ class Shared(Generic[Backend]):
         self._backend: Backend | None = None
         self._users = 0
 
-    def acquire(self, model_dir: Path) -> Backend:
+    def hold(self, model_dir: Path) -> Hold[Backend]:
+        """The backend, built now if nobody holds it; release the hold once done with it."""
         with self._lock:
             if self._backend is None:
                 self._backend = self._build(model_dir)
             self._users += 1
-            return self._backend
+            return Hold(self._backend, self._release)
 
-    def release(self) -> None:
+    def _release(self) -> None:
         with self._lock:
             self._users -= 1
             backend = self._backend if self._users == 0 else None
@@ -47,22 +48,34 @@ class Shared(Generic[Backend]):
             backend.close()
 
 
+class Hold(Generic[Backend]):
+    """One user's hold on a `Shared` backend; releasing it twice releases it once (a view may be closed twice)."""
+
+    def __init__(self, backend: Backend, release: Callable[[], None]) -> None:
+        self.backend, self._release = backend, release
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._release()
+
+
 class AdapterEngine(InferenceEngine):
     """One policy's view of the shared engine: its adapter on every generation; its weights are that adapter."""
 
-    #: The lifecycle publishes at boot even without a checkpoint: the adapter exists in the engine only once loaded.
-    needs_first_publish = True
+    needs_first_publish = True  # the adapter exists in the engine only once loaded
 
     def __init__(self, shared: Shared[InferenceEngine], model_dir: Path, policy: str, spec: LoraSpec) -> None:
-        engine = shared.acquire(model_dir)
+        self._hold = shared.hold(model_dir)
+        engine = self._hold.backend
         if not engine.serves_adapters:
-            shared.release()
+            self._hold.release()
             raise ValueError(f"{type(engine).__name__} serves no LoRA adapters: policy '{policy}' needs an engine"
                              " that does (the torch engine, or vLLM)")
-        self._shared, self._engine, self.policy, self.spec = shared, engine, policy, spec
+        self._engine, self.policy, self.spec = engine, policy, spec
         self.tokenizer, self.context_length = engine.tokenizer, engine.context_length
         self.eos_token_ids, self.takes_tensors = engine.eos_token_ids, engine.takes_tensors
-        self._closed = False
 
     @property
     def stats(self) -> Any:
@@ -78,17 +91,15 @@ class AdapterEngine(InferenceEngine):
         self._engine.load_adapter_from(self.policy, directory)
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._shared.release()
+        self._hold.release()
 
 
 class PolicyTrainerView(Trainer):
     """One policy's view of the shared `PolicyTrainer`, as the `Trainer` its train loop drives."""
 
     def __init__(self, shared: Shared[PolicyTrainer], model_dir: Path, policy: str, config: TrainConfig) -> None:
-        self._shared, self._trainer, self.policy = shared, shared.acquire(model_dir), policy
-        self._closed = False
+        self._hold = shared.hold(model_dir)
+        self._trainer, self.policy = self._hold.backend, policy
         # The shared trainer may have been built at another policy's boot, before this one's config was synced.
         self._trainer.set_config(policy, config.grpo)
 
@@ -116,9 +127,7 @@ class PolicyTrainerView(Trainer):
         self._trainer.load(self.policy, directory)
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._shared.release()
+        self._hold.release()
 
 
 PolicyTrainerFactory = Callable[[Path, Mapping[str, tuple[LoraSpec, TrainConfig]]], PolicyTrainer]

@@ -112,12 +112,12 @@ class PolicyServer:
 
     async def monitor(self) -> MonitorSnapshot:
         """The whole server: every policy's status (`status.policies`), their steps and errors together."""
-        snapshots = {name: await server.monitor() for name, server in self.policies.items()}
-        steps = [step.model_copy(update={"policy": name}) for name, s in snapshots.items() for step in s.recent_steps]
-        errors = [e.model_copy(update={"message": f"{name}: {e.message}"}) for name, s in snapshots.items()
+        by_policy = {name: await server.monitor() for name, server in self.policies.items()}
+        steps = [step.model_copy(update={"policy": name}) for name, s in by_policy.items() for step in s.recent_steps]
+        errors = [e.model_copy(update={"message": f"{name}: {e.message}"}) for name, s in by_policy.items()
                   for e in s.errors]  # fmt: skip
-        first, snapshots = next(iter(snapshots.values())), list(snapshots.values())
-        return first.model_copy(update={
+        snapshots = list(by_policy.values())
+        return snapshots[0].model_copy(update={
             "status": await self.status(), "pool": None,
             "recent_steps": sorted(steps, key=lambda r: r.time)[-100:],
             "tokens_per_s": sum(s.tokens_per_s for s in snapshots),

@@ -175,8 +175,8 @@ def _certain(parts: Parts) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def trainer_setting(server: Any, *, on_gpu: bool, ranks: int | None = None,
-                    arch: Architecture | None = None) -> TrainerSetting | None:  # fmt: skip
+def trainer_setting(server: Any, arch: Architecture, *, on_gpu: bool,
+                    ranks: int | None = None) -> TrainerSetting | None:  # fmt: skip
     train = getattr(server, "train", None)
     if not server.trainable or train is None:
         return None
@@ -190,10 +190,10 @@ def trainer_setting(server: Any, *, on_gpu: bool, ranks: int | None = None,
                           adapters=adapter_params(server, arch))  # fmt: skip
 
 
-def adapter_params(server: Any, arch: Architecture | None) -> tuple[int, ...]:
+def adapter_params(server: Any, arch: Architecture) -> tuple[int, ...]:
     """Each LoRA policy's adapter parameters (empty: the server trains its model's own weights)."""
     policies = getattr(server, "policies", None) or {}
-    return tuple(arch.lora_params(p.lora.rank, p.lora.target_modules) for p in policies.values()) if arch else ()
+    return tuple(arch.lora_params(p.lora.rank, p.lora.target_modules) for p in policies.values())
 
 
 def _disk(plan: ServerPlan, server: Any, arch: Architecture, setting: TrainerSetting | None, *,
@@ -243,7 +243,7 @@ def _plan_on_host(name: str, server: Any, arch: Architecture, spec: Any) -> Serv
         engine = _torch_engine(name, server, arch, spec, on_gpu=False)
     rollouts = Parts().extend(engine, prefix="engine: ") if copies == 1 else Parts().add(
         f"{copies} engines", copies * engine.total)
-    setting = trainer_setting(server, on_gpu=False, arch=arch)
+    setting = trainer_setting(server, arch, on_gpu=False)
     step = None
     if setting is not None:
         resident, peak = trainer_rank(arch, setting)
@@ -316,8 +316,7 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
     key = f"servers.{name}"
     placement = getattr(server, "placement", None)
     per_node = len(placement.trainer_gpus or []) if placement is not None else 0
-    setting = trainer_setting(server, on_gpu=True, ranks=per_node * placement.nodes if per_node else None,
-                              arch=arch)
+    setting = trainer_setting(server, arch, on_gpu=True, ranks=per_node * placement.nodes if per_node else None)
     uses_vllm = server.engine == "vllm" or not server.is_local
     v = server.vllm
     replicas = (v.tensor_parallel_size * v.data_parallel_size) if v is not None else 1
