@@ -75,6 +75,7 @@ VLLM_MANAGED_FLAGS: dict[str, str | None] = {
     "-tp": "tensor_parallel_size", "--data-parallel-size": "data_parallel_size", "-dp": "data_parallel_size",
     "--dtype": "dtype", "--max-num-seqs": "max_num_seqs", "--enable-sleep-mode": "sleep_between_steps",
     "--weight-transfer-config": "weight_sync",
+    "--enable-lora": None, "--max-loras": None, "--max-lora-rank": None,  # from the server's LoRA policies
 }
 #: How a trainer's weights reach vLLM (`vllm.weight_sync`): `disk` writes a safetensors directory that vLLM reloads;
 #: `ipc` (vLLM on the trainer's GPU) and `nccl` (vLLM on GPUs of its own) go through vLLM's weight-transfer engine

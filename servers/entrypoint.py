@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -14,9 +15,10 @@ import uvicorn
 from fastapi import FastAPI
 
 from marl.protocol import ADMIN_TOKEN_ENV, DEFAULT_MAX_BODY_MB, LoraSpec, TrainConfig
+from servers.engines.vllm_lora import LoraSlots, lora_slots
 from servers.engines.vllm_process import VLLMSettings
 from servers.http_routes import create_app
-from servers.interfaces import PolicyTrainer, Trainer
+from servers.interfaces import PolicyTrainer, Trainer, lora_spec_of
 from servers.lifecycle import EngineFactory, TrainerFactory
 from servers.placement import Placement, visible_devices
 from servers.policy_backends import PolicyTrainerFactory
@@ -148,8 +150,16 @@ def engine_factory_for(options: ServeOptions) -> EngineFactory:
         from servers.engines.vllm_engine import vllm_engine_factory
 
         return vllm_engine_factory(options.device, settings=options.vllm, work_dir=options.resolved_data_dir() / "vllm",
-                                   **vllm_placement(options))
+                                   lora=vllm_lora_slots(options), **vllm_placement(options))
     return torch_engine_factory(options.placement.engine_device(options.device), options.prefix_cache_gb)
+
+
+def vllm_lora_slots(options: ServeOptions) -> LoraSlots | None:
+    """The LoRA slots vLLM starts with: one per policy (or the static server's adapter); None: no adapters."""
+    specs = list(options.policies.values())
+    if options.adapter is not None:
+        specs.append(lora_spec_of(json.loads((Path(options.adapter) / "adapter_config.json").read_text())))
+    return lora_slots(specs)
 
 
 def vllm_placement(options: ServeOptions) -> dict:

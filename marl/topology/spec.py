@@ -360,9 +360,6 @@ def _policy_rules(s: ServerSpec) -> list[Rule]:
                                 " swarm_url:): remove policies, or set trainable: true")]
     rules: list[Rule] = [(("policies", name), f"bad policy name {name!r}: {NAME_RULE}") for name in s.policies
                          if not NAME_RE.match(name)]  # fmt: skip
-    if s.engine == "vllm":
-        rules.append((("engine",), "LoRA policies are served by the torch engine for now (vLLM's LoRA serving is"
-                                   " not wired yet): remove engine: vllm, or remove policies"))
     for name in s.policies:
         try:
             merged = s.policy_train(name)

@@ -17,39 +17,44 @@ prefix caching replace the torch engine's.
 - Sleep mode (CUDA, when the trainer shares vLLM's GPU: `VLLMLaunch.sleeps_between_steps`): `before_training_step`
   puts vLLM to sleep (weights offloaded to host memory, KV cache dropped) so the trainer has the GPU, and the next
   weight load wakes the weights, reloads them and wakes the KV cache.
-- A watcher thread waits on the subprocess. When it dies, requests running on it fail (an engine error: 5xx), new
-  ones wait, and it is restarted once with the latest weights; if that fails, or it dies again, the engine is down
-  and every call fails at once with the reason (until the engine is stopped and started again).
+- LoRA adapters (a server of LoRA policies, or a static server with an adapter: `lora`): vLLM starts with
+  `--enable-lora`; `load_adapter_from` loads or replaces one adapter at runtime while the base and the other adapters
+  keep generating, and a request picks one by name (servers.engines.vllm_lora).
+- A watcher thread waits on the subprocess (servers.engines.vllm_supervisor). When it dies, requests running on it
+  fail (an engine error: 5xx), new ones wait, and it is restarted once with the latest weights and adapters; if that
+  fails, or it dies again, the engine is down and every call fails at once with the reason (until the engine is
+  stopped and started again).
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from marl.protocol import LoraSpec
 from servers.engines.model_limits import context_length, eos_token_ids
 from servers.engines.vllm_http import (
     LoopClients,
     completion_body,
-    generate_one_token,
     sleep_for_training,
     stream_completion,
     sync_weights,
     sync_weights_waking,
 )
+from servers.engines.vllm_lora import LoraSlots, VLLMAdapters, write_peft_adapter, zero_adapter
 from servers.engines.vllm_process import VLLMLaunch, VLLMProcess, VLLMSettings
 from servers.engines.vllm_push import TransferSync
+from servers.engines.vllm_supervisor import VLLMSupervisor
 from servers.engines.weight_transfer import TransferTarget
 from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams
 from servers.models import load_tokenizer
@@ -66,6 +71,7 @@ class VLLMStats:
     prefilled_tokens: int = 0  # prompt tokens vLLM computed
     cached_tokens: int = 0  # prompt tokens vLLM's prefix cache supplied
     weight_loads: int = 0
+    adapter_loads: int = 0  # LoRA adapters loaded (each policy's after each of its steps)
     weight_transfers: int = 0  # of weight_loads, those pushed through vLLM's weight-transfer engine
     weight_transfer_failures: int = 0  # pushes that failed (each then went through the disk)
     last_weight_sync_s: float | None = None
@@ -80,7 +86,7 @@ class VLLMEngine(InferenceEngine):
     def __init__(self, model_dir: str | Path, *, device: str | None = None, settings: VLLMSettings | None = None,
                  shares_gpu: bool = False, python: Path | None = None, work_dir: Path | None = None,
                  start_timeout_s: float = 600.0, max_restarts: int = 1,
-                 cuda_visible_devices: str | None = None) -> None:  # fmt: skip
+                 cuda_visible_devices: str | None = None, lora: LoraSlots | None = None) -> None:  # fmt: skip
         from transformers import AutoConfig
 
         self.model_dir = Path(model_dir)
@@ -95,47 +101,41 @@ class VLLMEngine(InferenceEngine):
         self.running_requests = 0
         self._launch = VLLMLaunch(self.model_dir, self.context_length, device=device or _default_device(),
                                   settings=settings, shares_gpu=shares_gpu, python=python,
-                                  cuda_visible_devices=cuda_visible_devices)  # fmt: skip
+                                  cuda_visible_devices=cuda_visible_devices, lora=lora)  # fmt: skip
         self._asleep = False  # put to sleep for a training step; the next weight load wakes it
         self._own_work_dir = work_dir is None  # a temporary one is removed on close
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="marl-vllm-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.work_dir.glob("weights-*"):  # left by an engine whose process was killed outright
             shutil.rmtree(stale, ignore_errors=True)
-        self._start_timeout_s = start_timeout_s
-        self._max_restarts = max_restarts
+        stand_in = zero_adapter(config) if self._launch.base_stand_in else None
+        self._adapters = VLLMAdapters(self.work_dir / "adapters", base_stand_in=stand_in)
         self._weights: Path | None = None  # our copy of the latest weights loaded (a restart loads them again)
         self._pushed = False  # the latest weights were pushed (no copy: a restart cannot bring them back)
         self._transfer = TransferSync(self._launch, self.stats)
-        self._lock = threading.Lock()  # one weight sync or restart at a time
-        self._ready = threading.Event()  # set while vLLM serves
-        self._closing = threading.Event()
-        self._down: str | None = None  # why the engine no longer serves (every call fails with it)
         self._clients = LoopClients()
-        self._process: VLLMProcess | None = None
-        # The watcher thread starts vLLM, and restarts it: vLLM gets SIGTERM when that thread ends (vllm_process).
-        self._booted = threading.Event()
-        self._boot_error: BaseException | None = None
-        self._watcher = threading.Thread(target=self._run, name="marl-vllm-watcher", daemon=True)
-        self._watcher.start()
-        self._booted.wait()
-        if self._boot_error is not None:
-            self.close()
-            raise self._boot_error
+        self._vllm = VLLMSupervisor(self._launch, self.work_dir / "vllm.log", replay=self._replay,
+                                    unrestorable=self._unrestorable, stats=self.stats,
+                                    start_timeout_s=start_timeout_s, max_restarts=max_restarts)
+        try:
+            self._vllm.start()
+        except BaseException:
+            self.close()  # its temporary work directory too
+            raise
 
     @property
     def pid(self) -> int:
         """The vLLM server process (its engine core is a child in the same session)."""
-        return self._process.pid
+        return self._vllm.process.pid
 
     @property
     def url(self) -> str:
         """The vLLM server's base URL (127.0.0.1, a new port after a restart): its /metrics, for operators."""
-        return self._process.url
+        return self._vllm.process.url
 
     @property
     def log_path(self) -> Path:
-        return self._process.log_path
+        return self._vllm.process.log_path
 
     # ---------------------------------------------------------------- InferenceEngine
 
@@ -146,16 +146,18 @@ class VLLMEngine(InferenceEngine):
         ValueError for a bad prompt; RuntimeError when vLLM fails the request, dies under it or is down.
         """
         prompt = _checked_prompt(prompt_ids, params, self.vocab_size, self.context_length)
-        await self._wait_ready()
-        process = self._process
+        await self._vllm.wait_ready()
+        process = self._vllm.process
         body = completion_body(prompt, params, max_tokens=min(params.max_tokens, self.context_length - len(prompt)),
                                stop_token_ids=sorted(self.eos_token_ids))
+        if (model := self._adapters.model_of(params.adapter)) is not None:
+            body["model"] = model  # vLLM names a LoRA adapter as a model
         self.running_requests += 1
         try:
             async for chunk in stream_completion(self._clients.get(), process.url, body, self._count_prompt):
                 yield chunk
         except httpx.HTTPError as exc:
-            raise RuntimeError(self._lost(process, exc)) from exc
+            raise RuntimeError(self._vllm.lost(process, exc)) from exc
         finally:
             self.running_requests -= 1
 
@@ -163,16 +165,12 @@ class VLLMEngine(InferenceEngine):
         """Serve the HF safetensors in `directory` from now on; returns once they serve (see the module docstring)."""
         if not sorted(Path(directory).glob("*.safetensors")):
             raise FileNotFoundError(f"no *.safetensors weights in {directory}")
-        with self._lock:
-            if self._down is not None:
-                raise RuntimeError(self._down)
+        with self._sync() as process:
             started = time.perf_counter()
             self._weights = _keep_copy(Path(directory), self.work_dir / f"weights-{self.stats.weight_loads + 1}",
                                        self._weights)
             try:
-                (sync_weights_waking if self._asleep else sync_weights)(self._process.url, self._weights)
-            except httpx.HTTPError as exc:
-                raise RuntimeError(self._lost(self._process, exc)) from exc
+                (sync_weights_waking if self._asleep else sync_weights)(process.url, self._weights)
             finally:
                 self._asleep = False  # awake, or failed: the failed step stops the engine
             self._pushed = False
@@ -186,14 +184,9 @@ class VLLMEngine(InferenceEngine):
         disk from then on): the caller then exports a directory for `load_weights_from`."""
         if self.transfer_off is not None:
             return False
-        with self._lock:
-            if self._down is not None:
-                raise RuntimeError(self._down)
-            started, process = time.perf_counter(), self._process
-            try:
-                pushed = self._transfer.sync(process, push, asleep=self._asleep)
-            except (httpx.HTTPError, RuntimeError) as exc:
-                raise RuntimeError(self._lost(process, exc)) from exc
+        with self._sync(RuntimeError) as process:
+            started = time.perf_counter()
+            pushed = self._transfer.sync(process, push, asleep=self._asleep)
             self._pushed = pushed  # failed: the disk sync that follows leaves a copy (and fixes a restart meanwhile)
             if pushed:
                 self._asleep = False
@@ -210,22 +203,36 @@ class VLLMEngine(InferenceEngine):
         """With sleep mode, free vLLM's GPU memory for the trainer's step (`load_weights_from` brings it back)."""
         if not self._launch.sleeps_between_steps:
             return
-        with self._lock:
-            try:
-                sleep_for_training(self._process.url)
-            except httpx.HTTPError as exc:
-                raise RuntimeError(self._lost(self._process, exc)) from exc
+        with self._sync() as process:
+            sleep_for_training(process.url)
             self._asleep = True
+
+    # ---------------------------------------------------------------- LoRA adapters (servers.engines.vllm_lora)
+
+    @property
+    def serves_adapters(self) -> bool:  # type: ignore[override]
+        return self._launch.lora is not None
+
+    def load_adapter(self, name: str, tensors: Mapping[str, Any], spec: LoraSpec) -> None:
+        with tempfile.TemporaryDirectory(dir=self.work_dir, prefix="adapter-") as tmp:
+            self.load_adapter_from(name, write_peft_adapter(Path(tmp), tensors, spec, str(self.model_dir)))
+
+    def load_adapter_from(self, name: str, directory: Path) -> None:
+        """Serve the PEFT adapter in `directory` as `name` (requests with `model: name`); the base and the other
+        adapters keep generating meanwhile, none of their cached prefixes is dropped."""
+        if not self.serves_adapters:
+            raise NotImplementedError("this vLLM engine was started without LoRA (no policies, no adapter)")
+        with self._sync() as process:
+            self._adapters.load(process.url, name, Path(directory))
+            self.stats.adapter_loads += 1
+
+    def unload_adapter(self, name: str) -> None:
+        with self._sync() as process:
+            self._adapters.unload(process.url, name)
 
     def close(self) -> None:
         """Stop vLLM (idempotent); calls still running or waiting fail."""
-        self._closing.set()
-        self._down = self._down or "the engine is closed"
-        self._ready.clear()
-        if self._process is not None:
-            self._process.stop()
-        if self._watcher.is_alive() and threading.current_thread() is not self._watcher:
-            self._watcher.join(timeout=30)
+        self._vllm.close()
         if self._own_work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
         elif self._weights is not None:
@@ -233,94 +240,33 @@ class VLLMEngine(InferenceEngine):
 
     # ---------------------------------------------------------------- requests
 
-    async def _wait_ready(self) -> None:
-        """Wait while vLLM restarts (not during a weight sync: vLLM itself holds requests then)."""
-        deadline = time.monotonic() + self._start_timeout_s
-        while not self._ready.is_set():
-            if self._down is not None:
-                raise RuntimeError(self._down)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM did not come back within {self._start_timeout_s:.0f} s")
-            await asyncio.sleep(0.05)
-        if self._down is not None:
-            raise RuntimeError(self._down)
+    @contextlib.contextmanager
+    def _sync(self, *errors: type[Exception]) -> Iterator[VLLMProcess]:
+        """One change of what vLLM serves at a time, on a vLLM that is up; its HTTP failures (and `errors`) say
+        whether vLLM died under it."""
+        with self._vllm.lock:
+            if self._vllm.down is not None:
+                raise RuntimeError(self._vllm.down)
+            process = self._vllm.process
+            try:
+                yield process
+            except (httpx.HTTPError, *errors) as exc:
+                raise RuntimeError(self._vllm.lost(process, exc)) from exc
 
     def _count_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.stats.prefilled_tokens += prompt_tokens - cached_tokens
         self.stats.cached_tokens += cached_tokens
 
-    def _lost(self, process: VLLMProcess, error: Exception) -> str:
-        code = process.exit_code()
-        if code is None:
-            return f"the request to vLLM failed: {type(error).__name__}: {error}"
-        what = "it is down" if self._down else "it is being restarted"
-        return f"the vLLM subprocess exited with code {code} during the request; {what} (log: {process.log_path})"
+    def _replay(self, process: VLLMProcess) -> None:
+        """What a (re)started vLLM must serve: the latest weights loaded (if any) and every adapter."""
+        self._asleep = False
+        if self._weights is not None:
+            sync_weights(process.url, self._weights)
+        self._adapters.load_all(process.url)
 
-    # ---------------------------------------------------------------- the subprocess
-
-    def _start(self) -> VLLMProcess:
-        """Start vLLM, wait until it serves, load the latest weights into it (if any were loaded) and check that it
-        generates."""
-        process = VLLMProcess(self._launch, self.work_dir / "vllm.log")
-        self._process, self._asleep = process, False
-        try:
-            process.wait_ready(self._start_timeout_s, cancelled=self._closing.is_set)
-            if self._weights is not None:
-                sync_weights(process.url, self._weights)
-            try:
-                generate_one_token(process.url)
-            except RuntimeError as exc:
-                raise RuntimeError(f"vLLM started but cannot generate: {exc}; {process.describe_log()}") from exc
-        except BaseException:
-            process.stop()
-            raise
-        log.info("vLLM ready on %s (pid %d)", process.url, process.pid)
-        return process
-
-    def _run(self) -> None:
-        """The watcher thread: start vLLM, then wait on it and restart it when it dies (see the module docstring)."""
-        try:
-            self._start()
-            self._ready.set()
-        except BaseException as exc:  # noqa: BLE001 - the constructor raises it
-            self._boot_error = exc
-        finally:
-            self._booted.set()
-        while self._boot_error is None and not self._closing.is_set():
-            process = self._process
-            code = process.wait()
-            if self._closing.is_set():
-                return
-            self._ready.clear()
-            log.error("vLLM (pid %d) exited with code %s; %s", process.pid, code, process.describe_log())
-            if not self._restart(process, code):
-                return
-
-    def _restart(self, dead: VLLMProcess, code: int) -> bool:
-        with self._lock:
-            dead.stop()  # whatever is left of its session
-            if self._closing.is_set():
-                return False
-            if self._pushed:
-                self._down = (f"the vLLM subprocess exited with code {code}, and its latest weights were pushed"
-                              " through the weight-transfer engine, which leaves no copy to restart it with: start"
-                              f" the engine again (it resumes from the last checkpoint) (log: {dead.log_path})")
-                return False
-            if self.stats.restarts >= self._max_restarts:
-                self._down = (f"the vLLM subprocess exited with code {code} after {self.stats.restarts} restart(s):"
-                              f" the engine is down until it is stopped and started again (log: {dead.log_path})")
-                return False
-            self.stats.restarts += 1
-            try:
-                self._start()
-            except Exception as exc:  # noqa: BLE001 - reported to every later call
-                self._down = f"the vLLM subprocess exited with code {code} and could not be restarted: {exc}"
-                log.error("%s", self._down)
-                return False
-            self._ready.set()
-            log.warning("vLLM restarted (%d of %d restarts used)", self.stats.restarts, self._max_restarts)
-            return True
-
+    def _unrestorable(self) -> str | None:
+        return ("its latest weights were pushed through the weight-transfer engine, which leaves no copy to restart it"
+                " with") if self._pushed else None
 
 
 def _checked_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, context_length: int) -> list[int]:
@@ -377,13 +323,15 @@ def _default_device() -> str:
 
 def vllm_engine_factory(device: str | None = None, *, settings: VLLMSettings | None = None, shares_gpu: bool = False,
                         python: Path | None = None, work_dir: Path | None = None, max_restarts: int = 1,
-                        cuda_visible_devices: str | None = None):  # fmt: skip
+                        cuda_visible_devices: str | None = None, lora: LoraSlots | None = None):  # fmt: skip
     """An `EngineFactory` (`model_dir -> InferenceEngine`) for `servers.entrypoint.build_server`: `marl serve --engine
     vllm`. `shares_gpu`: a trainer uses vLLM's GPU too (see `VLLMLaunch`); `work_dir` holds vLLM's log and the copy
-    of the latest weights (default: a temporary directory); `cuda_visible_devices`: vLLM's GPUs (servers.placement)."""
+    of the latest weights (default: a temporary directory); `cuda_visible_devices`: vLLM's GPUs (servers.placement);
+    `lora`: the adapters to make room for (`lora_slots`: a server of LoRA policies)."""
 
     def build(model_dir: Path) -> VLLMEngine:
         return VLLMEngine(model_dir, device=device, settings=settings, shares_gpu=shares_gpu, python=python,
-                          work_dir=work_dir, max_restarts=max_restarts, cuda_visible_devices=cuda_visible_devices)
+                          work_dir=work_dir, max_restarts=max_restarts, cuda_visible_devices=cuda_visible_devices,
+                          lora=lora)
 
     return build

@@ -39,6 +39,7 @@ from marl.protocol import (
     VLLM_SHARED_GPU_UTILIZATION,
     VLLM_WEIGHT_SYNC_MODES,
 )
+from servers.engines.vllm_lora import RUNTIME_LORA_ENV, LoraSlots
 
 __all__ = ["VLLM_DTYPES", "VLLM_PYTHON_ENV", "VLLMLaunch", "VLLMProcess", "VLLMSettings", "VLLMSettingsError",
            "vllm_python"]
@@ -170,6 +171,7 @@ class VLLMLaunch:
     shares_gpu: bool = False
     python: Path | None = None  # default: vllm_python()
     cuda_visible_devices: str | None = None  # the server's engine GPUs (servers.placement); None: what it sees
+    lora: LoraSlots | None = None  # serve LoRA adapters (a server of policies, or a static server with an adapter)
 
     def __post_init__(self) -> None:
         if self.settings.sleep_between_steps and self.on_cpu:
@@ -179,6 +181,11 @@ class VLLMLaunch:
     @property
     def on_cpu(self) -> bool:
         return self.device == "cpu"
+
+    @property
+    def base_stand_in(self) -> bool:
+        """Whether the base is served as an adapter of no weights (LoRA on the CPU build: servers.engines.vllm_lora)."""
+        return self.lora is not None and self.on_cpu
 
     @property
     def sleeps_between_steps(self) -> bool:
@@ -222,7 +229,9 @@ class VLLMLaunch:
                "--generation-config", "vllm",  # no sampling defaults from generation_config.json: as the torch engine
                "--worker-extension-cls", WORKER_EXTENSION,
                "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
-        return cmd + self._device_args() + self._memory_args() + self._transfer_args() + list(self.settings.extra_args)
+        lora = self.lora.args(base_stand_in=self.base_stand_in) if self.lora is not None else []
+        return (cmd + self._device_args() + self._memory_args() + self._transfer_args() + lora
+                + list(self.settings.extra_args))
 
     def _device_args(self) -> list[str]:
         settings = self.settings
@@ -266,6 +275,8 @@ class VLLMLaunch:
         if self.weight_sync == "ipc":  # IPC handles cross HTTP pickled; vLLM unpickles them only with this set
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         env["PYTHONPATH"] = str(_ENGINES_DIR)  # only the worker extension, never the base environment's packages
+        if self.lora is not None:
+            env[RUNTIME_LORA_ENV] = "True"  # /v1/load_lora_adapter: a policy's adapter is replaced after each step
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # the CPU build's legacy KV size would override the settings' one
         return {**env, **gpu_environment(self.cuda_visible_devices)}
 

@@ -81,7 +81,6 @@ CASES = {
                                   "servers.team.policies.speaker.train", ["does not make a valid train config"]),
     "fsdp policies": ({"servers.team.train.trainer": "fsdp"}, "servers.team.policies.speaker.train",
                       ["trainer: grpo"]),
-    "vllm policies": ({"servers.team.engine": "vllm"}, "servers.team.engine", ["torch engine"]),
     "num_repeat per policy": ({"servers.team.policies.speaker.train": {"num_repeat": 2}},
                               "servers.team.policies.speaker.train.num_repeat", ["keep their server's num_repeat"]),
 }
