@@ -70,6 +70,8 @@ from marl.protocol import (
     ROUTE_CONFIG,
     ROUTE_END,
     ROUTE_EPISODE,
+    ROUTE_FROZEN,
+    ROUTE_FROZEN_ONE,
     ROUTE_HEALTH,
     ROUTE_MONITOR,
     ROUTE_POOL,
@@ -91,6 +93,9 @@ from marl.protocol import (
     ErrorCode,
     ErrorInfo,
     ErrorResponse,
+    FrozenPolicy,
+    FrozenPolicyList,
+    LoadFrozenPolicyRequest,
     MonitorSnapshot,
     PoolInfo,
     PrepareEpisodeRequest,
@@ -404,6 +409,26 @@ class SwarmClient:
         """Stop the engine (any state -> OFFLINE). This stops training for every client of this server."""
         return self._call("POST", ROUTE_STOP, ServerStatus, what="stop_engine", params=self._policy_params,
                           timeout=timeout)
+
+    def load_frozen_policy(self, name: str, adapter: str | None, *, policy_version: int | None = None,
+                           timeout: float | None = None) -> FrozenPolicy:
+        """Serve a past adapter of one of the server's LoRA policies as frozen policy `name` (`speaker@3`): calls
+        with `model=name` and the returned `api_key` at the server's /v1 run it, unrecorded. `adapter`: a PEFT
+        adapter directory on the server's filesystem (None: the base model, a fresh adapter's outputs). Waits for
+        the engine (up to `timeout`, default `max_wait_s`); loading the same name and adapter again is a no-op."""
+        body = LoadFrozenPolicyRequest(name=name, adapter=adapter, policy_version=policy_version)
+        return self._call("POST", ROUTE_FROZEN, FrozenPolicy, what="load_frozen_policy",
+                          json=body.model_dump(mode="json"), timeout=self.max_wait_s if timeout is None else timeout)
+
+    def frozen_policies(self, *, timeout: float | None = None) -> list[FrozenPolicy]:
+        """The frozen policies the server's engine serves now (none after the engine restarted)."""
+        return self._call("GET", ROUTE_FROZEN, FrozenPolicyList, what="frozen_policies", timeout=timeout).data
+
+    def unload_frozen_policy(self, name: str, *, timeout: float | None = None) -> list[FrozenPolicy]:
+        """Stop serving frozen policy `name` (its engine slot is freed once its calls finished); the ones left.
+        `SwarmRefused` 404 `frozen_policy_not_found` if it is not loaded."""
+        path = ROUTE_FROZEN_ONE.format(name=name)
+        return self._call("DELETE", path, FrozenPolicyList, what="unload_frozen_policy", timeout=timeout).data
 
     def wait_until_state(
         self, *states: EngineState | str, timeout: float | None = None, poll_s: float = 1.0

@@ -14,6 +14,10 @@ Which snapshots a pool serves (the initial model is snapshot 0):
 Each game draws one served snapshot uniformly (`draw`); its version is the game's provenance (`co_players` in
 games.jsonl and in every trainable server's episode metadata).
 
+The past_of server of a LoRA policy (`past_of: {server: team, policy: speaker}`) plays that policy's checkpoints
+(adapters), which `team` serves itself as frozen policies (`speaker@3`, on the engine it already runs: no process and
+no model of their own; marl/frozen_fleet.py); everything below holds for it with "loaded" for "started".
+
 A thread polls the trainable server's checkpoint directory every `poll_s`. A new snapshot is started and booted
 before it joins the pool (games never wait for it); one that leaves is stopped once no game holds it. The pool serves
 before the first game: the initial model, plus the newest checkpoints of a resumed run. A snapshot server that dies
@@ -23,16 +27,18 @@ is started again while its checkpoint exists (checkpoints are pruned to `train.k
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from marl.endpoints import StaticEndpoint
-from marl.snapshots import Snapshot, StaticFleet, checkpoints_of
+from marl.frozen_fleet import FrozenFleet
+from marl.snapshots import Snapshot, StaticFleet, snapshots_on_disk
 from marl.topology import PastOfSpec, Topology
 
 log = logging.getLogger("marl.league")
@@ -50,7 +56,7 @@ class _Served:
 class SnapshotPool:
     """The snapshots one past_of server serves; `draw()` one per game (a `marl.coordinator.SnapshotSource`)."""
 
-    def __init__(self, name: str, spec: PastOfSpec, *, base_model: str, run_dir: Path, fleet: StaticFleet,
+    def __init__(self, name: str, spec: PastOfSpec, *, base_model: str, run_dir: Path, fleet: StaticFleet | FrozenFleet,
                  seed: int = 0, poll_s: float = 2.0):
         self.name, self.spec, self.base_model, self.run_dir, self.fleet = name, spec, base_model, Path(run_dir), fleet
         self.poll_s = poll_s
@@ -103,9 +109,7 @@ class SnapshotPool:
     def refresh(self) -> None:
         """One pass: take in new checkpoints, restart dead snapshot servers, serve the chosen, stop the left."""
         with self._refreshing:
-            on_disk = {0: Snapshot(self.spec.server, 0, self.base_model)}
-            on_disk.update({v: Snapshot(self.spec.server, v, str(path))
-                            for v, path in checkpoints_of(self.run_dir, self.spec.server).items()})
+            on_disk = snapshots_on_disk(self.run_dir, self.spec.server, self.base_model, self.spec.policy)
             self._choose(sorted(set(on_disk) - self._seen))
             self._drop_dead(on_disk)
             for version in [v for v in self._chosen if v not in self._serving]:
@@ -153,7 +157,8 @@ class SnapshotPool:
                 return
             self._failures[version] += 1
             log.warning("past_of server %s: %s (attempt %d)", self.name, exc, self._failures[version])
-            if self._failures[version] >= _MAX_START_FAILURES or not Path(snapshot.model).exists():
+            pruned = version != 0 and not Path(snapshot.adapter or snapshot.model).exists()
+            if self._failures[version] >= _MAX_START_FAILURES or pruned:
                 self._chosen.remove(version)  # broken, or pruned while it booted: newer checkpoints take its place
             return
         with self._lock:
@@ -171,13 +176,22 @@ class SnapshotPool:
             self.fleet.stop(served.snapshot)
 
 
-def snapshot_pools(topology: Topology, run_dir: Path, token: str, *, seed: int = 0) -> dict[str, SnapshotPool]:
-    """A pool (not started yet) for every past_of server of the topology; logs go to `<run_dir>/logs/<name>/`."""
+def snapshot_pools(topology: Topology, run_dir: Path, token: str, *, seed: int = 0,
+                   url_of: Callable[[str], str] | None = None) -> dict[str, SnapshotPool]:
+    """A pool (not started yet) for every past_of server of the topology; logs go to `<run_dir>/logs/<name>/`.
+    `url_of(server)`: where a local server listens, read when a pool of its LoRA policy loads a snapshot there."""
     pools = {}
     for name, past_of in topology.past_of_servers().items():
         spec, source = topology.spec.servers[name], topology.spec.servers[past_of.server]
-        fleet = StaticFleet(Path(run_dir) / "logs" / name, token=token,
-                            devices={past_of.server: spec.device or source.device},
-                            prefix_cache_gb=spec.prefix_cache_gb)
+        fleet: StaticFleet | FrozenFleet
+        if past_of.policy is not None:
+            if url_of is None:
+                raise ValueError(f"past_of server {name} plays policy {past_of.policy} of {past_of.server}: give"
+                                 " url_of, where that server listens")
+            fleet = FrozenFleet(functools.partial(url_of, past_of.server), token=token)
+        else:
+            fleet = StaticFleet(Path(run_dir) / "logs" / name, token=token,
+                                devices={past_of.server: spec.device or source.device},
+                                prefix_cache_gb=spec.prefix_cache_gb)
         pools[name] = SnapshotPool(name, past_of, base_model=source.model, run_dir=run_dir, fleet=fleet, seed=seed)
     return pools

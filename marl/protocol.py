@@ -21,6 +21,9 @@ ROUTE_START = "/control/start"
 ROUTE_STOP = "/control/stop"
 ROUTE_STATUS = "/control/status"
 ROUTE_POOL = "/control/pool"
+#: A server of LoRA policies: POST loads a frozen policy (a past adapter, served untrained), GET lists them.
+ROUTE_FROZEN = "/control/frozen"
+ROUTE_FROZEN_ONE = "/control/frozen/{name}"  # DELETE: unload it (its engine slot is freed)
 ROUTE_MONITOR = "/control/monitor"  # everything `marl overwatch` shows, in one call
 ROUTE_BEGIN = "/episodes/begin"
 ROUTE_EPISODE = "/episodes/{episode_id}"  # GET: can the episode continue?
@@ -124,6 +127,18 @@ PolicyName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
 #: Between a policy's name and the rest of its episode ids and keys on a server of several policies: the server finds
 #: an episode's or a key's policy from it (no policy name holds it).
 POLICY_SEPARATOR = "."
+#: Between a policy's name and its version in a frozen policy's name (`speaker@3`: policy speaker's adapter at version
+#: 3, served unrecorded and never trained): no policy name holds it, so a frozen name never is a policy's.
+FROZEN_SEPARATOR = "@"
+#: A frozen policy's name: `<policy>@<label>`.
+FrozenName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}@[A-Za-z0-9_-]{1,64}$")]
+#: Every key of a server's frozen policies starts with this (one key per server, handed out by the load route).
+FROZEN_KEY_PREFIX = "marl-frozen-"
+
+
+def frozen_name(policy: str, version: int) -> str:
+    """The frozen policy of `policy` at policy version `version`: `speaker@3`."""
+    return f"{policy}{FROZEN_SEPARATOR}{version}"
 
 
 #: Deepest nesting of lists and objects a request may have (deeper JSON would exhaust the recursion of whoever
@@ -215,6 +230,7 @@ class ErrorCode(enum.StrEnum):
     MODEL_NOT_FOUND = "model_not_found"
     POLICY_NOT_FOUND = "policy_not_found"  # a `policy` this server does not train
     POLICY_REQUIRED = "policy_required"  # 400: the server trains several policies and the call names none
+    FROZEN_POLICY_NOT_FOUND = "frozen_policy_not_found"  # unloading a frozen policy that is not loaded
     ROUTE_NOT_FOUND = "route_not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     # 413: the body is over the server's limit (marl serve --max-body-mb)
@@ -222,6 +238,8 @@ class ErrorCode(enum.StrEnum):
     # 409: not in this state (do something else first)
     ENGINE_NOT_OFFLINE = "engine_not_offline"
     STATIC_SERVER = "static_server"
+    NO_POLICIES = "no_policies"  # frozen policies need a server of LoRA policies
+    FROZEN_POLICY_EXISTS = "frozen_policy_exists"  # a frozen policy of that name is loaded from another adapter
     EPISODE_ALREADY_ENDED = "episode_already_ended"  # ended, prepared or committed with another body; abort too late
     EPISODE_NOT_PREPARED = "episode_not_prepared"  # commit of an episode that is still running
     EPISODE_ABORTED = "episode_aborted"  # commit of a prepared episode that was aborted (or timed out: presumed abort)
@@ -721,6 +739,30 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+
+
+class LoadFrozenPolicyRequest(_Strict):
+    """Serve a past adapter of a policy, frozen (`POST /control/frozen`): unleased, unrecorded, never trained, on the
+    server's shared engine. Loading the same name from the same adapter again answers as the first load did."""
+
+    name: FrozenName = Field(description="Its model name in calls, e.g. speaker@3.")
+    adapter: str | None = Field(None, description="The PEFT adapter directory (a policy checkpoint's adapter/), on"
+                                " the server's filesystem; null: the base model alone, which is what a fresh"
+                                " adapter (B = 0, policy version 0) serves.")
+    policy_version: Int | None = Field(None, ge=0, description="The version it was saved at (reported only).")
+
+
+class FrozenPolicy(BaseModel):
+    """A frozen policy a server serves: call it with `model: name` and `api_key` at the server's /v1."""
+
+    name: str
+    adapter: str | None
+    policy_version: int | None
+    api_key: str  # the server's key for its frozen policies (the same for all of them)
+
+
+class FrozenPolicyList(BaseModel):
+    data: list[FrozenPolicy]
 
 
 class ModelCard(BaseModel):

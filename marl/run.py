@@ -216,7 +216,8 @@ class _Session:
     def start(self) -> None:
         token = self.token = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
         self.decisions = DecisionLog(self.run_dir / "decisions.sqlite")
-        self.pools = snapshot_pools(self.topology, self.run_dir, token, seed=self.spec.run.seed)
+        self.pools = snapshot_pools(self.topology, self.run_dir, token, seed=self.spec.run.seed,
+                                    url_of=lambda server: self.processes[server].url)
         if self.spec.run.ray is not None:
             from marl.ray_cluster import RayCluster
 
@@ -413,7 +414,8 @@ def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dic
         endpoint = endpoints[name]
         if name in pools:
             pool = pools[name].start()
-            console.print(f"past_of server {name} serves snapshots {pool.versions()} of {pool.spec.server}")
+            source = pool.spec.server + (f"{LEARNER_SEPARATOR}{pool.spec.policy}" if pool.spec.policy else "")
+            console.print(f"past_of server {name} serves snapshots {pool.versions()} of {source}")
         elif endpoint.trainable:
             endpoint.client.auto_sync_train_config_and_start_engine(endpoint.train_config)
         elif name in processes:  # a local static server loads its model at start-up

@@ -10,7 +10,8 @@ A LoRA policy of a server (the learner `server.policy`) checkpoints into
 server's base model (`marl serve --static --model BASE --adapter DIR`). Its `initial` is the base model alone: a new
 adapter's B is zero, so it changes nothing.
 
-Used by `marl eval` and `run.eval_every` (marl/eval/) and by past_of servers (marl/league.py).
+Used by `marl eval` and `run.eval_every` (marl/eval/) and by past_of servers (marl/league.py; the snapshots of a
+LoRA policy are served by its own server instead, as frozen policies: marl/frozen_fleet.py).
 """
 
 from __future__ import annotations
@@ -99,15 +100,28 @@ def checkpoints_of(run_dir: Path, server: str, policy: str | None = None) -> dic
     return dict(sorted(found.items()))
 
 
+def snapshots_on_disk(run_dir: Path, server: str, base_model: str, policy: str | None = None) -> dict[int, Snapshot]:
+    """Every snapshot of local trainable server `server` (or of its LoRA policy `policy`) the run directory holds:
+    version 0 (the base model; a policy's fresh adapter adds nothing to it), then each complete checkpoint."""
+    found = {0: Snapshot(server, 0, base_model, policy=policy)}
+    for version, path in checkpoints_of(run_dir, server, policy).items():
+        found[version] = (Snapshot(server, version, str(path)) if policy is None else
+                          Snapshot(server, version, base_model, policy=policy, adapter=str(path / _ADAPTER_DIR)))
+    return found
+
+
 def checkpoint_source(topology: Topology, server: str) -> str:
-    """The server whose checkpoints `server` plays: a past_of server's source, else the server itself."""
+    """The learner whose checkpoints `server` plays: a past_of server's source (`server.policy` for a LoRA policy),
+    else the server itself."""
     past_of = topology.spec.servers[server].past_of
-    return past_of.server if past_of is not None else server
+    if past_of is None:
+        return server
+    return past_of.server if past_of.policy is None else f"{past_of.server}{LEARNER_SEPARATOR}{past_of.policy}"
 
 
 def role_checkpoints(topology: Topology, role: str) -> str:
     """The learner whose checkpoints `role` plays: its own (a server, or `server.policy` for a role of a LoRA
-    policy), or a past_of server's source (checks.py refuses past_of a server of policies)."""
+    policy), or a past_of server's source (a server, or `server.policy`)."""
     server = topology.server_of(role)
     if server is not None and topology.spec.servers[server].past_of is not None:
         return checkpoint_source(topology, server)

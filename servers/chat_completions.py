@@ -14,6 +14,7 @@ whole response) are what the Responses and Messages APIs stream in their own sha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -56,6 +57,20 @@ class CallSession(Protocol):
         """Keep the finished call; False if it came too late (the lease died meanwhile)."""
 
 
+class Unleased:
+    """The session of a call that no lease holds (a static server's, a frozen policy's): no history, nothing kept."""
+
+    @property
+    def calls(self) -> list[CallRecord]:
+        return []
+
+    def busy(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def record(self, call: CallRecord) -> bool:
+        return True
+
+
 #: Admits a data-plane key: the session the call runs under, or a `Refusal`.
 Admission = Callable[[str | None], CallSession]
 
@@ -66,8 +81,8 @@ class ChatService:
         self.admit = admit
         self.telemetry = telemetry
 
-    def route(self, admitted: CallSession) -> tuple[ChatService, CallSession]:
-        """The service and session a call runs under, from what `admit` gave: here, this one service."""
+    def route(self, admitted: CallSession, model: str) -> tuple[ChatService, CallSession]:
+        """The service and session a call for `model` runs under, from what `admit` gave: here, this one service."""
         return self, admitted
 
     def models(self) -> p.ModelList:

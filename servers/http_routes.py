@@ -35,6 +35,7 @@ from servers import openapi, translated_apis
 from servers.chat_completions import ChatService
 from servers.completions_api import CompletionRequest, create_completion
 from servers.errors import Refusal, refusal_response
+from servers.frozen_policies import FrozenPolicies
 from servers.http_guards import PARSED_JSON, Authorize, CatchUnexpected, RequestGate, Scope
 from servers.openapi import BEARER, errors
 from servers.policy_server import PolicyServer
@@ -185,7 +186,27 @@ def _control_routes(server: Learners | StaticServer) -> APIRouter:
     async def pool(policy: str | None = _POLICY, srv: Learners = trainable) -> p.PoolInfo:
         return await srv.for_policy(policy).pool.info(detailed=True)
 
+    @router.post(p.ROUTE_FROZEN, responses=errors(400, 503))
+    async def load_frozen(body: p.LoadFrozenPolicyRequest, srv: Learners = trainable) -> p.FrozenPolicy:
+        return await _frozen(srv).load(body)
+
+    @router.get(p.ROUTE_FROZEN)
+    async def frozen(srv: Learners = trainable) -> p.FrozenPolicyList:
+        return _frozen(srv).listed()
+
+    @router.delete(p.ROUTE_FROZEN_ONE, responses=errors(404))
+    async def unload_frozen(name: str, srv: Learners = trainable) -> p.FrozenPolicyList:
+        return await _frozen(srv).unload(name)
+
     return router
+
+
+def _frozen(server: Learners) -> FrozenPolicies:
+    """A server of policies' frozen policies; 409 on a server without LoRA policies (its weights are no adapter)."""
+    if isinstance(server, TrainableServer):
+        raise Refusal(409, ErrorCode.NO_POLICIES, "this server trains one full-weight model, no LoRA policies:"
+                      " frozen policies are past adapters of a server of policies (marl serve --policy)")
+    return server.frozen
 
 
 #: End's and commit's opt-in to the pool's progress in their reply (it costs three ledger reads).
@@ -247,7 +268,7 @@ def _data_plane_routes(chat: ChatService) -> APIRouter:
         **errors(400, 401, 404, 413, 500, 503)})
     async def chat_completions(body: p.ChatCompletionRequest, request: Request,
                                agent: str | None = Header(None, alias=p.AGENT_HEADER)):
-        service, session = chat.route(request.scope[_CHAT_SESSION])
+        service, session = chat.route(request.scope[_CHAT_SESSION], body.model)
         reply = await service.create(body, session, agent)
         return reply if isinstance(reply, p.ChatCompletionResponse) else StreamingResponse(
             reply, media_type="text/event-stream")
@@ -255,19 +276,19 @@ def _data_plane_routes(chat: ChatService) -> APIRouter:
     @router.post(p.ROUTE_RESPONSES, dependencies=[BEARER], responses=_CALL_RESPONSES)
     async def responses(body: ResponsesRequest, request: Request,
                         agent: str | None = Header(None, alias=p.AGENT_HEADER)):
-        service, session = chat.route(request.scope[_CHAT_SESSION])
+        service, session = chat.route(request.scope[_CHAT_SESSION], body.model)
         return await translated_apis.create_response(service, body, session, agent)
 
     @router.post(p.ROUTE_MESSAGES, dependencies=[BEARER], responses=_CALL_RESPONSES)
     async def messages(body: MessagesRequest, request: Request,
                        agent: str | None = Header(None, alias=p.AGENT_HEADER)):
-        service, session = chat.route(request.scope[_CHAT_SESSION])
+        service, session = chat.route(request.scope[_CHAT_SESSION], body.model)
         return await translated_apis.create_message(service, body, session, agent)
 
     @router.post(p.ROUTE_COMPLETIONS, dependencies=[BEARER], responses=_CALL_RESPONSES)
     async def completions(body: CompletionRequest, request: Request,
                           agent: str | None = Header(None, alias=p.AGENT_HEADER)):
-        service, session = chat.route(request.scope[_CHAT_SESSION])
+        service, session = chat.route(request.scope[_CHAT_SESSION], body.model)
         reply = await create_completion(service, body, session, agent)
         return reply if isinstance(reply, dict) else StreamingResponse(reply, media_type="text/event-stream")
 

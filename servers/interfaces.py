@@ -127,6 +127,12 @@ class InferenceEngine(abc.ABC):
         spec = lora_spec_of(json.loads((Path(directory) / "adapter_config.json").read_text()))
         self.load_adapter(name, load_file(Path(directory) / "adapter_model.safetensors"), spec)
 
+    def unload_adapter(self, name: str) -> None:
+        """Stop serving adapter `name` and free what it took (a frozen policy retired from a league): returns once
+        its running generations finished and it is gone; generations still waiting for it fail. KeyError if it is
+        not loaded. Other adapters and the base keep generating meanwhile."""
+        raise NotImplementedError(f"{type(self).__name__} cannot unload LoRA adapters")
+
     def before_training_step(self) -> None:  # noqa: B027 - optional hook
         """Called right before each training step, with no generation running: an engine that shares its device
         with the trainer may free memory here (the vLLM engine's sleep mode); the next weight load brings it back."""

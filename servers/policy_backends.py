@@ -30,6 +30,11 @@ class Shared(Generic[Backend]):
         self._backend: Backend | None = None
         self._users = 0
 
+    @property
+    def current(self) -> Backend | None:
+        """The backend while someone holds it (None: not built)."""
+        return self._backend
+
     def hold(self, model_dir: Path) -> Hold[Backend]:
         """The backend, built now if nobody holds it; release the hold once done with it."""
         with self._lock:

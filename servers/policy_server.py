@@ -8,6 +8,7 @@ another policy's episodes, and a game with two policies of one server commits th
 `PolicyServer` is what the routes see: it picks the learner of a call by the `policy` a begin names (or the query
 parameter of a control route), and by the policy name that starts every episode id and follows the key prefix in
 every key (`POLICY_SEPARATOR`), so an end, a commit or a chat call finds its learner even after a restart.
+Past adapters of the policies are served next to them, untrained and unrecorded (`frozen`: servers.frozen_policies).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from marl.protocol import (
 )
 from servers.chat_completions import CallSession, ChatService
 from servers.errors import Refusal
+from servers.frozen_policies import FrozenPolicies
 from servers.interfaces import InferenceEngine
 from servers.policy_backends import PolicyBackends, PolicyTrainerFactory
 from servers.prometheus_metrics import render_all
@@ -50,7 +52,10 @@ class PolicyServer:
                                   policy=name)
             for name in policies
         }  # fmt: skip
-        self.chat = PolicyChat({name: server.chat for name, server in self.policies.items()})
+        #: Past adapters served untrained next to the live policies (a league's `past_of` a policy).
+        self.frozen = FrozenPolicies(backends.engine, lambda: next(
+            (s.lifecycle.formatter for s in self.policies.values() if s.lifecycle.formatter is not None), None))
+        self.chat = PolicyChat({name: server.chat for name, server in self.policies.items()}, self.frozen)
 
     @property
     def state(self) -> EngineState:
@@ -132,10 +137,14 @@ class PolicyServer:
 class PolicyChat:
     """The data plane of a server of policies: a key's policy is in the key, and its learner's service runs it."""
 
-    def __init__(self, services: Mapping[str, ChatService]) -> None:
-        self.services = dict(services)
+    def __init__(self, services: Mapping[str, ChatService], frozen: FrozenPolicies) -> None:
+        self.services, self.frozen = dict(services), frozen
 
-    def admit(self, api_key: str | None) -> tuple[ChatService, CallSession]:
+    def admit(self, api_key: str | None) -> tuple[ChatService | None, CallSession]:
+        """The learner's service and lease of an episode key; (None, unleased) for the frozen policies' key."""
+        unleased = self.frozen.admit(api_key)
+        if unleased is not None:
+            return None, unleased
         policy = (api_key or "").removeprefix(EPISODE_KEY_PREFIX).partition(POLICY_SEPARATOR)[0]
         service = self.services.get(policy) if api_key and api_key.startswith(EPISODE_KEY_PREFIX) else None
         if service is None:
@@ -143,8 +152,11 @@ class PolicyChat:
                           " begin_episode returned")
         return service, service.admit(api_key)
 
-    def route(self, admitted: tuple[ChatService, CallSession]) -> tuple[ChatService, CallSession]:
-        return admitted
+    def route(self, admitted: tuple[ChatService | None, CallSession], model: str) -> tuple[ChatService, CallSession]:
+        """A key's learner runs its call; the frozen policies' key runs the frozen policy the call's `model` names."""
+        service, session = admitted
+        return (self.frozen.service(model) if service is None else service), session
 
     def models(self) -> ModelList:
-        return ModelList(data=[card for service in self.services.values() for card in service.models().data])
+        return ModelList(data=[card for service in self.services.values() for card in service.models().data]
+                         + self.frozen.models())

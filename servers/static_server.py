@@ -10,7 +10,6 @@ With an adapter (`marl serve --static --adapter DIR`, a PEFT adapter directory: 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import Callable
@@ -18,34 +17,19 @@ from pathlib import Path
 from typing import NoReturn
 
 from marl.protocol import EngineState, ErrorCode, MonitorSnapshot, ServerStatus
-from servers.chat_completions import ChatService
+from servers.chat_completions import ChatService, Unleased
 from servers.chat_format import ChatFormatter
 from servers.errors import Refusal
 from servers.interfaces import InferenceEngine, lora_spec_of
 from servers.lifecycle import EngineFactory
 from servers.policy_backends import AdapterEngine, Shared
 from servers.prometheus_metrics import MetricsReading, render
-from servers.samples import CallRecord
 from servers.telemetry import Telemetry
 
 log = logging.getLogger("marl.server")
 
 #: The name the static server's one adapter is loaded under in its engine.
 ADAPTER_NAME = "static"
-
-
-class _Unleased:
-    """The session of every call to a static server: no history, nothing kept."""
-
-    @property
-    def calls(self) -> list[CallRecord]:
-        return []
-
-    def busy(self) -> contextlib.nullcontext[None]:
-        return contextlib.nullcontext()
-
-    def record(self, call: CallRecord) -> bool:
-        return True
 
 
 def adapted_engine(engine_factory: EngineFactory, adapter: Path) -> EngineFactory:
@@ -79,7 +63,7 @@ class StaticServer:
         self.engine: InferenceEngine | None = None
         self.formatter: ChatFormatter | None = None
         self.telemetry = Telemetry()
-        self.chat = ChatService(self, lambda api_key: _Unleased(), self.telemetry)
+        self.chat = ChatService(self, lambda api_key: Unleased(), self.telemetry)
         self._boot_task: asyncio.Task | None = None
 
     async def startup(self) -> None:

@@ -107,6 +107,8 @@ def _plan_server(name: str, server: Any, spec: Any, base_dir: Path | None,
     key = f"servers.{name}"
     placement = getattr(server, "placement", None)
     model = server.model
+    if server.past_of is not None and server.past_of.policy is not None:
+        return None  # its snapshots are adapters on its source server's engine (frozen policies): no process here
     if server.past_of is not None:
         model = spec.servers[server.past_of.server].model
     if model is None or (not server.is_local and placement is None):

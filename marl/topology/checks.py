@@ -9,7 +9,8 @@ Decisions (also in the messages):
 - `run.run_dir` defaults to `runs/<name>`.
 - A `past_of` server plays the checkpoints a local trainable server writes into the run directory: its `server`
   must be one (a remote swarm server keeps its checkpoints on its own machine). One that never checkpoints
-  (`save_freq: 0`) leaves only the initial model to play: a warning.
+  (`save_freq: 0`) leaves only the initial model to play: a warning. Of a server of LoRA policies it plays one
+  policy (`policy:`, required there and refused elsewhere), whose snapshots that server serves itself.
 - `run.eval_every` evaluates checkpoints too: every trainable server must be local and save checkpoints.
 - Under `run.ray`, a local server sees only the GPUs its actor asks for (`resources: {GPU: n}`; none without it):
   `device: cuda` needs some, and its `placement` GPUs index those n.
@@ -23,7 +24,7 @@ from typing import Any
 
 from .locate import Locator
 from .problems import Problem, did_you_mean
-from .spec import NAME_RE, NAME_RULE, ServerKind, TopologySpec
+from .spec import NAME_RE, NAME_RULE, PastOfSpec, ServerKind, ServerSpec, TopologySpec
 
 
 class Findings:
@@ -173,7 +174,8 @@ def check_urls(spec: TopologySpec, findings: Findings) -> None:
 
 
 def check_past_of(spec: TopologySpec, findings: Findings) -> None:
-    """A past_of server names a local trainable server, whose checkpoints it plays (not yet one of LoRA policies)."""
+    """A past_of server names a local trainable server whose checkpoints it plays (with `policy:`, the checkpoints of
+    one of its LoRA policies)."""
     for name, server in spec.servers.items():
         if server.past_of is None:
             continue
@@ -187,13 +189,31 @@ def check_past_of(spec: TopologySpec, findings: Findings) -> None:
         if kind is not ServerKind.LOCAL_TRAINABLE:
             findings.bad(where, f"servers.{source} is a {kind.value} server: past_of plays the checkpoints that a"
                                 " local trainable server (model: + trainable: true) writes into the run directory")
-        elif spec.servers[source].policies:
-            findings.bad(where, f"servers.{source} trains LoRA policies: past_of a server of policies is not"
-                                " supported yet (its checkpoints are adapters, one set per policy); name a server"
-                                " without policies instead")
-        elif spec.servers[source].train.save_freq == 0:
-            findings.warn(where, f"servers.{source}.train.save_freq is 0: it never saves a checkpoint, so this"
-                                 " server always plays its initial model")
+        elif _past_policy_ok(name, server.past_of, spec.servers[source], findings):
+            policy = server.past_of.policy
+            train = spec.servers[source].policy_train(policy) if policy else spec.servers[source].train
+            if train.save_freq == 0:
+                who = f"servers.{source}" + (f".policies.{policy}" if policy else "")
+                findings.warn(where, f"{who}.train.save_freq is 0: it never saves a checkpoint, so this server"
+                                     " always plays its initial model")
+
+
+def _past_policy_ok(name: str, past_of: PastOfSpec, source: ServerSpec, findings: Findings) -> bool:
+    """past_of.policy names one of the source's LoRA policies where it has some, and is left out where it has none."""
+    where = ["servers", name, "past_of", "policy"]
+    policies = source.policies or {}
+    if past_of.policy is None and policies:
+        findings.bad(["servers", name, "past_of"], f"servers.{past_of.server} trains LoRA policies, each with its"
+                     f" own checkpoints: name the one to play with policy: (one of {', '.join(policies)})")
+    elif past_of.policy is not None and not policies:
+        findings.bad(where, f"servers.{past_of.server} trains no LoRA policies (one full-weight model): remove"
+                            " policy")
+    elif past_of.policy is not None and past_of.policy not in policies:
+        findings.bad(where, f"servers.{past_of.server} has no policy {past_of.policy!r}; its policies:"
+                            f" {', '.join(policies)}{did_you_mean(past_of.policy, policies)}")
+    else:
+        return True
+    return False
 
 
 def check_eval_every(spec: TopologySpec, findings: Findings) -> None:

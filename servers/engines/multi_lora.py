@@ -94,6 +94,8 @@ class MultiLora:
         self._linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         self._slots: dict[str, _Slots] = {}  # module path -> its adapters, hooked once first adapted
         self._names: dict[str, int] = {}  # adapter name -> index (1..n; 0 is the base)
+        self._free: list[int] = []  # indices of removed adapters, reused by the next new ones
+        self._count = 0  # n: slots in the stacks (adapters loaded + free slots)
         self._rank = 0  # r_max
         self._mask: torch.Tensor | None = None  # [rows, n * r_max] for the forward running now; None: all base
 
@@ -149,8 +151,11 @@ class MultiLora:
 
     def install(self, adapter: PreparedAdapter) -> None:
         """Serve a prepared adapter (between forwards); adapters of other names are untouched."""
-        index = self._names.get(adapter.name, len(self._names) + 1)
+        index = self._names.get(adapter.name)
+        if index is None:
+            index = self._free.pop(0) if self._free else self._count + 1
         self._names[adapter.name] = index
+        self._count = max(self._count, index)
         self._rank = max(self._rank, adapter.rank)
         for module in adapter.layers.keys() - self._slots.keys():
             linear = self._linears[module]
@@ -158,8 +163,16 @@ class MultiLora:
             # The Linear's forward as it is now (an instance attribute where cpu_matmul replaced it).
             linear.forward = functools.partial(self._adapt, self._slots[module], linear.forward)
         for module, slots in self._slots.items():
-            slots.resize(len(self._names), self._rank)
+            slots.resize(self._count, self._rank)
             slots.put(index - 1, *adapter.layers.get(module, (None, None)))
+
+    def remove(self, name: str) -> None:
+        """Stop serving adapter `name` (between forwards): its slot is zeroed and taken by the next new adapter.
+        KeyError if it is not loaded."""
+        index = self._names.pop(name)
+        for slots in self._slots.values():
+            slots.put(index - 1, None, None)
+        self._free = sorted([*self._free, index])
 
     @contextlib.contextmanager
     def rows(self, adapters: Sequence[str | None]) -> Iterator[None]:
@@ -175,7 +188,7 @@ class MultiLora:
         """[rows, n * r_max]: ones over the r_max entries of each row's adapter (none for a base row)."""
         some = next(iter(self._slots.values())).a
         slot = torch.tensor(indices, device=some.device) - 1  # -1: the base, matches no slot
-        mine = slot[:, None] == torch.arange(len(self._names), device=some.device)[None]
+        mine = slot[:, None] == torch.arange(self._count, device=some.device)[None]
         return mine.to(some.dtype).repeat_interleave(self._rank, dim=1)[:, None, :]  # [rows, 1 (tokens), n * r]
 
     def _adapt(self, slots: _Slots, base_forward: Any, x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ Many agents call one model at once, and one decode step over 16 sequences costs 
 - LoRA adapters (servers.engines.multi_lora): each request names its adapter (None: the base model) and every
   forward applies each row's own, so requests of many policies share one batch. Loading or replacing an adapter
   waits only for that adapter's running requests (its waiting ones are held back meanwhile) and happens between
-  two forwards; the other adapters' and the base's requests keep running.
+  two forwards; the other adapters' and the base's requests keep running. Unloading one waits the same way and
+  frees its slot for the next adapter loaded.
 
 This module owns the scheduling: the queue of waiting requests, the worker thread, admission within the batch
 size and a prefill token budget, failures that take down only the requests they touch, and weight swaps that wait
@@ -42,15 +43,14 @@ import functools
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Self
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from marl.protocol import LoraSpec
-from servers.engines.adapter_loads import AdapterLoads, install
+from servers.engines.adapter_loads import AdapterLoads, AdapterServing, install
 from servers.engines.batch_runner import BatchRunner, EngineStats
 from servers.engines.cpu_matmul import use_weight_major_matmul_if_faster
 from servers.engines.model_limits import context_length, eos_token_ids
@@ -73,7 +73,7 @@ _PREFILL_TOKEN_BUDGET = 16384
 DEFAULT_PREFIX_CACHE_BYTES = 2 * 2**30
 
 
-class TorchEngine(InferenceEngine):
+class TorchEngine(AdapterServing, InferenceEngine):
     """A transformers causal LM behind a continuous-batching worker thread (see the module docstring)."""
 
     serves_adapters = True
@@ -140,9 +140,10 @@ class TorchEngine(InferenceEngine):
         """
         request = new_request(prompt_ids, params, vocab_size=self.vocab_size, context_length=self.context_length,
                               eos_token_ids=self.eos_token_ids)  # fmt: skip
-        if params.adapter not in self.lora:  # adapters are never unloaded: known now, known when it runs
-            raise ValueError(f"no LoRA adapter named {params.adapter!r} is loaded (loaded: {sorted(self.lora.names)})")
-        with self._cv:
+        with self._cv:  # an unload purges the queue under the lock once the adapter is gone: checked here, with it
+            if params.adapter not in self.lora:
+                raise ValueError(f"no LoRA adapter named {params.adapter!r} is loaded (loaded:"
+                                 f" {sorted(self.lora.names)})")
             if self._closed:
                 raise RuntimeError("the engine is closed")
             self._waiting.append(request)
@@ -175,22 +176,6 @@ class TorchEngine(InferenceEngine):
                 for target, tensor in updates:
                     target.copy_(tensor.to(device=target.device, dtype=target.dtype))
             self.stats.weight_loads += 1
-
-    def load_adapter(self, name: str, tensors: Mapping[str, Any], spec: LoraSpec) -> None:
-        """Serve LoRA adapter `name` (new, or replacing the one of that name) from now on (see
-        `InferenceEngine.load_adapter`); tensors in PEFT's names, ValueError for a bad one before anything changes.
-
-        Blocks until the worker installed it between two forwards: after that adapter's running requests finished
-        (its new requests wait meanwhile); other adapters' and the base's requests keep running. Its entries in the
-        prefix cache are dropped (computed by the old adapter).
-        """
-        adapter = self.lora.prepare(name, tensors, spec)
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
-            load = self._adapter_loads.add(adapter)
-            self._cv.notify_all()
-        load.wait()
 
     def close(self) -> None:
         """Stop the worker; requests still queued or running fail with RuntimeError."""
@@ -295,6 +280,11 @@ class TorchEngine(InferenceEngine):
             loads = self._adapter_loads.installable(self._batch, self._swap_requests > 0)
             self._adapter_loads.take(loads)
         install(loads, self.lora, self.prefix_cache, self.stats)
+        if any(load.adapter is None for load in loads):
+            with self._cv:  # requests queued for an adapter now gone would fail a whole prefill group later
+                gone = [r for r in self._waiting if r.adapter not in self.lora]
+                self._waiting = deque(r for r in self._waiting if r.adapter in self.lora)
+            _fail(gone, ValueError("its LoRA adapter was unloaded"), self.stats)
 
     def _admit(self, group: list[Request]) -> None:
         """Prefill `group` and add it to the running batch: prompts extending a cached prefix one by one on top

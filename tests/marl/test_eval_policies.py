@@ -142,12 +142,12 @@ def test_periodic_eval_pairs_learners(saved_adapter, tmp_path):
         evals.close()
 
 
-def test_past_of_a_server_of_policies_is_refused(tmp_path):
+def test_past_of_a_server_of_policies_names_its_policy(tmp_path):
     data = lora_topology("smollm2-135m", str(tmp_path / "run"))
     data["servers"]["old"] = {"past_of": {"server": "team"}, "device": "cpu"}
     data["roles"]["observer"] = {"server": "old"}
-    with pytest.raises(TopologyError, match="servers.old.past_of.server.*servers.team trains LoRA policies: past_of"
-                                            " a server of policies is not supported yet"):
+    with pytest.raises(TopologyError, match="servers.old.past_of.*servers.team trains LoRA policies, each with its"
+                                            " own checkpoints: name the one to play with policy:"):
         Topology.from_dict(data)
 
 

@@ -239,3 +239,39 @@ def test_loading_base_weights_keeps_the_adapters(own_engine: TorchEngine, peft_m
     prompt = engine.tokenizer.encode(TEXTS[2])
     ids, logprobs, _ = run_all(engine, [(prompt, SamplingParams(max_tokens=10, temperature=0.0, adapter="carol"))])[0]
     torch.testing.assert_close(torch.tensor(logprobs), peft_logprobs(carol, prompt, ids), atol=1e-4, rtol=0)
+
+
+def test_unloading_an_adapter_waits_for_it_frees_its_slot_and_leaves_the_others(own_engine: TorchEngine,
+                                                                                peft_models) -> None:
+    engine = own_engine
+    requests = [(p, params) for p, params in mixed_requests(engine) if params.temperature == 0]
+    before = run_all(engine, requests)
+    prompt = engine.tokenizer.encode(TEXTS[0])
+    long = SamplingParams(max_tokens=300, temperature=0.0, adapter="bob")
+
+    async def main():
+        generated = engine.stats.generated_tokens
+        running = asyncio.create_task(collect(engine, prompt, long))
+        while engine.stats.generated_tokens < generated + 5:  # it runs (not only waits, which an unload would fail)
+            await asyncio.sleep(0.001)
+        await asyncio.to_thread(engine.unload_adapter, "bob")
+        assert running.done()  # it waited for bob's running request, which finished on bob
+        return await running
+
+    ids, _, _ = asyncio.run(main())
+    assert len(ids) == 300 and "bob" not in engine.lora.names
+    with pytest.raises(ValueError, match="no LoRA adapter named 'bob'"):
+        run_all(engine, [(prompt, long)])
+    with pytest.raises(KeyError, match="bob"):
+        engine.unload_adapter("bob")
+    kept = run_all(engine, [r for r in requests if r[1].adapter != "bob"])
+    others = [r for (_, params), r in zip(requests, before, strict=True) if params.adapter != "bob"]
+    for (ids, logprobs, _), (old_ids, old_logprobs, _) in zip(kept, others, strict=True):  # the others: untouched
+        assert ids == old_ids
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(old_logprobs), atol=1e-4, rtol=0)
+    slots = engine.lora._count
+    engine.load_adapter("dave", get_peft_model_state_dict(peft_models["bob"]), SPECS["bob"])  # takes bob's slot
+    assert engine.lora._count == slots
+    bob_before = [r for (_, params), r in zip(requests, before, strict=True) if params.adapter == "bob"]
+    dave = run_all(engine, [(p, replace(params, adapter="dave")) for p, params in requests if params.adapter == "bob"])
+    assert [r[0] for r in dave] == [r[0] for r in bob_before]
