@@ -111,19 +111,26 @@ def default_trainer_factory(device: str | None, placement: Placement | None = No
     return build
 
 
-def lora_trainer_factory(device: str | None, placement: Placement | None = None) -> PolicyTrainerFactory:
-    """Builds the one-process trainer of a server's LoRA policies, each with its config's GRPO section."""
+def lora_trainer_factory(device: str | None, placement: Placement | None = None,
+                         authkey: bytes = b"") -> PolicyTrainerFactory:  # fmt: skip
+    """Builds the trainer of a server's LoRA policies, the kind their configs name (one for all of them: the
+    topology checks it), each policy with its config's section of that trainer."""
     placement = placement or Placement()
 
     def build(model_dir: Path, policies: Mapping[str, tuple[LoraSpec, TrainConfig]]) -> PolicyTrainer:
+        kinds = {config.trainer for _, config in policies.values()}
+        if len(kinds) > 1:
+            raise ValueError(f"the LoRA policies of a server share one trainer, but they name {sorted(kinds)}:"
+                             " give every policy the same train.trainer")  # fmt: skip
+        sections = {name: (spec, config.trainer_section) for name, (spec, config) in policies.items()}
+        if kinds == {"fsdp"}:
+            from servers.trainers.fsdp_lora import FSDPLoraTrainer
+
+            # the admin token lets the ranks of other nodes in (placement.nodes > 1)
+            return FSDPLoraTrainer(model_dir, sections, device=device, placement=placement, authkey=authkey)
         from servers.trainers.lora_grpo import LoraGRPOTrainer
 
-        not_grpo = sorted(name for name, (_, config) in policies.items() if config.trainer != "grpo")
-        if not_grpo:
-            raise ValueError(f"policies {', '.join(not_grpo)}: LoRA policies train with trainer: grpo (one process);"
-                             " FSDP does not train adapters yet")
-        return LoraGRPOTrainer(model_dir, {name: (spec, config.grpo) for name, (spec, config) in policies.items()},
-                               device=placement.trainer_device(device))
+        return LoraGRPOTrainer(model_dir, sections, device=placement.trainer_device(device))
 
     return build
 
@@ -185,7 +192,7 @@ def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None 
                               data_dir=options.resolved_data_dir(), resolve_model=resolve,
                               engine_factory=engine_factory, public_url=options.public_url,
                               trainer_factory=policy_trainer_factory or lora_trainer_factory(
-                                  options.device, options.placement))
+                                  options.device, options.placement, token.encode()))
     elif options.static:
         server = StaticServer(model=options.model, served_name=served_name, resolve_model=resolve,
                               engine_factory=engine_factory, adapter=options.adapter and Path(options.adapter))

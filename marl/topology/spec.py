@@ -363,16 +363,33 @@ def _policy_rules(s: ServerSpec) -> list[Rule]:
                                 " swarm_url:): remove policies, or set trainable: true")]
     rules: list[Rule] = [(("policies", name), f"bad policy name {name!r}: {NAME_RULE}") for name in s.policies
                          if not NAME_RE.match(name)]  # fmt: skip
+    merged: dict[str, TrainConfig] = {}
     for name in s.policies:
         try:
-            merged = s.policy_train(name)
+            merged[name] = s.policy_train(name)
         except ValidationError as exc:
             rules.append((("policies", name, "train"), f"does not make a valid train config: {exc.errors()[0]['msg']}"
                                                        f" at {'.'.join(map(str, exc.errors()[0]['loc']))}"))
-            continue
-        if merged.trainer != "grpo":
-            rules.append((("policies", name, "train"), f"LoRA policies train with trainer: grpo (one process), not"
-                                                       f" {merged.trainer}: FSDP does not train adapters yet"))
+    return rules + _shared_trainer_rules(merged)
+
+
+def _shared_trainer_rules(merged: dict[str, TrainConfig]) -> list[Rule]:
+    """A server's policies share one trainer (servers.entrypoint.lora_trainer_factory): one kind, and under fsdp
+    the same ranks, started once for all of them."""
+    if not merged:
+        return []
+    first, config = next(iter(merged.items()))
+    rules: list[Rule] = []
+    for name, other in merged.items():
+        if other.trainer != config.trainer:
+            rules.append((("policies", name, "train"), f"trains with trainer: {other.trainer}, policy {first} with"
+                                                       f" {config.trainer}: the policies of a server share one"
+                                                       " trainer; give them all the same trainer"))
+        elif config.trainer == "fsdp" and (other.fsdp.ranks, other.fsdp.mixed_precision) != (
+                config.fsdp.ranks, config.fsdp.mixed_precision):  # fmt: skip
+            rules.append((("policies", name, "train"), f"fsdp.ranks / fsdp.mixed_precision differ from policy"
+                                                       f" {first}'s: the policies of a server share their FSDP"
+                                                       " ranks; give them the same ones"))
     return rules
 
 

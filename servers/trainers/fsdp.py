@@ -30,24 +30,25 @@ trainer loads it too (and this one the one-process trainer's). A dead or failing
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from marl.protocol import FSDPConfig
+from marl.protocol import FSDPConfig, GRPOConfig
 from servers.engines.weight_transfer import TransferTarget, WeightTransferError
 from servers.interfaces import TrainBatch, Trainer
 from servers.placement import Placement
 from servers.samples import Sample
 from servers.trainers.fsdp_ranks import RankFailure, RankGroup, RankLayout
-from servers.trainers.fsdp_worker import PassResult, RankPlan, RankSpec
+from servers.trainers.fsdp_worker import PassResult, RankSpec
 from servers.trainers.grpo import grpo_step
 from servers.trainers.micro_batches import check_token_ids, pack_micro_batches
 from servers.trainers.step_metrics import PassTotals, add_pass_stats
 from servers.trainers.trainer_state import copy_tokenizer, restore_rng_states, rng_states
 
-__all__ = ["FSDPConfig", "FSDPTrainer", "RankFailure", "plan_micro_batches"]
+__all__ = ["FSDPConfig", "FSDPTrainer", "RankFailure", "plan_micro_batches", "start_ranks", "train_on_ranks"]
 
 
 def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int) -> list[list[list[int] | None]]:
@@ -78,6 +79,50 @@ def rank_layout(ranks: int, placement: Placement, authkey: bytes | None) -> Rank
     return RankLayout(per_node, placement.nodes, placement.trainer_gpus, placement.rendezvous_port, authkey)
 
 
+def start_ranks(model_dir: Path, config: FSDPConfig, *, device: str | torch.device | None,
+                dtype: torch.dtype | str | None, threads_per_rank: int | None, timeout_s: float,
+                placement: Placement | None, authkey: bytes | None, **spec_fields: Any) -> RankGroup:  # fmt: skip
+    """`config.ranks` rank processes laid out by `placement`, each started with a `RankSpec` (plus `spec_fields`)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = torch.device(device).type
+    layout = rank_layout(config.ranks, placement or Placement(), authkey)
+    gpus_needed = max(layout.trainer_gpus) + 1 if layout.trainer_gpus else layout.local_world_size
+    if device_type == "cuda" and torch.cuda.device_count() < gpus_needed:
+        raise ValueError(f"fsdp.ranks={config.ranks} on this node needs GPUs 0..{gpus_needed - 1};"
+                         f" {torch.cuda.device_count()} visible")
+    if device_type == "cpu" and threads_per_rank is None:  # this node's ranks share its cores
+        threads_per_rank = max(1, (os.cpu_count() or 1) // layout.local_world_size)
+    spec = RankSpec(model_dir=str(model_dir), config=config, world_size=config.ranks, device_type=device_type,
+                    dtype=None if dtype is None else str(dtype), threads=threads_per_rank, timeout_s=timeout_s,
+                    **spec_fields)  # fmt: skip
+    return RankGroup(spec, start_timeout_s=timeout_s, layout=layout)
+
+
+def train_on_ranks(ranks: RankGroup, items: list[tuple[Sample, float]], tokens_trained: float, config: GRPOConfig,
+                   *, vocab_size: int, with_ref: bool, report: Callable[[int, int], None],
+                   head: tuple = ()) -> dict[str, float]:  # fmt: skip
+    """GRPO's steps 2-4 on the ranks (module docstring, 2-4): each rank's plan, its passes, their metrics added up.
+    `head`: arguments sent before each rank's (plan, S, config), e.g. the LoRA policy's name."""
+    for sample, _ in items:  # refused here, before the ranks start a step they could not finish together
+        check_token_ids(sample, vocab_size)
+    plans = plan_micro_batches([len(s.token_ids) for s, _ in items], ranks.world_size, config.micro_batch_tokens)
+    per_rank: list[tuple] = [
+        (*head, [None if mb is None else [items[i] for i in mb] for mb in plan], len(items), config) for plan in plans
+    ]
+    report(0, config.ppo_epochs * len(plans[0]))
+    passes: list[list[PassResult]] = ranks.call("train", per_rank=per_rank, on_progress=report)
+    totals = PassTotals()
+    for epoch in zip(*passes, strict=True):  # the ranks' results of one pass
+        stats: dict[str, float] = {}
+        for rank_stats, _, _ in epoch:
+            add_pass_stats(stats, rank_stats)
+        _, grad_norm, stepped = epoch[0]  # global: the same on every rank
+        totals.add(stats, grad_norm, stepped=stepped)
+    micro_batches = sum(mb is not None for plan in plans for mb in plan)
+    return totals.metrics(micro_batches=micro_batches, tokens_trained=tokens_trained, with_ref=with_ref)
+
+
 class FSDPTrainer(Trainer):
     """GRPO + PPO-clip with the policy sharded over `config.ranks` processes (CPU with gloo, or a GPU each).
 
@@ -99,21 +144,9 @@ class FSDPTrainer(Trainer):
     ) -> None:
         self.model_dir = Path(model_dir)
         self.config = config  # read at every step: a caller may swap it between steps (not `ranks`)
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        device_type = torch.device(device).type
-        layout = rank_layout(config.ranks, placement or Placement(), authkey)
-        gpus_needed = max(layout.trainer_gpus) + 1 if layout.trainer_gpus else layout.local_world_size
-        if device_type == "cuda" and torch.cuda.device_count() < gpus_needed:
-            raise ValueError(f"fsdp.ranks={config.ranks} on this node needs GPUs 0..{gpus_needed - 1};"
-                             f" {torch.cuda.device_count()} visible")
-        if device_type == "cpu" and threads_per_rank is None:  # this node's ranks share its cores
-            threads_per_rank = max(1, (os.cpu_count() or 1) // layout.local_world_size)
         self._with_ref = config.kl_coef > 0  # the ranks hold the frozen reference iff asked for at start
-        spec = RankSpec(model_dir=str(self.model_dir), config=config, world_size=config.ranks,
-                        device_type=device_type, dtype=None if dtype is None else str(dtype),
-                        threads=threads_per_rank, timeout_s=timeout_s)  # fmt: skip
-        self.ranks = RankGroup(spec, start_timeout_s=timeout_s, layout=layout)
+        self.ranks = start_ranks(self.model_dir, config, device=device, dtype=dtype, threads_per_rank=threads_per_rank,
+                                 timeout_s=timeout_s, placement=placement, authkey=authkey)  # fmt: skip
         self.vocab_size = int(self.ranks.started[0]["vocab_size"])
         self.step_count = 0
 
@@ -125,28 +158,11 @@ class FSDPTrainer(Trainer):
         return metrics
 
     def _train(self, items: list[tuple[Sample, float]], tokens_trained: float) -> dict[str, float]:
-        cfg = self.config
-        for sample, _ in items:  # refused here, before the ranks start a step they could not finish together
-            check_token_ids(sample, self.vocab_size)
-        plans = plan_micro_batches([len(s.token_ids) for s, _ in items], self.ranks.world_size,
-                                   cfg.micro_batch_tokens)  # fmt: skip
-        per_rank: list[tuple[RankPlan, int, FSDPConfig]] = [
-            ([None if mb is None else [items[i] for i in mb] for mb in plan], len(items), cfg) for plan in plans
-        ]
-        self.progress = (0, cfg.ppo_epochs * len(plans[0]))
         try:
-            passes: list[list[PassResult]] = self.ranks.call("train", per_rank=per_rank, on_progress=self._on_progress)
+            return train_on_ranks(self.ranks, items, tokens_trained, self.config, vocab_size=self.vocab_size,
+                                  with_ref=self._with_ref, report=self._on_progress)  # fmt: skip
         finally:
             self.progress = None
-        totals = PassTotals()
-        for epoch in zip(*passes, strict=True):  # the ranks' results of one pass
-            stats: dict[str, float] = {}
-            for rank_stats, _, _ in epoch:
-                add_pass_stats(stats, rank_stats)
-            _, grad_norm, stepped = epoch[0]  # global: the same on every rank
-            totals.add(stats, grad_norm, stepped=stepped)
-        micro_batches = sum(mb is not None for plan in plans for mb in plan)
-        return totals.metrics(micro_batches=micro_batches, tokens_trained=tokens_trained, with_ref=self._with_ref)
 
     def _on_progress(self, done: int, total: int) -> None:
         self.progress = (done, total)

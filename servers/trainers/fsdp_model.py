@@ -23,6 +23,7 @@ one-process fp32 trainer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,6 +39,8 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 __all__ = ["broadcast_weights", "build_sharded_model", "compute_dtype", "tied_aliases"]
 
+#: Changes a model in place before it is sharded (and rank 0's full copy before the broadcast).
+Adapt = Callable[[torch.nn.Module], object]
 #: Rank 0 holds the full state (on its CPU); every rank takes its shards from the broadcast.
 _BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
@@ -50,19 +53,25 @@ def compute_dtype(mixed_precision: str, device_type: str, param_dtype: torch.dty
 
 
 def build_sharded_model(model_dir: Path, mesh: DeviceMesh, device: torch.device, *, dtype: torch.dtype,
-                        compute: torch.dtype) -> tuple[torch.nn.Module, dict[str, str]]:  # fmt: skip
+                        compute: torch.dtype, adapt: Adapt | None = None,
+                        ) -> tuple[torch.nn.Module, dict[str, str]]:  # fmt: skip
     """This rank's shard of the model in `model_dir`: parameters stored in `dtype`, computed in `compute`; and its
-    tied aliases (`tied_aliases`). In eval mode (dropout off), like every policy (servers.trainers.policy_model)."""
+    tied aliases (`tied_aliases`). In eval mode (dropout off), like every policy (servers.trainers.policy_model).
+
+    `adapt` changes the model in place before it is sharded (LoRA layers injected: servers.trainers.fsdp_lora_rank),
+    and rank 0's full copy before the broadcast, so both have the same parameters."""
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if adapt is not None:
+            adapt(model)
     model.eval()
     aliases = tied_aliases(model)
     mixed = compute != dtype
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
     _shard(model, mesh, policy)
     model.to_empty(device=device)
-    broadcast_weights(model, model_dir)
+    broadcast_weights(model, model_dir, adapt)
     return model, aliases
 
 
@@ -78,9 +87,12 @@ def _shard(model: torch.nn.Module, mesh: DeviceMesh, policy: MixedPrecisionPolic
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
 
 
-def broadcast_weights(model: torch.nn.Module, directory: Path) -> None:
-    """Every rank's shards of `model` from the Hugging Face model in `directory`, which rank 0 alone reads."""
+def broadcast_weights(model: torch.nn.Module, directory: Path, adapt: Adapt | None = None) -> None:
+    """Every rank's shards of `model` from the Hugging Face model in `directory`, which rank 0 alone reads (and
+    `adapt`s, as `model` was)."""
     source = AutoModelForCausalLM.from_pretrained(directory, dtype="auto") if dist.get_rank() == 0 else None
+    if source is not None and adapt is not None:
+        adapt(source)
     set_model_state_dict(model, source.state_dict() if source is not None else {}, options=_BROADCAST)
     in_state_dict = set(model.state_dict())
     for name, buffer in model.named_buffers():

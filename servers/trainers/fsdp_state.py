@@ -50,7 +50,8 @@ from servers.trainers.trainer_state import (
     write_trainer_state,
 )
 
-__all__ = ["full_weights", "iter_full_weights", "load_checkpoint", "save_checkpoint", "write_hf_weights"]
+__all__ = ["by_name", "by_position", "full_weights", "iter_full_weights", "load_checkpoint", "save_checkpoint",
+           "write_hf_weights"]
 
 #: Rank 0 reads a full optimizer state (a one-process trainer's checkpoint) and the group takes its shards from it.
 _BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -128,7 +129,7 @@ def load_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, di
         broadcast_weights(model, Path(directory))
         if has_optimizer:
             names = [name for name, p in model.named_parameters() if p.requires_grad]
-            full = _by_name(state["optimizer"], names) if rank == 0 else {}
+            full = by_name(state["optimizer"], names) if rank == 0 else {}
             set_optimizer_state_dict(model, optimizer, full, options=_BROADCAST)
     if rank_rngs is not None and len(rank_rngs) == dist.get_world_size():
         restore_rng_states(rank_rngs[rank])  # written by as many ranks: each takes its own back
@@ -146,7 +147,7 @@ def _has_optimizer(state: dict[str, Any] | None) -> bool:
     return bool(state["optimizer"] and state["optimizer"]["state"])
 
 
-def _by_name(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+def by_name(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, Any]:
     """An optimizer state dict keyed by parameter name: the one-process trainer's (keyed by position in its
     parameter list, which is `named_parameters` order) is renamed; one keyed by name already is returned as it is."""
     groups = optimizer_state["param_groups"]
@@ -160,3 +161,14 @@ def _by_name(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, Any
         "state": {rename[p]: value for p, value in optimizer_state["state"].items()},
         "param_groups": [{**group, "params": [rename[p] for p in group["params"]]} for group in groups],
     }
+
+
+def by_position(optimizer_state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """`by_name`'s inverse: a state dict keyed by parameter name (a gathered full one) keyed by position in `names`,
+    as `torch.optim.Optimizer.state_dict` writes it (a one-process trainer loads it)."""
+    position = {name: i for i, name in enumerate(names)}
+    return {
+        "state": {position[name]: value for name, value in optimizer_state["state"].items()},
+        "param_groups": [{**group, "params": [position[n] for n in group["params"]]}
+                         for group in optimizer_state["param_groups"]],
+    }  # fmt: skip

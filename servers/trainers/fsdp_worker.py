@@ -8,7 +8,9 @@ own, `cuda:LOCAL_RANK`). It joins the torch.distributed group (gloo on CPU, nccl
 shard of the policy without ever holding the whole model (servers.trainers.fsdp_model: meta device, `fully_shard`
 with the mixed-precision policy, rank 0's weights broadcast), and then serves commands from the server over its
 pipe: ("train", plan, S, config), ("export", dir), ("save", dir, ...), ("load", dir). Each answer is ("ok", result)
-or ("error", traceback); rank 0 also sends ("progress", done, total) after every micro-batch.
+or ("error", traceback); rank 0 also sends ("progress", done, total) after every micro-batch. A group of LoRA
+policies (`RankSpec.lora`) runs `servers.trainers.fsdp_lora_rank.ShardedLoraPolicies` instead: the same passes
+(`train_passes`) over one policy's adapter at a time, its own commands.
 
 The GRPO math is the one-process trainer's (`servers.trainers.grpo.micro_batch_loss`); what is sharded-specific:
 
@@ -52,12 +54,15 @@ from servers.trainers.micro_batches import collate
 from servers.trainers.policy_model import resolve_dtype, set_gradient_checkpointing
 from servers.trainers.step_metrics import add_pass_stats
 
-__all__ = ["PassResult", "RankPlace", "RankPlan", "RankSpec", "ShardedPolicy", "run_rank"]
+__all__ = ["PassResult", "RankPlace", "RankPlan", "RankSpec", "ShardedPolicy", "accumulate", "new_optimizer",
+           "rank_device", "run_rank", "train_passes"]
 
 log = logging.getLogger(__name__)
 
 #: One rank's micro-batches of a step, each a list of (sample, advantage); None is a padding pass.
 RankPlan = list[list[tuple[Sample, float]] | None]
+#: Rank 0's progress report: (done, total) micro-batch passes of the step.
+Progress = Callable[[int, int], None]
 #: What one pass on one rank returns: its metric sums, the global gradient norm, whether the optimizer stepped.
 PassResult = tuple[dict[str, float], float, bool]
 
@@ -77,6 +82,10 @@ class RankSpec:
     dtype: str | None = None  # the sharded parameters' (master weights'), fp32 by default
     threads: int | None = None  # torch intra-op threads per rank (CPU)
     timeout_s: float = 600.0  # a collective that waits longer fails (a peer that hangs)
+    #: LoRA policies {name: (LoraSpec, GRPOConfig)} on a frozen base instead of one full-weight policy
+    #: (servers.trainers.fsdp_lora_rank), their adapters and RNG streams seeded by (`seed`, name).
+    lora: dict[str, tuple[Any, GRPOConfig]] | None = None
+    seed: int = 0
 
 
 #: torchrun's names for where a rank runs; each rank exports them (with CUDA_VISIBLE_DEVICES and its allocator's
@@ -134,7 +143,12 @@ def run_rank(place: RankPlace, spec: RankSpec, conn: Connection) -> None:
                                 world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s),
                                 device_id=device_id)  # fmt: skip
         report = (lambda done, total: conn.send(("progress", done, total))) if place.rank == 0 else None
-        policy = ShardedPolicy(place.rank, spec, report, local_rank=place.local_rank)
+        shard_class: type = ShardedPolicy
+        if spec.lora is not None:
+            from servers.trainers.fsdp_lora_rank import ShardedLoraPolicies  # it builds on this module
+
+            shard_class = ShardedLoraPolicies
+        policy = shard_class(place.rank, spec, report, local_rank=place.local_rank)
         conn.send(("ok", {"vocab_size": policy.vocab_size, "device": str(policy.device),
                           "env": {key: os.environ.get(key) for key in PLACE_ENV}}))
         _serve(policy, conn)
@@ -146,10 +160,7 @@ def run_rank(place: RankPlace, spec: RankSpec, conn: Connection) -> None:
 
 
 def _serve(policy: ShardedPolicy, conn: Connection) -> None:
-    commands: dict[str, Callable[..., Any]] = {
-        "train": policy.train, "export": policy.export, "save": policy.save, "load": policy.load,
-        "push": policy.push,
-    }  # fmt: skip
+    commands = policy.commands()
     while True:
         try:
             command, args = conn.recv()
@@ -167,6 +178,62 @@ def _send_quietly(conn: Connection, message: tuple) -> None:
         pass  # the server is gone already
 
 
+def rank_device(device_type: str, local_rank: int) -> torch.device:
+    """The rank's device: GPU `local_rank` of its node's trainer GPUs (made current), or the CPU."""
+    if device_type != "cuda":
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def new_optimizer(params: list[torch.nn.Parameter], config: GRPOConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=config.learning_rate, betas=tuple(config.adam_betas),
+                             weight_decay=config.weight_decay)  # fmt: skip
+
+
+def train_passes(model: torch.nn.Module, ref: Any, optimizer: torch.optim.Optimizer, plan: RankPlan,
+                 num_samples: int, config: GRPOConfig, *, report: Progress | None) -> list[PassResult]:  # fmt: skip
+    """`ppo_epochs` passes over this rank's micro-batches; each pass ends in one (sharded) AdamW step of the
+    parameters `optimizer` holds (all of `model`'s, or one LoRA policy's)."""
+    apply_optimizer_hparams(optimizer, config)
+    set_gradient_checkpointing(model, config.gradient_checkpointing)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    passes: list[PassResult] = []
+    for epoch in range(config.ppo_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        stats = accumulate(model, ref, plan, num_samples, config, report=report, done=epoch * len(plan),
+                           total=config.ppo_epochs * len(plan))  # fmt: skip
+        norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)  # over all ranks' shards
+        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        finite = math.isfinite(grad_norm)  # the same on every rank: all step, or none
+        if finite:
+            optimizer.step()
+        elif dist.get_rank() == 0:
+            log.warning("non-finite gradient norm in epoch %d: update skipped", epoch)
+        optimizer.zero_grad(set_to_none=True)
+        passes.append((stats, grad_norm, finite))
+    return passes
+
+
+def accumulate(model: torch.nn.Module, ref: Any, plan: RankPlan, num_samples: int, config: GRPOConfig, *,
+               report: Progress | None, done: int, total: int) -> dict[str, float]:  # fmt: skip
+    """Forward + backward of this rank's share of L; every backward adds its gradients, summed over ranks, to this
+    rank's shard of `.grad`."""
+    embeddings = model.get_input_embeddings()
+    stats: dict[str, float] = {}
+    for index, items in enumerate(plan):
+        mb = collate(items or _PADDING, embeddings.weight.device, embeddings.num_embeddings)
+        loss, mb_stats = micro_batch_loss(model, ref, mb, config, num_samples)
+        if items is None:
+            loss = loss * 0.0  # a padding pass: the collectives run, the gradient is 0
+        else:
+            add_pass_stats(stats, mb_stats)
+        loss.backward()
+        if report is not None:
+            report(done + index + 1, total)
+    return stats
+
+
 class ShardedPolicy:
     """This rank's shard of the policy (and of the frozen KL reference), its optimizer, and the passes of a step."""
 
@@ -175,10 +242,7 @@ class ShardedPolicy:
         self.rank = rank
         self.spec = spec
         self._report = report
-        local_rank = rank if local_rank is None else local_rank  # the rank's GPU among its node's trainer GPUs
-        if spec.device_type == "cuda":
-            torch.cuda.set_device(local_rank)
-        self.device = torch.device("cuda", local_rank) if spec.device_type == "cuda" else torch.device("cpu")
+        self.device = rank_device(spec.device_type, rank if local_rank is None else local_rank)
         mesh = init_device_mesh(spec.device_type, (spec.world_size,))
         dtype, model_dir = resolve_dtype(spec.dtype), Path(spec.model_dir)
         #: What the forward runs in, and what exports hold: the engine serves the weights the trainer computes with.
@@ -195,48 +259,19 @@ class ShardedPolicy:
         self.checkpoint_group = dist.new_group(backend="gloo")
         self._pusher = WeightPusher(self.device) if rank == 0 else None  # rank 0 sends pushed weights to vLLM
 
+    def commands(self) -> dict[str, Callable[..., Any]]:
+        """What the server may send this rank, by name."""
+        return {"train": self.train, "export": self.export, "save": self.save, "load": self.load, "push": self.push}
+
     def _new_optimizer(self, config: GRPOConfig) -> torch.optim.Optimizer:
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=config.learning_rate, betas=tuple(config.adam_betas),
-                                 weight_decay=config.weight_decay)  # fmt: skip
+        return new_optimizer([p for p in self.policy.parameters() if p.requires_grad], config)
 
     def train(self, plan: RankPlan, num_samples: int, config: GRPOConfig) -> list[PassResult]:
-        """`ppo_epochs` passes over this rank's micro-batches; each pass ends in one (sharded) AdamW step."""
-        apply_optimizer_hparams(self.optimizer, config)
-        set_gradient_checkpointing(self.policy, config.gradient_checkpointing)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        passes: list[PassResult] = []
-        for epoch in range(config.ppo_epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            stats = self._accumulate(plan, num_samples, config, done=epoch * len(plan),
-                                     total=config.ppo_epochs * len(plan))  # fmt: skip
-            norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)  # over all ranks' shards
-            grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-            finite = math.isfinite(grad_norm)  # the same on every rank: all step, or none
-            if finite:
-                self.optimizer.step()
-            elif self.rank == 0:
-                log.warning("non-finite gradient norm in epoch %d: update skipped", epoch)
-            self.optimizer.zero_grad(set_to_none=True)
-            passes.append((stats, grad_norm, finite))
-        return passes
+        return train_passes(self.policy, self.ref, self.optimizer, plan, num_samples, config, report=self._report)
 
     def _accumulate(self, plan: RankPlan, num_samples: int, config: GRPOConfig, *, done: int,
                     total: int) -> dict[str, float]:  # fmt: skip
-        """Forward + backward of this rank's share of L; every backward adds its gradients, summed over ranks, to this
-        rank's shard of `.grad`."""
-        stats: dict[str, float] = {}
-        for index, items in enumerate(plan):
-            mb = collate(items or _PADDING, self.device, self.vocab_size)
-            loss, mb_stats = micro_batch_loss(self.policy, self.ref, mb, config, num_samples)
-            if items is None:
-                loss = loss * 0.0  # a padding pass: the collectives run, the gradient is 0
-            else:
-                add_pass_stats(stats, mb_stats)
-            loss.backward()
-            if self._report is not None:
-                self._report(done + index + 1, total)
-        return stats
+        return accumulate(self.policy, self.ref, plan, num_samples, config, report=self._report, done=done, total=total)
 
     def push(self, target: TransferTarget) -> str | None:
         """The policy into vLLM's weight-transfer engine (servers.trainers.fsdp_push); why it failed, or None."""

@@ -140,15 +140,60 @@ class PolicyState:
     progress: tuple[int, int] | None = None
 
 
+def peft_key(name: str, policy: str) -> str | None:
+    """PEFT's file name of the model parameter `name` if it belongs to `policy`'s adapter, else None: peft names the
+    parameter `...lora_A.<policy>.weight` (or `lora_embedding_A.<policy>`) and saves it as `base_model.model.
+    ...lora_A.weight`, without the adapter's name (the component right after a `lora_*` one)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.startswith("lora_") and parts[i + 1] == policy:
+            return ".".join(["base_model", "model", *parts[: i + 1], *parts[i + 2 :]])
+    return None
+
+
 def adapter_parameters(model: torch.nn.Module, policy: str) -> list[torch.nn.Parameter]:
-    """The parameters of `policy`'s adapter: peft names them `...lora_A.<policy>.weight`, `...lora_B.<policy>...`
-    (or `lora_embedding_A.<policy>`), so the name right after a `lora_*` component is the adapter's."""
-    out = []
-    for name, param in model.named_parameters():
-        parts = name.split(".")
-        if any(p.startswith("lora_") and parts[i + 1 : i + 2] == [policy] for i, p in enumerate(parts)):
-            out.append(param)
-    return out
+    """The parameters of `policy`'s adapter, in the model's order (an optimizer's state is saved by position)."""
+    return [param for name, param in model.named_parameters() if peft_key(name, policy) is not None]
+
+
+def add_adapters(base: torch.nn.Module, specs: Mapping[str, LoraSpec], seed: int,
+                 ) -> tuple[PeftModel, dict[str, dict[str, Any]]]:  # fmt: skip
+    """`base` with one LoRA adapter per policy injected in place (peft), and each policy's RNG stream: it starts from
+    (seed, policy) and initialises the adapter (A random, B = 0), so a policy's start does not depend on which other
+    policies share the base."""
+    peft_model: PeftModel | None = None
+    rngs = {}
+    for name, spec in specs.items():
+        rngs[name] = seeded_states(policy_seed(seed, name))
+        with rng_stream(rngs[name]):
+            if peft_model is None:
+                peft_model = get_peft_model(base, lora_config(spec), adapter_name=name)
+            else:
+                peft_model.add_adapter(name, lora_config(spec))
+    return peft_model, rngs
+
+
+@contextlib.contextmanager
+def training_adapter(peft_model: PeftModel, policy: str) -> Iterator[None]:
+    """Only `policy`'s adapter active and trainable (peft's set_adapter flags its parameters alone), its LoRA
+    dropout (if any) in training mode; the rest of the model stays in eval mode."""
+    peft_model.set_adapter(policy)
+    dropouts = [m.lora_dropout[policy] for m in peft_model.modules()
+                if hasattr(m, "lora_dropout") and policy in m.lora_dropout]  # fmt: skip
+    for dropout in dropouts:
+        dropout.train()
+    try:
+        yield
+    finally:
+        for dropout in dropouts:
+            dropout.eval()
+
+
+def check_adapter_fits(directory: Path, policy: str, spec: LoraSpec) -> None:
+    """Refuse a checkpoint `directory` whose adapter is not of `policy`'s LoRA shape (it may be another policy's)."""
+    saved = lora_spec_of(json.loads((directory / ADAPTER_DIR / ADAPTER_CONFIG).read_text()))
+    if lora_shape(saved) != lora_shape(spec):
+        raise ValueError(f"policy {policy!r} is {spec}, the checkpoint in {directory} holds {saved}")
 
 
 class LoraGRPOTrainer(PolicyTrainer):
@@ -175,15 +220,7 @@ class LoraGRPOTrainer(PolicyTrainer):
         self.policies = tuple(policies)
         self._lock = threading.RLock()
         base = load_policy_model(self.model_dir, self.dtype, self.device)
-        self.peft_model: PeftModel | None = None
-        rngs = {}
-        for name, (spec, _config) in policies.items():
-            rngs[name] = seeded_states(policy_seed(seed, name))
-            with rng_stream(rngs[name]):  # the adapter's init (A random, B = 0) draws from the policy's own stream
-                if self.peft_model is None:
-                    self.peft_model = get_peft_model(base, lora_config(spec), adapter_name=name)
-                else:
-                    self.peft_model.add_adapter(name, lora_config(spec))
+        self.peft_model, rngs = add_adapters(base, {name: spec for name, (spec, _) in policies.items()}, seed)
         self.model = self.peft_model.get_base_model()  # the HF model, its linear layers now LoRA layers
         self.model.eval()  # dropout off, as GRPOTrainer: the training forward reproduces the engine's logprobs
         self.model.requires_grad_(False)  # base and adapters; a step's set_adapter flags its own adapter trainable
@@ -229,27 +266,12 @@ class LoraGRPOTrainer(PolicyTrainer):
         with self._lock:
             state = self._state(policy)
             state.progress = None
-            with rng_stream(state.rng), self._training(policy):
+            with rng_stream(state.rng), training_adapter(self.peft_model, policy):
                 metrics = grpo_step(batch, state.config, step_count=state.step_count,
                                     with_ref=state.config.kl_coef > 0,
                                     train=lambda items, tokens: self._train(state, items, tokens))  # fmt: skip
             state.step_count += 1
             return metrics
-
-    @contextlib.contextmanager
-    def _training(self, policy: str) -> Iterator[None]:
-        """Only `policy`'s adapter active and trainable (peft's set_adapter flags its parameters alone), its LoRA
-        dropout (if any) in training mode; the rest of the model stays in eval mode."""
-        self.peft_model.set_adapter(policy)
-        dropouts = [m.lora_dropout[policy] for m in self.model.modules()
-                    if hasattr(m, "lora_dropout") and policy in m.lora_dropout]  # fmt: skip
-        for dropout in dropouts:
-            dropout.train()
-        try:
-            yield
-        finally:
-            for dropout in dropouts:
-                dropout.eval()
 
     def _train(self, state: PolicyState, items: Sequence[tuple[Sample, float]], tokens_trained: float,
                ) -> dict[str, float]:  # fmt: skip
@@ -325,9 +347,7 @@ class LoraGRPOTrainer(PolicyTrainer):
             directory = Path(directory)
             trainer_state = read_trainer_state(directory)
             adapter = directory / ADAPTER_DIR
-            saved = lora_spec_of(json.loads((adapter / ADAPTER_CONFIG).read_text()))
-            if lora_shape(saved) != lora_shape(state.spec):
-                raise ValueError(f"policy {policy!r} is {state.spec}, the checkpoint in {directory} holds {saved}")
+            check_adapter_fits(directory, policy, state.spec)
             result = set_peft_model_state_dict(self.peft_model, load_file(adapter / ADAPTER_WEIGHTS),
                                                adapter_name=policy)  # fmt: skip
             missing = [k for k in result.missing_keys if f".{policy}." in k and "lora_" in k]

@@ -48,6 +48,12 @@ def test_each_policy_is_a_learner_with_its_own_config(team):
     assert listener.batch_size == server.train.batch_size
 
 
+def test_policies_train_on_fsdp_ranks_together(team):
+    team["servers"]["team"]["train"]["trainer"] = "fsdp"
+    server = Topology.from_dict(team, check_env=False).spec.servers["team"]
+    assert {server.policy_train(name).trainer for name in ("speaker", "listener")} == {"fsdp"}
+
+
 def test_the_only_policy_needs_no_name(team):
     team["servers"]["team"]["policies"] = {"solo": {}}
     team["roles"] = {"speaker": {"server": "team"}, "listener": {"server": "team"}, "referee": {"server": "judge"}}
@@ -79,8 +85,11 @@ CASES = {
                          "servers.team.policies.speaker.lora.rnak", []),
     "policy train not a config": ({"servers.team.policies.speaker.train": {"batch_size": 0}},
                                   "servers.team.policies.speaker.train", ["does not make a valid train config"]),
-    "fsdp policies": ({"servers.team.train.trainer": "fsdp"}, "servers.team.policies.speaker.train",
-                      ["trainer: grpo"]),
+    "mixed trainers": ({"servers.team.policies.listener.train.trainer": "fsdp"}, "servers.team.policies.listener.train",
+                       ["trainer: fsdp, policy speaker with grpo", "share one trainer"]),
+    "mixed fsdp ranks": ({"servers.team.train.trainer": "fsdp",
+                          "servers.team.policies.listener.train.fsdp": {"ranks": 4}},
+                         "servers.team.policies.listener.train", ["fsdp.ranks", "share their FSDP ranks"]),
     "past_of without its policy": ({"servers.past": {"past_of": {"server": "team"}}}, "servers.past.past_of",
                                    ["servers.team trains LoRA policies", "policy: (one of speaker, listener)"]),
     "past_of an unknown policy": ({"servers.past": {"past_of": {"server": "team", "policy": "speakr"}}},
