@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from marl.protocol import FSDPConfig, GRPOConfig
+from marl.protocol import FSDPConfig, GRPOConfig, LoraSpec
 from servers.engines.weight_transfer import TransferTarget, WeightPusher
 from servers.samples import Sample
 from servers.trainers.fsdp_model import build_sharded_model, compute_dtype
@@ -84,7 +84,7 @@ class RankSpec:
     timeout_s: float = 600.0  # a collective that waits longer fails (a peer that hangs)
     #: LoRA policies {name: (LoraSpec, GRPOConfig)} on a frozen base instead of one full-weight policy
     #: (servers.trainers.fsdp_lora_rank), their adapters and RNG streams seeded by (`seed`, name).
-    lora: dict[str, tuple[Any, GRPOConfig]] | None = None
+    lora: dict[str, tuple[LoraSpec, GRPOConfig]] | None = None
     seed: int = 0
 
 
