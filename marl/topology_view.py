@@ -51,7 +51,8 @@ def _add_servers(root: Tree, topology: Topology) -> None:
         if s.model:
             line.append(f"  model={s.model}")
         if s.past_of:
-            line.append(f"  past_of={s.past_of.server} pool={s.past_of.pool} k={s.past_of.k}")
+            source = s.past_of.server + (f".{s.past_of.policy}" if s.past_of.policy else "")
+            line.append(f"  past_of={source} pool={s.past_of.pool} k={s.past_of.k}")
         for key in _SERVER_KEYS:
             value = getattr(s, key)
             if value is not None:

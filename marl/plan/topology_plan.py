@@ -91,6 +91,8 @@ def plan_topology(spec: Any, *, base_dir: Path | None = None, host_memory: float
     """Plan every server of a `TopologySpec` whose devices are known (see the module docstring)."""
     plans, skipped = [], []
     for name, server in spec.servers.items():
+        if server.past_of is not None and server.past_of.policy is not None:
+            continue  # adapters on its source server's engine (frozen policies): no process or model of its own
         plan = _plan_server(name, server, spec, base_dir, local_gpu_memory)
         if plan is None:
             skipped.append(name)
@@ -107,8 +109,6 @@ def _plan_server(name: str, server: Any, spec: Any, base_dir: Path | None,
     key = f"servers.{name}"
     placement = getattr(server, "placement", None)
     model = server.model
-    if server.past_of is not None and server.past_of.policy is not None:
-        return None  # its snapshots are adapters on its source server's engine (frozen policies): no process here
     if server.past_of is not None:
         model = spec.servers[server.past_of.server].model
     if model is None or (not server.is_local and placement is None):

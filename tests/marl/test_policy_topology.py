@@ -7,6 +7,7 @@ import copy
 
 import pytest
 
+from marl.plan.topology_plan import plan_topology
 from marl.topology import Topology
 from tests.marl.test_topology import _DEL, _set, assert_problem, env_path, load_error, train  # noqa: F401 - env_path: a fixture
 
@@ -122,3 +123,5 @@ def test_past_of_a_policy(team):
     topo = Topology.from_dict(team, check_env=False)
     assert topo.past_of_servers()["past"].policy == "speaker"
     assert "team.speaker" in topo.learners() and "past" not in topo.learners()
+    plan = plan_topology(topo.spec, host_memory=64e9)  # its snapshots are adapters on team: nothing of its own
+    assert [s.server for s in plan.servers] == ["team"] and plan.skipped == []
