@@ -1,5 +1,5 @@
 """The FSDP LoRA trainer: 2 ranks make the one-process LoRA step, train one policy alone, resume exactly in a fresh
-group, and export adapters PEFT loads. Tiny model, real gloo ranks on the CPU; two rank groups for the whole module."""
+group, export adapters PEFT loads, and train a real server's policies. Tiny model, real gloo ranks on the CPU."""
 
 from __future__ import annotations
 
@@ -18,9 +18,12 @@ from servers.tiny_model import build_tiny_model
 from servers.trainers.fsdp import plan_micro_batches
 from servers.trainers.fsdp_lora import FSDPLoraTrainer
 from servers.trainers.lora_grpo import LoraGRPOTrainer
+from tests.conftest import admin_http
 from tests.servers.test_fsdp_trainer import KNOBS
 from tests.servers.test_grpo_trainer import make_sample, seq_logprobs
 from tests.servers.test_lora_trainer import COMPLETIONS, assert_same, make_batch
+from tests.servers.test_policy_server import POLICIES as SERVED
+from tests.servers.test_policy_server import greedy, start_policies, wait_policy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -163,3 +166,27 @@ def test_the_server_builds_the_trainer_its_policies_name(model_dir, monkeypatch)
     assert built["args"][1] == {"red": (SPEC, fsdp.fsdp), "blue": (SPEC, fsdp.fsdp)}  # each its fsdp section
     with pytest.raises(ValueError, match="share one trainer"):
         factory(model_dir, {"red": (SPEC, fsdp), "blue": (SPEC, TrainConfig())})
+
+
+def test_a_server_of_policies_trains_them_on_fsdp_ranks(local_server):
+    """`trainer: fsdp` synced for every policy: the server's shared trainer is this one, a step moves the served
+    adapter of its policy only, and writes its checkpoint."""
+    config = {"trainer": "fsdp", "fsdp": FSDPConfig(ranks=2, learning_rate=0.05)}
+    with local_server(policies=SERVED) as srv, admin_http(srv.url) as http:
+        start_policies(http, **config)
+        lease = http.post("/episodes/begin", json={"client_id": "c", "policy": "speaker"}).json()
+        untrained = greedy(lease)
+        http.post(f"/episodes/{lease['episode_id']}/abort", json={"client_id": "c"})
+        for prompt, reward in (("hello", 0.0), ("goodbye", 1.0)):  # two different replies: a gradient on each rank
+            lease = http.post("/episodes/begin", json={"client_id": "c", "policy": "speaker"}).json()
+            greedy(lease, prompt)
+            r = http.post(f"/episodes/{lease['episode_id']}/end", json={"client_id": "c", "task_id": "t",
+                                                                         "reward": reward})  # fmt: skip
+            assert r.status_code == 200, r.text
+        wait_policy(http, "speaker", "ROLLING", version=1)
+        lease = http.post("/episodes/begin", json={"client_id": "c", "policy": "speaker"}).json()
+        assert greedy(lease) != pytest.approx(untrained, abs=1e-4)  # the adapter moved
+        http.post(f"/episodes/{lease['episode_id']}/abort", json={"client_id": "c"})
+        assert http.get("/control/status", params={"policy": "listener"}).json()["policy_version"] == 0
+        checkpoints = srv.data_dir / "policies" / "speaker" / "checkpoints"
+        assert list(checkpoints.glob("*/adapter/adapter_model.safetensors"))
