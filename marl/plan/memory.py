@@ -28,6 +28,8 @@ as a new one. Whole peaks are compared with processes' resident memory instead (
 The one-process trainer of k LoRA policies (adapters of A_j parameters): the frozen fp32 base 4P, each adapter and
 its AdamW moments 12·A_j, during a step one adapter's gradients 4·max A_j and the same activations and logits (the
 backward still runs through every layer to reach the adapters below); no KL reference (the adapter turned off).
+Sharded over n ranks (`trainer: fsdp`, servers/trainers/fsdp_lora.py): each rank keeps 1/n of the base, of the adapters
+and of their AdamW moments, and gathers parameters as the full sharded trainer does, without a base gradient.
 
 The vLLM engine on one of its `tp` GPUs, weights in `b` bytes (docs/backends.md):
 
@@ -134,16 +136,20 @@ def trainer_rank(arch: Architecture, s: TrainerSetting) -> tuple[Parts, Parts]:
 
 
 def _lora_trainer(arch: Architecture, s: TrainerSetting) -> tuple[Parts, Parts]:
-    """The one-process trainer of LoRA policies: a frozen fp32 base (no gradients, no AdamW; its KL reference is
-    the adapter turned off), every policy's adapter and AdamW moments; one policy steps at a time."""
-    adapters, largest = sum(s.adapters), max(s.adapters)
-    resident = Parts().add("parameters (fp32, frozen)", 4 * arch.parameter_count())
-    resident.add(f"{len(s.adapters)} adapters + AdamW moments (fp32)", 12 * adapters)
+    """The trainer of LoRA policies: a frozen fp32 base (no gradients, no AdamW; its KL reference is the adapter
+    turned off), every policy's adapter and AdamW moments; one policy steps at a time. Sharded: 1/n of each."""
+    n = s.ranks if s.sharded else 1
+    adapters, largest = sum(s.adapters) / n, max(s.adapters) / n
+    shard = " shard" if s.sharded else ""
+    resident = Parts().add(f"parameters (fp32{shard}, frozen)", 4 * arch.parameter_count() / n)
+    resident.add(f"{len(s.adapters)} adapters + AdamW moments (fp32{shard})", 12 * adapters)
     resident.add("CUDA context", CUDA_CONTEXT_BYTES if s.on_gpu else 0)
     passes = Parts().add("activations", activations(arch, s.micro_batch_tokens, s.compute_bytes, s.checkpointing))
     trained = s.micro_batch_tokens if s.trained_tokens is None else s.trained_tokens
     passes.add("logits (one chunk)", logits_bytes(arch, trained, s.compute_bytes))
-    peak = Parts().extend(resident).add("gradients (one adapter, fp32)", 4 * largest)
+    if s.sharded:  # the root and two layers gathered at a time, as the full sharded trainer; the base has no gradient
+        passes.add("gathered parameters", (arch.embedding_params() + 2 * arch.layer_params()) * s.compute_bytes)
+    peak = Parts().extend(resident).add(f"gradients (one adapter, fp32{shard})", 4 * largest)
     return resident, peak.extend(passes if passes.total >= 4 * largest else Parts().add("AdamW temporaries",
                                                                                          4 * largest))
 

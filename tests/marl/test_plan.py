@@ -202,6 +202,18 @@ def test_lora_policies_keep_one_frozen_base_and_small_adapters():
     assert trainer_rank(QWEN_7B, lora)[1].total < 0.4 * trainer_rank(QWEN_7B, full)[1].total
 
 
+def test_lora_policies_on_fsdp_ranks_keep_a_shard_each():
+    adapter = QWEN_7B.lora_params(16, ("q_proj", "v_proj"))
+    one = TrainerSetting(micro_batch_tokens=4096, checkpointing=True, on_gpu=True, adapters=(adapter,) * 2)
+    sharded = TrainerSetting(ranks=4, compute_bytes=2, micro_batch_tokens=4096, checkpointing=True, on_gpu=True,
+                             sharded=True, adapters=(adapter,) * 2)  # fmt: skip
+    parts = dict(trainer_rank(QWEN_7B, sharded)[1].items)
+    assert parts["parameters (fp32 shard, frozen)"] == QWEN_7B.parameter_count()  # 4P / 4 ranks
+    assert parts["2 adapters + AdamW moments (fp32 shard)"] == 6 * adapter
+    assert parts["gathered parameters"] > 0 and "gradients (fp32 shard)" not in parts  # no base gradient
+    assert trainer_rank(QWEN_7B, sharded)[1].total < 0.5 * trainer_rank(QWEN_7B, one)[1].total
+
+
 def test_the_plan_of_a_lora_topology_counts_its_adapters():
     plan = plan_topology(Topology.load(REPO / "topologies" / "signalling-lora.yaml").spec, host_memory=24 * GB)
     team = next(p for p in plan.servers if p.server == "team")
