@@ -106,7 +106,7 @@ class PolicyTrainerView(Trainer):
         self._hold = shared.hold(model_dir)
         self._trainer, self.policy = self._hold.backend, policy
         # The shared trainer may have been built at another policy's boot, before this one's config was synced.
-        self._trainer.set_config(policy, config.grpo)
+        self._trainer.set_config(policy, config.trainer_section)  # grpo:, or fsdp: (an FSDPConfig is a GRPOConfig)
 
     @property
     def step_count(self) -> int:  # type: ignore[override]

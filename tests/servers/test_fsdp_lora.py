@@ -171,9 +171,11 @@ def test_the_server_builds_the_trainer_its_policies_name(model_dir, monkeypatch)
 def test_a_server_of_policies_trains_them_on_fsdp_ranks(local_server):
     """`trainer: fsdp` synced for every policy: the server's shared trainer is this one, a step moves the served
     adapter of its policy only, and writes its checkpoint."""
-    config = {"trainer": "fsdp", "fsdp": FSDPConfig(ranks=2, learning_rate=0.05)}
+    config = {"trainer": "fsdp", "fsdp": FSDPConfig(ranks=2, learning_rate=0.04)}  # grpo: says 0.05
     with local_server(policies=SERVED) as srv, admin_http(srv.url) as http:
         start_policies(http, **config)
+        shared = srv.server.policies["speaker"].lifecycle.trainer._trainer  # the FSDPLoraTrainer behind the view
+        assert shared.config("speaker").learning_rate == 0.04  # the fsdp: section, not grpo:'s defaults
         lease = http.post("/episodes/begin", json={"client_id": "c", "policy": "speaker"}).json()
         untrained = greedy(lease)
         http.post(f"/episodes/{lease['episode_id']}/abort", json={"client_id": "c"})
