@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 import uvicorn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.launch import ServerProcess, free_port
 from marl.protocol import TrainConfig
@@ -27,6 +28,24 @@ ADMIN = "-test-admin-token"  # a leading dash: a token must never be read as a c
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny model of the test module's own (a module that needs another one, e.g. vLLM's head size, defines its
+    own `model_dir`, which takes precedence)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def base(model_dir):
+    """The plain model in fp32: a LoRA policy's logprobs before its first step (PEFT starts B at 0)."""
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

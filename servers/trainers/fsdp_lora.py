@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 
 from marl.protocol import FSDPConfig, GRPOConfig, LoraSpec
-from servers.interfaces import PolicyTrainer, TrainBatch
+from servers.interfaces import TrainBatch
 from servers.placement import Placement
 from servers.samples import Sample
 from servers.trainers.fsdp import start_ranks, train_on_ranks
 from servers.trainers.grpo import grpo_step
-from servers.trainers.lora_grpo import ADAPTER_DIR, check_adapter_fits
+from servers.trainers.lora_grpo import ADAPTER_DIR, PolicyStates, check_adapter_fits
 from servers.trainers.policy_model import resolve_dtype
 
 __all__ = ["FSDPLoraTrainer", "rank_settings"]
@@ -58,7 +58,7 @@ class _Policy:
     progress: tuple[int, int] | None = None
 
 
-class FSDPLoraTrainer(PolicyTrainer):
+class FSDPLoraTrainer(PolicyStates):
     """GRPO + PPO-clip on LoRA policies of one frozen base sharded over `fsdp.ranks` processes (CPU gloo, or a GPU
     each). `threads_per_rank`, `timeout_s`, `placement`, `authkey`: as `FSDPTrainer`'s. `serve_dtype`: the dtype
     `adapter_weights` hands out (None: the master weights')."""
@@ -88,26 +88,6 @@ class FSDPLoraTrainer(PolicyTrainer):
                                  device=device, dtype=dtype, threads_per_rank=threads_per_rank, timeout_s=timeout_s,
                                  placement=placement, authkey=authkey, lora=dict(policies), seed=seed)  # fmt: skip
         self.vocab_size = int(self.ranks.started[0]["vocab_size"])
-
-    def _state(self, policy: str) -> _Policy:
-        try:
-            return self._states[policy]
-        except KeyError:
-            raise KeyError(f"unknown policy {policy!r}; this trainer has {list(self.policies)}") from None
-
-    def step_count(self, policy: str) -> int:
-        return self._state(policy).step_count
-
-    def progress(self, policy: str) -> tuple[int, int] | None:
-        return self._state(policy).progress
-
-    def config(self, policy: str) -> GRPOConfig:
-        return self._state(policy).config
-
-    def set_config(self, policy: str, config: GRPOConfig) -> None:
-        """Swap `policy`'s GRPO settings, read at its next step (not the ranks' settings: read once, at start)."""
-        with self._lock:
-            self._state(policy).config = config
 
     def step(self, policy: str, batch: TrainBatch) -> dict[str, float]:
         with self._lock:

@@ -196,7 +196,38 @@ def check_adapter_fits(directory: Path, policy: str, spec: LoraSpec) -> None:
         raise ValueError(f"policy {policy!r} is {spec}, the checkpoint in {directory} holds {saved}")
 
 
-class LoraGRPOTrainer(PolicyTrainer):
+class PolicyStates(PolicyTrainer):
+    """The per-policy bookkeeping both LoRA trainers answer the same way (this module's and the FSDP one,
+    servers.trainers.fsdp_lora): `_states` maps each policy to its state (`step_count`, `progress`, `config`);
+    `_lock` lets one call at a time touch them."""
+
+    policies: tuple[str, ...]
+    _states: Mapping[str, Any]
+    _lock: threading.RLock
+
+    def _state(self, policy: str) -> Any:
+        try:
+            return self._states[policy]
+        except KeyError:
+            raise KeyError(f"unknown policy {policy!r}; this trainer has {list(self.policies)}") from None
+
+    def step_count(self, policy: str) -> int:
+        return self._state(policy).step_count
+
+    def progress(self, policy: str) -> tuple[int, int] | None:
+        """(done, total) micro-batch passes of `policy`'s running step; None when it is not stepping."""
+        return self._state(policy).progress
+
+    def config(self, policy: str) -> GRPOConfig:
+        return self._state(policy).config
+
+    def set_config(self, policy: str, config: GRPOConfig) -> None:
+        """Swap `policy`'s GRPO settings; read at its next step (as `GRPOTrainer.config`)."""
+        with self._lock:
+            self._state(policy).config = config
+
+
+class LoraGRPOTrainer(PolicyStates):
     """GRPO + PPO-clip on LoRA policies of one frozen Hugging Face causal LM, CPU or one GPU."""
 
     def __init__(
@@ -236,27 +267,6 @@ class LoraGRPOTrainer(PolicyTrainer):
         optimizer = torch.optim.AdamW(params, lr=config.learning_rate, betas=tuple(config.adam_betas),
                                       weight_decay=config.weight_decay)  # fmt: skip
         return PolicyState(spec=spec, config=config, params=params, optimizer=optimizer, rng=rng)
-
-    def _state(self, policy: str) -> PolicyState:
-        try:
-            return self._states[policy]
-        except KeyError:
-            raise KeyError(f"unknown policy {policy!r}; this trainer has {list(self.policies)}") from None
-
-    def step_count(self, policy: str) -> int:
-        return self._state(policy).step_count
-
-    def progress(self, policy: str) -> tuple[int, int] | None:
-        """(done, total) micro-batch passes of `policy`'s running step; None when it is not stepping."""
-        return self._state(policy).progress
-
-    def config(self, policy: str) -> GRPOConfig:
-        return self._state(policy).config
-
-    def set_config(self, policy: str, config: GRPOConfig) -> None:
-        """Swap `policy`'s GRPO settings; read at its next step (as `GRPOTrainer.config`)."""
-        with self._lock:
-            self._state(policy).config = config
 
     # ------------------------------------------------------------------------------------------------------------
     # The step

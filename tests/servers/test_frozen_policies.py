@@ -19,6 +19,7 @@ from tests.servers.test_policy_server import (
     start_policies,
     wait_policy,
 )
+from tests.servers.test_static_adapter import peft_greedy
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -46,17 +47,6 @@ def reply_of(r: httpx.Response) -> tuple[list[int], list[int], list[float]]:
     body = r.json()
     choice = body["choices"][0]
     return body["prompt_token_ids"], choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
-
-
-def peft_greedy(model: torch.nn.Module, prompt_ids: list[int], steps: int) -> tuple[list[int], list[float]]:
-    ids, logprobs = list(prompt_ids), []
-    with torch.no_grad():
-        for _ in range(steps):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-            token = int(logits.argmax())
-            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
-            ids.append(token)
-    return ids[len(prompt_ids):], logprobs
 
 
 def speaker_lease_logprobs(http: httpx.Client) -> list[float]:

@@ -9,12 +9,11 @@ import pytest
 import torch
 from peft import PeftModel, set_peft_model_state_dict
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from marl.protocol import FSDPConfig, GRPOConfig, LoraSpec, TrainConfig
 from servers.entrypoint import lora_trainer_factory
 from servers.interfaces import TrainBatch
-from servers.tiny_model import build_tiny_model
 from servers.trainers.fsdp import plan_micro_batches
 from servers.trainers.fsdp_lora import FSDPLoraTrainer
 from servers.trainers.lora_grpo import LoraGRPOTrainer
@@ -30,21 +29,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 #: Dropout off: the ranks' LoRA dropout draws differ from one process's, so only a dropout-free step can match it.
 SPEC = LoraSpec(rank=4, alpha=8.0)
 POLICIES = ("red", "blue")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def base(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def fsdp_trainer(model_dir: Path) -> FSDPLoraTrainer:

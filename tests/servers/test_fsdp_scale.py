@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
-    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -49,16 +48,6 @@ CPU = torch.device("cpu")
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 # --------------------------------------------------------------------------------------------------------------

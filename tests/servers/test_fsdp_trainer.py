@@ -17,12 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from marl.protocol import GRPOConfig
 from servers.engines.torch_engine import TorchEngine
 from servers.interfaces import Group, SamplingParams, TrainBatch
-from servers.tiny_model import build_tiny_model
 from servers.trainers.fsdp import FSDPConfig, FSDPTrainer, RankFailure, plan_micro_batches
 from servers.trainers.grpo import GRPOTrainer, token_logprobs
 from servers.trainers.trainer_state import SHARDED_DIR, TRAINER_STATE_FILE
@@ -34,16 +33,6 @@ KNOBS = dict(learning_rate=1e-3, micro_batch_tokens=40, gradient_checkpointing=T
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from marl.protocol import GRPOConfig
 from servers.checkpoint_dirs import CheckpointDir
 from servers.interfaces import Group, TrainBatch
 from servers.samples import Sample
-from servers.tiny_model import build_tiny_model
 from servers.trainers import grpo
 from servers.trainers.grpo import (
     ADV_EPS,
@@ -30,16 +29,6 @@ from servers.trainers.grpo import (
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def config(**overrides) -> GRPOConfig:

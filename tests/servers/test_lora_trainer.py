@@ -15,11 +15,10 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from marl.protocol import LoraSpec
 from servers.interfaces import Group, TrainBatch
-from servers.tiny_model import build_tiny_model
 from servers.trainers.grpo import GRPOTrainer
 from servers.trainers.lora_grpo import LoraGRPOTrainer
 from tests.servers.test_grpo_trainer import COMPLETIONS, config, make_sample, seq_logprobs
@@ -28,22 +27,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = LoraSpec(rank=4, alpha=8.0)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def base(model_dir):
-    """The plain base model: every policy's logprobs before its first step (PEFT starts B at 0)."""
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def make_trainer(model_dir, **overrides) -> LoraGRPOTrainer:

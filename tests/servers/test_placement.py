@@ -21,7 +21,6 @@ from marl.protocol import GRPOConfig, TrainConfig
 from servers.engines.vllm_process import VLLMLaunch
 from servers.entrypoint import ServeOptions, default_trainer_factory, vllm_placement
 from servers.placement import Placement, visible_devices
-from servers.tiny_model import build_tiny_model
 from servers.trainers.fsdp import FSDPConfig, FSDPTrainer, RankFailure
 from servers.trainers.fsdp_nodes import NodeJob, NodeRendezvous
 from servers.trainers.fsdp_worker import RankPlace, RankSpec
@@ -31,11 +30,6 @@ from tests.servers.test_fsdp_trainer import KNOBS, assert_weights_close, exporte
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TOKEN = "placement-test-token"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -178,4 +178,22 @@ def test_a_server_of_policies_on_vllm_publishes_a_step_as_an_adapter_load(model_
         assert greedy(speaking) != pytest.approx(speaker_before, abs=1e-3)  # the speaker's new adapter serves
         http.post(f"/episodes/{speaking['episode_id']}/abort", json={"client_id": "c"})
         http.post(f"/episodes/{listening['episode_id']}/abort", json={"client_id": "c"})
+        check_frozen_policies_on_vllm(srv, http)
         assert http.post("/control/stop").status_code == 200
+
+
+def check_frozen_policies_on_vllm(srv, http) -> None:
+    """A league's past selves on vLLM: speaker@1 (its step-1 checkpoint) serves what the live speaker serves at v1,
+    speaker@0 the base; unloading one frees it (a later call is refused)."""
+    from tests.servers.test_frozen_policies import adapter_of, frozen_call, reply_of, speaker_lease_logprobs
+
+    r = http.post("/control/frozen", json={"name": "speaker@1", "adapter": str(adapter_of(srv.data_dir, 1))})
+    assert r.status_code == 200, r.text
+    key = r.json()["api_key"]
+    assert http.post("/control/frozen", json={"name": "speaker@0"}).status_code == 200
+    _, _, frozen = reply_of(frozen_call(srv.url, key, "speaker@1"))
+    assert speaker_lease_logprobs(http) == pytest.approx(frozen, abs=1e-5)
+    _, _, base = reply_of(frozen_call(srv.url, key, "speaker@0"))
+    assert base != pytest.approx(frozen, abs=1e-3)
+    assert http.delete("/control/frozen/speaker@1").status_code == 200
+    assert frozen_call(srv.url, key, "speaker@1").status_code == 404
