@@ -129,11 +129,22 @@ def wait_state(http: httpx.Client, *states: str, timeout: float = 60) -> dict:
         time.sleep(0.05)
 
 
+def begin_lease(http: httpx.Client, client_id: str = "c", timeout: float = 60) -> dict:
+    """A new lease; a 503 (every slot taken, e.g. by a lease that another client is still ending) is waited out, as
+    `SwarmClient` does, until `timeout`."""
+    deadline = time.monotonic() + timeout
+    while (r := http.post("/episodes/begin", json={"client_id": client_id})).status_code == 503:
+        assert time.monotonic() < deadline, f"no free slot for {timeout} s: {r.text}"
+        time.sleep(0.05)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 def play_episode(http: httpx.Client, task_id: str, reward: float, client_id: str = "c") -> str:
     """One leased episode with one chat call, ended with `reward`; returns its id."""
     import openai
 
-    lease = http.post("/episodes/begin", json={"client_id": client_id}).json()
+    lease = begin_lease(http, client_id)
     client = openai.OpenAI(base_url=lease["base_url"], api_key=lease["api_key"])
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"task {task_id}"}],
                                    max_tokens=4)
