@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -18,7 +17,7 @@ from marl.protocol import ADMIN_TOKEN_ENV, DEFAULT_MAX_BODY_MB, LoraSpec, TrainC
 from servers.engines.vllm_lora import LoraSlots, lora_slots
 from servers.engines.vllm_process import VLLMSettings
 from servers.http_routes import create_app
-from servers.interfaces import PolicyTrainer, Trainer, lora_spec_of
+from servers.interfaces import PolicyTrainer, Trainer, lora_spec_in
 from servers.lifecycle import EngineFactory, TrainerFactory
 from servers.placement import Placement, visible_devices
 from servers.policy_backends import PolicyTrainerFactory
@@ -165,7 +164,7 @@ def vllm_lora_slots(options: ServeOptions) -> LoraSlots | None:
     """The LoRA slots vLLM starts with: one per policy (or the static server's adapter); None: no adapters."""
     specs = list(options.policies.values())
     if options.adapter is not None:
-        specs.append(lora_spec_of(json.loads((Path(options.adapter) / "adapter_config.json").read_text())))
+        specs.append(lora_spec_in(Path(options.adapter)))
     return lora_slots(specs)
 
 

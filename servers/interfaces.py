@@ -33,6 +33,11 @@ def lora_spec_of(adapter_config: Mapping[str, Any]) -> LoraSpec:
                     target_modules=tuple(sorted(targets)) if not isinstance(targets, str) else (targets,))
 
 
+def lora_spec_in(directory: Path) -> LoraSpec:
+    """The `LoraSpec` of the PEFT adapter saved in `directory` (its adapter_config.json)."""
+    return lora_spec_of(json.loads((Path(directory) / "adapter_config.json").read_text()))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -124,8 +129,7 @@ class InferenceEngine(abc.ABC):
         as `name`. The default reads it in this process and calls `load_adapter`."""
         from safetensors.torch import load_file
 
-        spec = lora_spec_of(json.loads((Path(directory) / "adapter_config.json").read_text()))
-        self.load_adapter(name, load_file(Path(directory) / "adapter_model.safetensors"), spec)
+        self.load_adapter(name, load_file(Path(directory) / "adapter_model.safetensors"), lora_spec_in(directory))
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving adapter `name` and free what it took (a frozen policy retired from a league): returns once

@@ -10,7 +10,6 @@ With an adapter (`marl serve --static --adapter DIR`, a PEFT adapter directory: 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +19,7 @@ from marl.protocol import EngineState, ErrorCode, MonitorSnapshot, ServerStatus
 from servers.chat_completions import ChatService, Unleased
 from servers.chat_format import ChatFormatter
 from servers.errors import Refusal
-from servers.interfaces import InferenceEngine, lora_spec_of
+from servers.interfaces import InferenceEngine, lora_spec_in
 from servers.lifecycle import EngineFactory
 from servers.policy_backends import AdapterEngine, Shared
 from servers.prometheus_metrics import MetricsReading, render
@@ -37,7 +36,7 @@ def adapted_engine(engine_factory: EngineFactory, adapter: Path) -> EngineFactor
     server generates through (`AdapterEngine`), on an engine of its own, the adapter loaded at boot."""
 
     def build(model_dir: Path) -> InferenceEngine:
-        spec = lora_spec_of(json.loads((adapter / "adapter_config.json").read_text()))
+        spec = lora_spec_in(adapter)
         engine = AdapterEngine(Shared(engine_factory), model_dir, ADAPTER_NAME, spec)
         try:
             engine.load_weights_from(adapter)

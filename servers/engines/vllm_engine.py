@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -51,7 +50,7 @@ from servers.engines.vllm_http import (
     sync_weights,
     sync_weights_waking,
 )
-from servers.engines.vllm_lora import LoraSlots, VLLMAdapters, write_peft_adapter, zero_adapter
+from servers.engines.vllm_lora import LoraSlots, VLLMAdapters, link_or_copy, write_peft_adapter, zero_adapter
 from servers.engines.vllm_process import VLLMLaunch, VLLMProcess, VLLMSettings
 from servers.engines.vllm_push import TransferSync
 from servers.engines.vllm_supervisor import VLLMSupervisor
@@ -286,17 +285,10 @@ def _keep_copy(directory: Path, target: Path, previous: Path | None) -> Path:
     """A copy of `directory` at `target` that lives as long as the engine (the caller's is temporary), in place of
     the `previous` one."""
     shutil.rmtree(target, ignore_errors=True)
-    shutil.copytree(directory, target, copy_function=_link_or_copy)
+    shutil.copytree(directory, target, copy_function=link_or_copy)
     if previous is not None and previous != target:
         shutil.rmtree(previous, ignore_errors=True)
     return target
-
-
-def _link_or_copy(source: str, destination: str) -> None:
-    try:
-        os.link(source, destination)  # the exported files are written once and never changed: sharing is safe
-    except OSError:
-        shutil.copy2(source, destination)
 
 
 def _generation_config(model_dir: Path) -> Any:

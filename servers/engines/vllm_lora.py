@@ -17,6 +17,7 @@ vLLM serves many adapters of one base in one batch (`--enable-lora`); a request 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import httpx
 
 from marl.protocol import LoraSpec
 
-__all__ = ["LoraSlots", "VLLMAdapters", "lora_slots", "write_peft_adapter", "zero_adapter"]
+__all__ = ["LoraSlots", "VLLMAdapters", "link_or_copy", "lora_slots", "write_peft_adapter", "zero_adapter"]
 
 #: The ranks vLLM accepts for `--max-lora-rank` (`MaxLoRARanks`, vllm/config/lora.py, 0.32).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -113,9 +114,9 @@ class VLLMAdapters:
             raise ValueError(f"{BASE_STAND_IN!r} is the name of marl's stand-in for the base model")
         self._loads += 1
         copy = self.root / f"{name}-{self._loads}"
-        shutil.copytree(directory, copy)
+        shutil.copytree(directory, copy, copy_function=link_or_copy)
         try:
-            _post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(copy), "load_inplace": True})
+            _load(url, name, copy)
         except BaseException:
             shutil.rmtree(copy, ignore_errors=True)
             raise
@@ -134,7 +135,21 @@ class VLLMAdapters:
     def load_all(self, url: str) -> None:
         """Load every served adapter (the base's stand-in first) into a vLLM that just (re)started."""
         for name, copy in self._copies.items():
-            _post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(copy), "load_inplace": True})
+            _load(url, name, copy)
+
+
+def link_or_copy(source: str, destination: str) -> None:
+    """A `copytree` copy function: a hard link where the filesystem allows one, else a copy. Safe for the files
+    vLLM is handed (exported weights and adapters): they are written once and never changed."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
+def _load(url: str, name: str, path: Path) -> None:
+    """vLLM serves the adapter at `path` as `name`, a new one or in place of the one of that name."""
+    _post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path), "load_inplace": True})
 
 
 def _post(url: str, route: str, body: dict[str, Any]) -> None:

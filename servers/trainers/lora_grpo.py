@@ -24,7 +24,6 @@ Checkpoints are per policy: `save(policy, dir)` writes `dir/adapter/` (PEFT's fo
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import random
 import shutil
@@ -42,7 +41,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file
 
 from marl.protocol import GRPOConfig, LoraSpec
-from servers.interfaces import PolicyTrainer, TrainBatch, lora_spec_of
+from servers.interfaces import PolicyTrainer, TrainBatch, lora_spec_in
 from servers.samples import Sample
 from servers.trainers.grpo import apply_optimizer_hparams, grpo_step, micro_batch_loss, optimizer_passes
 from servers.trainers.micro_batches import collate, pack_micro_batches
@@ -191,7 +190,7 @@ def training_adapter(peft_model: PeftModel, policy: str) -> Iterator[None]:
 
 def check_adapter_fits(directory: Path, policy: str, spec: LoraSpec) -> None:
     """Refuse a checkpoint `directory` whose adapter is not of `policy`'s LoRA shape (it may be another policy's)."""
-    saved = lora_spec_of(json.loads((directory / ADAPTER_DIR / ADAPTER_CONFIG).read_text()))
+    saved = lora_spec_in(directory / ADAPTER_DIR)
     if lora_shape(saved) != lora_shape(spec):
         raise ValueError(f"policy {policy!r} is {spec}, the checkpoint in {directory} holds {saved}")
 

@@ -16,6 +16,16 @@ from marl.game_record import read_games
 pytestmark = pytest.mark.timeout(600)
 
 
+def marl_run(spec: dict, tmp_path) -> subprocess.CompletedProcess:
+    """`marl run` of the topology `spec` (written to tmp_path), which must succeed."""
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = subprocess.run([sys.executable, "-m", "marl.cli", "run", str(path)], capture_output=True, text=True,
+                            timeout=500, env={**os.environ, "COLUMNS": "120"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
 def test_marl_run_trains_two_policies_of_one_server(tiny_model, tmp_path):
     spec = {
         "name": "tiny-lora",
@@ -28,11 +38,7 @@ def test_marl_run_trains_two_policies_of_one_server(tiny_model, tmp_path):
         "env": {"class": "envs.signalling:SignallingGame", "args": {"num_items": 3}},
         "run": {"max_steps": 2, "concurrency": 2, "run_dir": str(tmp_path / "run")},
     }
-    path = tmp_path / "topology.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    result = subprocess.run([sys.executable, "-m", "marl.cli", "run", str(path)], capture_output=True, text=True,
-                            timeout=500, env={**os.environ, "COLUMNS": "120"})
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = marl_run(spec, tmp_path)
     run_dir = tmp_path / "run"
     assert "stopped 1 local server" in result.stdout
     for policy in ("speaker", "listener"):
@@ -59,11 +65,7 @@ def test_marl_run_plays_a_policys_past_selves_served_by_its_own_server(tiny_mode
         "env": {"class": "envs.signalling:SignallingGame", "args": {"num_items": 3}},
         "run": {"max_steps": 4, "concurrency": 2, "max_tokens": 6, "run_dir": str(tmp_path / "run")},
     }
-    path = tmp_path / "topology.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    result = subprocess.run([sys.executable, "-m", "marl.cli", "run", str(path)], capture_output=True, text=True,
-                            timeout=500, env={**os.environ, "COLUMNS": "120"})
-    assert result.returncode == 0, result.stdout + result.stderr
+    result = marl_run(spec, tmp_path)
     run_dir = tmp_path / "run"
     assert "past_of server past serves snapshots [0] of team.speaker" in result.stdout
     assert "stopped 1 local server" in result.stdout  # the snapshots ran on team itself: no process of their own
