@@ -60,6 +60,7 @@ CREATE TABLE IF NOT EXISTS samples (
     token_ids BLOB NOT NULL,
     loss_mask BLOB NOT NULL,
     logprobs BLOB NOT NULL,
+    versions BLOB,  -- Sample.versions, flattened (version, count, ...); NULL: every token at policy_version
     -- NULL: in the pool; N > 0: claimed by training step N; -1: dropped as too stale to train on
     consumed_step INTEGER
 );
@@ -72,6 +73,9 @@ T = TypeVar("T")
 
 #: Columns added to `episodes` after its first release, created on open in ledgers written before them.
 _ADDED_EPISODE_COLUMNS = {"request_digest": "TEXT", "trainable_tokens": "INTEGER"}
+_ADDED_SAMPLE_COLUMNS = {"versions": "BLOB"}
+#: The columns a `Sample` is read from, in `_sample`'s order.
+_SAMPLE_COLUMNS = "episode_id, agent, token_ids, loss_mask, logprobs, reward, policy_version, num_calls, versions"
 
 
 @dataclass(frozen=True)
@@ -122,10 +126,11 @@ class Ledger:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")  # an acknowledged episode survives power loss, not just a crash
         self.db.executescript(_SCHEMA)
-        columns = {row[1] for row in self.db.execute("PRAGMA table_info(episodes)")}
-        for name, kind in _ADDED_EPISODE_COLUMNS.items():
-            if name not in columns:
-                self.db.execute(f"ALTER TABLE episodes ADD COLUMN {name} {kind}")
+        for table, added in (("episodes", _ADDED_EPISODE_COLUMNS), ("samples", _ADDED_SAMPLE_COLUMNS)):
+            columns = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            for name, kind in added.items():
+                if name not in columns:
+                    self.db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
     def close(self) -> None:
         self.db.close()
@@ -159,11 +164,12 @@ class Ledger:
         )
         self.db.executemany(
             "INSERT INTO samples (episode_id, job, task_id, agent, reward, policy_version, num_calls, num_tokens,"
-            " token_ids, loss_mask, logprobs, consumed_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL)",
+            " token_ids, loss_mask, logprobs, versions, consumed_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
+            " NULL)",
             [
                 (episode_id, job, task_id, s.agent, s.reward, s.policy_version, s.num_calls, len(s.token_ids),
                  array("i", s.token_ids).tobytes(), array("b", s.loss_mask).tobytes(),
-                 array("f", s.logprobs).tobytes())
+                 array("f", s.logprobs).tobytes(), array("i", [x for run in s.versions for x in run]).tobytes())
                 for s in samples
             ],
         )
@@ -207,8 +213,8 @@ class Ledger:
         with self.transaction():
             for key in groups:
                 rows = self.db.execute(
-                    "SELECT id, episode_id, agent, token_ids, loss_mask, logprobs, reward, policy_version, num_calls"
-                    " FROM samples WHERE consumed_step IS NULL AND job = ? AND task_id = ? AND agent = ? ORDER BY id",
+                    f"SELECT id, {_SAMPLE_COLUMNS} FROM samples WHERE consumed_step IS NULL AND job = ? AND task_id = ?"
+                    " AND agent = ? ORDER BY id",
                     (key.job, key.task_id, key.agent),
                 ).fetchall()
                 self.db.executemany("UPDATE samples SET consumed_step = ? WHERE id = ?", [(step, r[0]) for r in rows])
@@ -225,8 +231,7 @@ class Ledger:
 
     def samples_of(self, episode_id: str) -> list[Sample]:
         rows = self.db.execute(
-            "SELECT episode_id, agent, token_ids, loss_mask, logprobs, reward, policy_version, num_calls"
-            " FROM samples WHERE episode_id = ? ORDER BY id",
+            f"SELECT {_SAMPLE_COLUMNS} FROM samples WHERE episode_id = ? ORDER BY id",
             (episode_id,),
         ).fetchall()
         return [_sample(r) for r in rows]
@@ -257,7 +262,8 @@ class Ledger:
 
 
 def _sample(row) -> Sample:
-    episode_id, agent, token_ids, loss_mask, logprobs, reward, version, num_calls = row
+    episode_id, agent, token_ids, loss_mask, logprobs, reward, version, num_calls, versions = row
+    runs = array("i", versions or b"").tolist()
     return Sample(
         episode_id=episode_id,
         agent=agent,
@@ -267,6 +273,7 @@ def _sample(row) -> Sample:
         reward=reward,
         policy_version=version,
         num_calls=num_calls,
+        versions=list(zip(runs[::2], runs[1::2], strict=True)),
     )
 
 

@@ -32,6 +32,24 @@ class Sample(BaseModel):
     reward: float
     policy_version: int  # oldest policy version among the merged calls
     num_calls: int
+    #: The policy version behind each token, run-length encoded as [version, count] pairs covering `token_ids` (a
+    #: call's context tokens carry the version of the call that read them). Empty: every token at `policy_version`
+    #: (samples recorded before versions were kept). Calls of one episode may run on different versions (`overlap`).
+    versions: list[tuple[int, int]] = []
+
+
+def token_versions(sample: Sample) -> list[int]:
+    """The policy version behind each of `sample`'s tokens (`Sample.versions` expanded)."""
+    if not sample.versions:
+        return [sample.policy_version] * len(sample.token_ids)
+    return [version for version, count in sample.versions for _ in range(count)]
+
+
+def _add_run(runs: list[tuple[int, int]], version: int, count: int) -> None:
+    if count and runs and runs[-1][0] == version:
+        runs[-1] = (version, runs[-1][1] + count)
+    elif count:
+        runs.append((version, count))
 
 
 @dataclass
@@ -55,6 +73,7 @@ class _Building:
     logprobs: list[float] = field(default_factory=list)
     policy_version: int = 0
     num_calls: int = 0
+    versions: list[tuple[int, int]] = field(default_factory=list)
 
     def extends(self, prompt_ids: list[int]) -> bool:
         n = len(self.token_ids)
@@ -66,6 +85,7 @@ class _Building:
         self.loss_mask += [0] * len(context) + [1] * len(call.completion_ids)
         self.logprobs += [0.0] * len(context) + list(call.logprobs)
         self.policy_version = min(self.policy_version, call.policy_version) if self.num_calls else call.policy_version
+        _add_run(self.versions, call.policy_version, len(context) + len(call.completion_ids))
         self.num_calls += 1
 
 
@@ -93,6 +113,7 @@ def merge_calls(
             reward=rewards.get(b.agent, reward),
             policy_version=b.policy_version,
             num_calls=b.num_calls,
+            versions=b.versions,
         )
         for b in building
     ]

@@ -223,7 +223,7 @@ def accumulate(model: torch.nn.Module, ref: Any, plan: RankPlan, num_samples: in
     stats: dict[str, float] = {}
     for index, items in enumerate(plan):
         mb = collate(items or _PADDING, embeddings.weight.device, embeddings.num_embeddings)
-        loss, mb_stats = micro_batch_loss(model, ref, mb, config, num_samples)
+        loss, mb_stats, _ = micro_batch_loss(model, ref, mb, config, num_samples)  # on-policy only: no start_version
         if items is None:
             loss = loss * 0.0  # a padding pass: the collectives run, the gradient is 0
         else:

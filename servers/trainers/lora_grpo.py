@@ -43,7 +43,13 @@ from safetensors.torch import load_file
 from marl.protocol import GRPOConfig, LoraSpec
 from servers.interfaces import PolicyTrainer, TrainBatch, lora_spec_in
 from servers.samples import Sample
-from servers.trainers.grpo import apply_optimizer_hparams, grpo_step, micro_batch_loss, optimizer_passes
+from servers.trainers.grpo import (
+    StartLogprobs,
+    apply_optimizer_hparams,
+    grpo_step,
+    micro_batch_loss,
+    optimizer_passes,
+)
 from servers.trainers.micro_batches import collate, pack_micro_batches
 from servers.trainers.policy_model import load_policy_model, resolve_dtype, set_gradient_checkpointing
 from servers.trainers.step_metrics import add_pass_stats
@@ -293,11 +299,15 @@ class LoraGRPOTrainer(PolicyStates):
         micro_batches = pack_micro_batches([len(s.token_ids) for s, _ in items], cfg.micro_batch_tokens)
         state.progress = (0, cfg.ppo_epochs * len(micro_batches))
 
+        starts = StartLogprobs(cfg.ppo_epochs)
+
         def run_pass() -> dict[str, float]:  # forward + backward of L over every micro-batch
             stats: dict[str, float] = {}
-            for indices in micro_batches:
-                mb = collate([items[i] for i in indices], self.device, self.vocab_size)
-                loss, mb_stats = micro_batch_loss(self.model, ref, mb, cfg, num_samples=len(items))  # type: ignore[arg-type]
+            for index, indices in enumerate(micro_batches):
+                mb = collate([items[i] for i in indices], self.device, self.vocab_size, state.step_count)
+                loss, mb_stats, start = micro_batch_loss(self.model, ref, mb, cfg, num_samples=len(items),  # type: ignore[arg-type]
+                                                         start_logp=starts.get(index))  # fmt: skip
+                starts.keep(index, start)
                 loss.backward()
                 add_pass_stats(stats, mb_stats)
                 state.progress = (state.progress[0] + 1, state.progress[1])

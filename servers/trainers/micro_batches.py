@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from servers.samples import Sample
+from servers.samples import Sample, token_versions
 
 __all__ = ["MicroBatch", "check_token_ids", "collate", "pack_micro_batches", "trained_tokens"]
 
@@ -48,6 +48,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [B, T] float, 0 at t = 0 and on padding
     old_logp: torch.Tensor  # [B, T] float32, behaviour logprobs
     advantages: torch.Tensor  # [B] float32
+    stale: torch.Tensor  # [B, T] float32, 1 where an older policy than the step's start generated the token
 
 
 def check_token_ids(sample: Sample, vocab_size: int) -> None:
@@ -59,14 +60,17 @@ def check_token_ids(sample: Sample, vocab_size: int) -> None:
         )
 
 
-def collate(items: Sequence[tuple[Sample, float]], device: torch.device, vocab_size: int) -> MicroBatch:
-    """(sample, advantage) pairs as right-padded tensors on `device`; ValueError for ids outside the vocabulary."""
+def collate(items: Sequence[tuple[Sample, float]], device: torch.device, vocab_size: int,
+            start_version: int | None = None) -> MicroBatch:  # fmt: skip
+    """(sample, advantage) pairs as right-padded tensors on `device`; ValueError for ids outside the vocabulary.
+    `start_version`: the policy version the step starts from (tokens of older versions are `stale`; None: none)."""
     width = max(len(s.token_ids) for s, _ in items)
     shape = (len(items), width)
     input_ids = torch.zeros(shape, dtype=torch.long)  # pad id is irrelevant: attention_mask hides it
     attention_mask = torch.zeros(shape, dtype=torch.long)
     loss_mask = torch.zeros(shape, dtype=torch.float32)
     old_logp = torch.zeros(shape, dtype=torch.float32)
+    stale = torch.zeros(shape, dtype=torch.float32)
     for row, (sample, _) in enumerate(items):
         n = len(sample.token_ids)
         check_token_ids(sample, vocab_size)
@@ -74,6 +78,8 @@ def collate(items: Sequence[tuple[Sample, float]], device: torch.device, vocab_s
         attention_mask[row, :n] = 1
         loss_mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.float32)
         old_logp[row, :n] = torch.tensor(sample.logprobs, dtype=torch.float32)
+        if start_version is not None and sample.policy_version < start_version:
+            stale[row, :n] = torch.tensor(token_versions(sample)) < start_version
     loss_mask[:, 0] = 0.0
     advantages = torch.tensor([a for _, a in items], dtype=torch.float32)
     return MicroBatch(
@@ -82,4 +88,5 @@ def collate(items: Sequence[tuple[Sample, float]], device: torch.device, vocab_s
         loss_mask.to(device),
         old_logp.to(device),
         advantages.to(device),
+        stale.to(device),
     )
