@@ -101,14 +101,16 @@ def start_ranks(model_dir: Path, config: FSDPConfig, *, device: str | torch.devi
 
 def train_on_ranks(ranks: RankGroup, items: list[tuple[Sample, float]], tokens_trained: float, config: GRPOConfig,
                    *, vocab_size: int, with_ref: bool, report: Callable[[int, int], None],
-                   head: tuple = ()) -> dict[str, float]:  # fmt: skip
+                   head: tuple = (), start_version: int | None = None) -> dict[str, float]:  # fmt: skip
     """GRPO's steps 2-4 on the ranks (module docstring, 2-4): each rank's plan, its passes, their metrics added up.
-    `head`: arguments sent before each rank's (plan, S, config), e.g. the LoRA policy's name."""
+    `head`: arguments sent before each rank's (plan, S, config, start_version), e.g. the LoRA policy's name;
+    `start_version`: the version the step starts from (older tokens are off-policy: grpo.py, step 2)."""
     for sample, _ in items:  # refused here, before the ranks start a step they could not finish together
         check_token_ids(sample, vocab_size)
     plans = plan_micro_batches([len(s.token_ids) for s, _ in items], ranks.world_size, config.micro_batch_tokens)
     per_rank: list[tuple] = [
-        (*head, [None if mb is None else [items[i] for i in mb] for mb in plan], len(items), config) for plan in plans
+        (*head, [None if mb is None else [items[i] for i in mb] for mb in plan], len(items), config, start_version)
+        for plan in plans
     ]
     report(0, config.ppo_epochs * len(plans[0]))
     passes: list[list[PassResult]] = ranks.call("train", per_rank=per_rank, on_progress=report)
@@ -160,7 +162,8 @@ class FSDPTrainer(Trainer):
     def _train(self, items: list[tuple[Sample, float]], tokens_trained: float) -> dict[str, float]:
         try:
             return train_on_ranks(self.ranks, items, tokens_trained, self.config, vocab_size=self.vocab_size,
-                                  with_ref=self._with_ref, report=self._on_progress)  # fmt: skip
+                                  with_ref=self._with_ref, report=self._on_progress,
+                                  start_version=self.step_count)  # fmt: skip
         finally:
             self.progress = None
 

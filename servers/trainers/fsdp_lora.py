@@ -101,7 +101,8 @@ class FSDPLoraTrainer(PolicyStates):
 
                 try:
                     return train_on_ranks(self.ranks, items, tokens_trained, state.config, vocab_size=self.vocab_size,
-                                          with_ref=with_ref, report=report, head=(policy,))  # fmt: skip
+                                          with_ref=with_ref, report=report, head=(policy,),
+                                          start_version=state.step_count)  # fmt: skip
                 finally:
                     state.progress = None
 

@@ -101,12 +101,13 @@ class ShardedLoraPolicies:
         """The model's names of `policy`'s adapter parameters, in its optimizer's order."""
         return [name for name, _ in self.model.named_parameters() if peft_key(name, policy) is not None]
 
-    def train(self, policy: str, plan: RankPlan, num_samples: int, config: GRPOConfig) -> list[PassResult]:
+    def train(self, policy: str, plan: RankPlan, num_samples: int, config: GRPOConfig,
+              start_version: int | None = None) -> list[PassResult]:  # fmt: skip
         """`policy`'s passes of a step, on its RNG stream, its adapter alone active."""
         ref = self.reference if config.kl_coef > 0 else None
         with rng_stream(self.rngs[policy]), training_adapter(self.peft_model, policy):
             return train_passes(self.model, ref, self.optimizers[policy], plan, num_samples, config,
-                                report=self._report)  # fmt: skip
+                                report=self._report, start_version=start_version)  # fmt: skip
 
     def adapter(self, policy: str, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
         """`policy`'s adapter gathered, in PEFT's names, on the CPU in `dtype` (None: the master weights'): rank 0's

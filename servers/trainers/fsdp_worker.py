@@ -7,10 +7,10 @@ trainer GPUs as CUDA_VISIBLE_DEVICES (all of them: NCCL sees its peers on the no
 own, `cuda:LOCAL_RANK`). It joins the torch.distributed group (gloo on CPU, nccl on one GPU per rank), builds its
 shard of the policy without ever holding the whole model (servers.trainers.fsdp_model: meta device, `fully_shard`
 with the mixed-precision policy, rank 0's weights broadcast), and then serves commands from the server over its
-pipe: ("train", plan, S, config), ("export", dir), ("save", dir, ...), ("load", dir). Each answer is ("ok", result)
-or ("error", traceback); rank 0 also sends ("progress", done, total) after every micro-batch. A group of LoRA
-policies (`RankSpec.lora`) runs `servers.trainers.fsdp_lora_rank.ShardedLoraPolicies` instead: the same passes
-(`train_passes`) over one policy's adapter at a time, its own commands.
+pipe: ("train", plan, S, config, start_version), ("export", dir), ("save", dir, ...), ("load", dir). Each answer
+is ("ok", result) or ("error", traceback); rank 0 also sends ("progress", done, total) after every micro-batch. A
+group of LoRA policies (`RankSpec.lora`) runs `servers.trainers.fsdp_lora_rank.ShardedLoraPolicies` instead: the
+same passes (`train_passes`) over one policy's adapter at a time, its own commands.
 
 The GRPO math is the one-process trainer's (`servers.trainers.grpo.micro_batch_loss`); what is sharded-specific:
 
@@ -49,7 +49,7 @@ from servers.samples import Sample
 from servers.trainers.fsdp_model import build_sharded_model, compute_dtype
 from servers.trainers.fsdp_push import push_sharded
 from servers.trainers.fsdp_state import load_checkpoint, save_checkpoint, write_hf_weights
-from servers.trainers.grpo import apply_optimizer_hparams, micro_batch_loss
+from servers.trainers.grpo import StartLogprobs, apply_optimizer_hparams, micro_batch_loss
 from servers.trainers.micro_batches import collate
 from servers.trainers.policy_model import resolve_dtype, set_gradient_checkpointing
 from servers.trainers.step_metrics import add_pass_stats
@@ -192,17 +192,20 @@ def new_optimizer(params: list[torch.nn.Parameter], config: GRPOConfig) -> torch
 
 
 def train_passes(model: torch.nn.Module, ref: Any, optimizer: torch.optim.Optimizer, plan: RankPlan,
-                 num_samples: int, config: GRPOConfig, *, report: Progress | None) -> list[PassResult]:  # fmt: skip
+                 num_samples: int, config: GRPOConfig, *, report: Progress | None,
+                 start_version: int | None = None) -> list[PassResult]:  # fmt: skip
     """`ppo_epochs` passes over this rank's micro-batches; each pass ends in one (sharded) AdamW step of the
     parameters `optimizer` holds (all of `model`'s, or one LoRA policy's)."""
     apply_optimizer_hparams(optimizer, config)
     set_gradient_checkpointing(model, config.gradient_checkpointing)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     passes: list[PassResult] = []
+    starts = StartLogprobs(config.ppo_epochs)  # pi_start's logprobs, from the first pass (grpo.py, step 2)
     for epoch in range(config.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         stats = accumulate(model, ref, plan, num_samples, config, report=report, done=epoch * len(plan),
-                           total=config.ppo_epochs * len(plan))  # fmt: skip
+                           total=config.ppo_epochs * len(plan), starts=starts,
+                           start_version=start_version)  # fmt: skip
         norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)  # over all ranks' shards
         grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         finite = math.isfinite(grad_norm)  # the same on every rank: all step, or none
@@ -216,14 +219,17 @@ def train_passes(model: torch.nn.Module, ref: Any, optimizer: torch.optim.Optimi
 
 
 def accumulate(model: torch.nn.Module, ref: Any, plan: RankPlan, num_samples: int, config: GRPOConfig, *,
-               report: Progress | None, done: int, total: int) -> dict[str, float]:  # fmt: skip
+               report: Progress | None, done: int, total: int, starts: StartLogprobs | None = None,
+               start_version: int | None = None) -> dict[str, float]:  # fmt: skip
     """Forward + backward of this rank's share of L; every backward adds its gradients, summed over ranks, to this
     rank's shard of `.grad`."""
     embeddings = model.get_input_embeddings()
     stats: dict[str, float] = {}
+    starts = starts or StartLogprobs(1)
     for index, items in enumerate(plan):
-        mb = collate(items or _PADDING, embeddings.weight.device, embeddings.num_embeddings)
-        loss, mb_stats, _ = micro_batch_loss(model, ref, mb, config, num_samples)  # on-policy only: no start_version
+        mb = collate(items or _PADDING, embeddings.weight.device, embeddings.num_embeddings, start_version)
+        loss, mb_stats, start = micro_batch_loss(model, ref, mb, config, num_samples, start_logp=starts.get(index))
+        starts.keep(index, start)
         if items is None:
             loss = loss * 0.0  # a padding pass: the collectives run, the gradient is 0
         else:
@@ -266,8 +272,10 @@ class ShardedPolicy:
     def _new_optimizer(self, config: GRPOConfig) -> torch.optim.Optimizer:
         return new_optimizer([p for p in self.policy.parameters() if p.requires_grad], config)
 
-    def train(self, plan: RankPlan, num_samples: int, config: GRPOConfig) -> list[PassResult]:
-        return train_passes(self.policy, self.ref, self.optimizer, plan, num_samples, config, report=self._report)
+    def train(self, plan: RankPlan, num_samples: int, config: GRPOConfig,
+              start_version: int | None = None) -> list[PassResult]:  # fmt: skip
+        return train_passes(self.policy, self.ref, self.optimizer, plan, num_samples, config, report=self._report,
+                            start_version=start_version)  # fmt: skip
 
     def _accumulate(self, plan: RankPlan, num_samples: int, config: GRPOConfig, *, done: int,
                     total: int) -> dict[str, float]:  # fmt: skip

@@ -121,6 +121,25 @@ def test_two_ranks_make_the_one_process_step(sharded, model_dir, tokenizer, tmp_
         assert m_sharded[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-7), key
 
 
+def test_two_ranks_make_the_one_process_off_policy_step(sharded, model_dir, tokenizer, tmp_path, monkeypatch):
+    """Samples two versions behind the step's start (overlap): the ranks weigh them as the one-process trainer does
+    (pi_start kept across the two passes, importance weights capped)."""
+    from tests.servers.test_off_policy import behind
+
+    one = GRPOTrainer(model_dir, GRPOConfig(**KNOBS, importance_cap=1.3))
+    batch = two_group_batch(one, tokenizer, step=3)
+    for group in batch.groups:
+        group.samples = [behind(s, version=0, shift=0.1 * (i + 1)) for i, s in enumerate(group.samples)]
+    sharded.step_count = one.step_count = 2
+    monkeypatch.setattr(sharded, "config", sharded.config.model_copy(update={"importance_cap": 1.3}))
+    m_sharded, m_one = sharded.step(batch), one.step(batch)
+    assert m_one["offpolicy_frac"] == 1.0 and 0 < m_one["importance_capfrac"] < 1
+    for key in ("loss", "importance_weight_mean", "importance_weight_max", "importance_capfrac", "offpolicy_frac",
+                "staleness_mean", "pg_clipfrac", "kl"):
+        assert m_sharded[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-6), key
+    assert_weights_close(exported(sharded, tmp_path / "w"), one.policy.state_dict(), rel=1e-4)
+
+
 def test_a_step_with_nothing_to_train_still_counts(sharded, tokenizer, model_dir):
     one = GRPOTrainer(model_dir, GRPOConfig(**KNOBS))
     flat = [make_sample(tokenizer, one.policy, "Hi", c, reward=0.5, episode=f"e{i}") for i, c in enumerate("ab")]
