@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from servers.interfaces import Group, TrainBatch
 from servers.ledger import Ledger
@@ -18,11 +17,6 @@ from servers.trainers.micro_batches import collate
 from tests.servers.test_grpo_trainer import COMPLETIONS, config, make_sample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model):
-    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 def behind(sample: Sample, version: int, shift: float) -> Sample:
@@ -62,11 +56,11 @@ def test_the_ledger_keeps_each_tokens_version(tmp_path):
     assert sample.versions == [(1, 2), (2, 2)] and token_versions(sample) == [1, 1, 2, 2]
 
 
-def test_an_on_policy_step_is_unchanged_by_the_correction(tiny_model, tokenizer):
+def test_an_on_policy_step_is_unchanged_by_the_correction(model_dir, tokenizer):
     """Versions equal to the step's start: prox = logp_old and w = 1 exactly, so the loss and every weight after the
     step are those of samples recorded with no versions at all."""
-    with_versions = GRPOTrainer(tiny_model, config(ppo_epochs=2))
-    plain = GRPOTrainer(tiny_model, config(ppo_epochs=2))
+    with_versions = GRPOTrainer(model_dir, config(ppo_epochs=2))
+    plain = GRPOTrainer(model_dir, config(ppo_epochs=2))
     batch = batch_of(with_versions, tokenizer, version=0, shift=0.0, step=1)
     bare = TrainBatch(step=1, groups=[Group(job="default", task_id="t0", agent="a", samples=[
         s.model_copy(update={"versions": []}) for s in batch.groups[0].samples])])
@@ -78,8 +72,8 @@ def test_an_on_policy_step_is_unchanged_by_the_correction(tiny_model, tokenizer)
 
 
 @pytest.mark.parametrize(("shift", "weight"), [(0.3, math.exp(0.3)), (2.0, 2.0), (-0.5, math.exp(-0.5))])
-def test_stale_tokens_are_weighted_by_the_capped_importance_ratio(tiny_model, tokenizer, shift, weight):
-    trainer = GRPOTrainer(tiny_model, config(importance_cap=2.0))
+def test_stale_tokens_are_weighted_by_the_capped_importance_ratio(model_dir, tokenizer, shift, weight):
+    trainer = GRPOTrainer(model_dir, config(importance_cap=2.0))
     trainer.step_count = 3  # the step starts from version 3; the samples are version 1's
     m = trainer.step(batch_of(trainer, tokenizer, version=1, shift=shift, step=4))
     assert m["offpolicy_frac"] == 1.0 and m["staleness_min"] == m["staleness_max"] == 2.0
@@ -89,11 +83,11 @@ def test_stale_tokens_are_weighted_by_the_capped_importance_ratio(tiny_model, to
     assert m["pg_clipfrac"] == 0.0  # the ratio is against pi_start: 1 on the first pass, whatever mu was
 
 
-def test_the_gradient_is_w_times_the_on_policy_gradient(tiny_model, tokenizer):
+def test_the_gradient_is_w_times_the_on_policy_gradient(model_dir, tokenizer):
     """On the first pass ratio = pi / pi_start = 1, so a stale token's gradient is w times the same token's
     on-policy gradient: with one constant w over the batch, the whole gradient scales by w."""
     def gradient(version: int, shift: float) -> list[torch.Tensor]:
-        trainer = GRPOTrainer(tiny_model, config())
+        trainer = GRPOTrainer(model_dir, config())
         trainer.step_count = 2
         batch = batch_of(trainer, tokenizer, version=version, shift=shift, step=3)
         mb = collate([(s, a) for s, a in zip(batch.groups[0].samples, (1.0, -1.0, 0.5, -0.5), strict=True)],
@@ -107,10 +101,10 @@ def test_the_gradient_is_w_times_the_on_policy_gradient(tiny_model, tokenizer):
         torch.testing.assert_close(b, a * math.exp(0.4), rtol=1e-4, atol=1e-7)
 
 
-def test_later_passes_keep_pi_start(tiny_model, tokenizer):
+def test_later_passes_keep_pi_start(model_dir, tokenizer):
     """With ppo_epochs = 2 the second pass weighs against the first pass's logprobs (pi_start), not the updated
     model's: the importance weights of both passes are the same, so their mean is one pass's."""
-    one, two = GRPOTrainer(tiny_model, config()), GRPOTrainer(tiny_model, config(ppo_epochs=2, learning_rate=0.05))
+    one, two = GRPOTrainer(model_dir, config()), GRPOTrainer(model_dir, config(ppo_epochs=2, learning_rate=0.05))
     for trainer in (one, two):
         trainer.step_count = 1
     m1 = one.step(batch_of(one, tokenizer, version=0, shift=0.2, step=2))
