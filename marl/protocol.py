@@ -372,6 +372,9 @@ class TrainConfig(_Strict):
     max_staleness: Int = Field(
         1, ge=0, description="Samples produced this many policy versions before the trained one are dropped (counted)."
     )
+    overlap: Bool = Field(False, description="Train a complete batch while leases go on rolling on the current"
+                          " weights (no drain); the new weights replace the old between two generations. Samples"
+                          " then span versions: the trainer weighs older tokens (grpo.importance_cap).")
     # Checkpoints
     save_freq: Int = Field(1, ge=0, description="Checkpoint every N steps; 0 disables checkpoints.")
     keep_checkpoints: Int = Field(2, ge=1)

@@ -29,7 +29,10 @@ class EngineCall:
         self.prompt_ids, self.params, self.agent = prompt_ids, params, agent
         model = service.model
         self.engine, self.formatter, self.model_name = model.engine, model.formatter, model.served_name
-        self.version = model.policy_version  # weights change only once the leases drained: one version per call
+        self._model = model
+        #: The version of the weights that generate the call: read again at its first token (with `overlap` the
+        #: weights may change while a call waits; never while it generates: engines swap between generations).
+        self.version = model.policy_version
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.finish = "length"
@@ -37,7 +40,10 @@ class EngineCall:
     async def chunks(self) -> AsyncIterator[list[int]]:
         """The generated ids as they come; the call is recorded once the engine finishes."""
         with self.session.busy():
+            first = True
             async for chunk in self.engine.generate(self.prompt_ids, self.params):
+                if first:
+                    self.version, first = self._model.policy_version, False
                 self.ids += chunk.token_ids
                 self.logprobs += chunk.logprobs
                 if chunk.finish_reason:

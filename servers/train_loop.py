@@ -5,6 +5,10 @@ ROLLING_POST once `batch_size` groups hold `num_repeat` episodes each, waits for
 WEIGHT_SYNCING drops samples too stale to train on, claims the batch in the ledger, trains (in a thread), publishes
 the new weights to the engine, checkpoints every `save_freq` steps, and rolls on at policy version + 1.
 
+With `overlap` (TrainConfig.overlap) there is no drain: once the pool holds a full batch the step runs in a task of
+its own while the engine stays ROLLING (leases begin, call and end on the current weights), and the new weights
+replace the old between two generations (the engines let running generations finish first). One step at a time.
+
 If a step fails, its claims return to the pool, the engine stops, and `last_error` says why.
 """
 
@@ -63,20 +67,30 @@ class TrainLoop:
         self._wakeup = wakeup
         self._stop_engine = stop_engine  # closes the leases too
         self._training: tuple[int, int, float] | None = None  # (step, samples, monotonic start) while one runs
+        self._overlapped: asyncio.Task | None = None  # the step running beside the rollouts (`overlap`)
 
     async def run(self) -> None:
         """Forever: on every wake-up, drain once the batch is complete, and train once the leases are gone."""
-        while True:
-            await self._wakeup.wait()
-            try:
-                await self._advance()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                await self._step_failed(exc)
+        try:
+            while True:
+                await self._wakeup.wait()
+                try:
+                    await self._advance()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    await self._step_failed(exc)
+        finally:
+            if self._overlapped is not None:
+                self._overlapped.cancel()
 
     async def _advance(self) -> None:
         lifecycle = self._lifecycle
+        if lifecycle.config.overlap:
+            if (lifecycle.state == EngineState.ROLLING and self._overlapped is None
+                    and len(await self._ready_groups()) >= lifecycle.config.batch_size):  # fmt: skip
+                self._overlapped = asyncio.create_task(self._overlapped_step())
+            return
         if lifecycle.state == EngineState.ROLLING and len(await self._ready_groups()) >= lifecycle.config.batch_size:
             lifecycle.move_to(EngineState.ROLLING_POST)
             log.info("batch complete: draining %d running leases", len(self._pool.leases))
@@ -87,21 +101,38 @@ class TrainLoop:
         groups = await self._ledger.pool_groups()
         return [key for key, n in groups.items() if n >= self._lifecycle.config.num_repeat]
 
-    async def _train_step(self) -> None:
+    async def _overlapped_step(self) -> None:
+        """A step beside the rollouts; the loop looks again when it is done (the pool may hold the next batch)."""
+        try:
+            await self._train_step(overlap=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._step_failed(exc)
+        finally:
+            self._overlapped = None
+            self._wakeup.wake()
+
+    async def _train_step(self, overlap: bool = False) -> None:
+        """Claim a batch, train, publish, checkpoint. Drained (WEIGHT_SYNCING, no lease open), or with `overlap`
+        while ROLLING (no state change; vLLM is not put to sleep: generation goes on)."""
         lifecycle, counters = self._lifecycle, self._telemetry.counters
-        lifecycle.move_to(EngineState.WEIGHT_SYNCING)
+        if not overlap:
+            lifecycle.move_to(EngineState.WEIGHT_SYNCING)
         generation, step, config = lifecycle.generation, lifecycle.policy_version + 1, lifecycle.config
         served, trainer = lifecycle.engine, lifecycle.trainer  # a stop meanwhile clears them from the lifecycle
         dropped = await self._ledger.drop_stale(lifecycle.policy_version - config.max_staleness)
         counters.samples_dropped_stale += dropped
         ready = (await self._ready_groups())[: config.batch_size]
         if len(ready) < config.batch_size:  # stale samples were dropped: roll on until the batch refills
-            lifecycle.move_to(EngineState.ROLLING)
+            if not overlap:
+                lifecycle.move_to(EngineState.ROLLING)
             return
         claimed = await self._ledger.claim_batch(step, ready)
         batch = TrainBatch(step=step, dropped_stale=dropped, groups=[
             Group(job=k.job, task_id=k.task_id, agent=k.agent, samples=s) for k, s in claimed.items()])
-        await asyncio.to_thread(served.before_training_step)
+        if not overlap:
+            await asyncio.to_thread(served.before_training_step)
         metrics = await self._train(batch, trainer)
         if generation != lifecycle.generation:
             return  # stopped meanwhile: the next boot returns the claim to the pool
@@ -113,7 +144,10 @@ class TrainLoop:
             return
         counters.train_steps += 1
         self._record.append(step, metrics)
-        lifecycle.serve_version(step)
+        if overlap:
+            lifecycle.policy_version = step  # still ROLLING: the calls that start from now on record it
+        else:
+            lifecycle.serve_version(step)
         log.info("step %d done: %s", step, json.dumps({k: round(v, 4) for k, v in metrics.items()}))
         self._wakeup.wake()  # ROLLING again
 
@@ -147,7 +181,7 @@ class TrainLoop:
     def progress(self) -> TrainingProgress | None:
         """The step running now, for a monitor (None between steps)."""
         started = self._training
-        if started is None or self._lifecycle.state != EngineState.WEIGHT_SYNCING:
+        if started is None or not (self._lifecycle.state == EngineState.WEIGHT_SYNCING or self._overlapped):
             return None
         step, samples, since = started
         progress = getattr(self._lifecycle.trainer, "progress", None)
