@@ -33,7 +33,7 @@ from textual.widgets import Footer, Static
 
 from marl.client import SwarmClient, SwarmError
 from marl.launch import SERVERS_FILE
-from marl.protocol import ADMIN_TOKEN_ENV, EngineState, MonitorSnapshot, TrainingProgress
+from marl.protocol import ADMIN_TOKEN_ENV, EngineState, MonitorSnapshot, StepRecord, TrainingProgress
 from marl.terminal import safe
 from marl.topology.graph import LEARNER_SEPARATOR
 from marl.topology.spec import ServerSpec
@@ -165,9 +165,23 @@ def _reward_table(snap: MonitorSnapshot) -> RenderableType:
         last = next((s.metrics for s in reversed(steps) if mean_key in s.metrics), {})
         table.add_row(Text(safe(role)), f"{last.get(mean_key, math.nan):.3f} ± {last.get(std_key, math.nan):.3f}",
                       sparkline(history))
-    loss = steps[-1].metrics.get("loss")
-    caption = f"step {steps[-1].step}" + (f" · loss {loss:.4f}" if loss is not None else "")
-    return Group(table, Text(caption, style="dim"))
+    return Group(table, Text(step_caption(steps[-1]), style="dim"))
+
+
+def step_caption(step: StepRecord) -> str:
+    """The latest step's loss, rollout idle fraction, staleness and importance weights (those it reported)."""
+    m = step.metrics
+    parts = [f"step {step.step}"]
+    if "loss" in m:
+        parts.append(f"loss {m['loss']:.4f}")
+    if "rollout_idle_frac" in m:
+        parts.append(f"rollouts idle {m['rollout_idle_frac']:.0%}")
+    if m.get("staleness_max"):
+        parts.append(f"stale {m.get('staleness_mean', 0):.2f} (max {m['staleness_max']:.0f}) versions")
+    if m.get("offpolicy_frac"):
+        parts.append(f"off-policy {m['offpolicy_frac']:.0%} · IS weight {m.get('importance_weight_mean', 0):.2f}"
+                     f" (capped {m.get('importance_capfrac', 0):.0%})")
+    return " · ".join(parts)
 
 
 def sparkline(values: list[float]) -> str:

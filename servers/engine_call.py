@@ -39,7 +39,7 @@ class EngineCall:
 
     async def chunks(self) -> AsyncIterator[list[int]]:
         """The generated ids as they come; the call is recorded once the engine finishes."""
-        with self.session.busy():
+        with self.session.busy(), self.service.telemetry.generation.generating():
             first = True
             async for chunk in self.engine.generate(self.prompt_ids, self.params):
                 if first:

@@ -104,4 +104,5 @@ class StaticServer:
     async def metrics_text(self) -> bytes:
         return render(MetricsReading(model=self.served_name, state=self.state, policy_version=0, running_leases=0,
                                      tokens_per_s=self.telemetry.generated.per_s(), counters=self.telemetry.counters,
-                                     engine_stats=getattr(self.engine, "stats", None)))
+                                     engine_stats=getattr(self.engine, "stats", None),
+                                     generation_busy_s=self.telemetry.generation.busy_s()))

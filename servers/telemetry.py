@@ -8,6 +8,7 @@ the static server keep one.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -77,6 +78,52 @@ class TokenRate:
         return sum(n for _, n in self._finished) / RATE_WINDOW_S
 
 
+class GenerationClock:
+    """How long the engine generated for this server: wall time with at least one generation running.
+
+    The rollout idle fraction over a window is 1 - busy / wall: the share of the time no rollout used the engine
+    (drains and drained training steps show as idle; `overlap` removes them). Entered and left on the event loop.
+    """
+
+    def __init__(self) -> None:
+        self._running = 0
+        self._busy_s = 0.0
+        self._since = 0.0  # monotonic start of the current busy stretch
+        self.first_start: float | None = None  # monotonic time of the first generation: where idle time starts
+
+    @contextlib.contextmanager
+    def generating(self):
+        """Around one generation."""
+        now = time.monotonic()
+        if self._running == 0:
+            self._since = now
+            self.first_start = now if self.first_start is None else self.first_start
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            if self._running == 0:
+                self._busy_s += time.monotonic() - self._since
+
+    def busy_s(self) -> float:
+        """Seconds with a generation running, up to now."""
+        return self._busy_s + (time.monotonic() - self._since if self._running else 0.0)
+
+    def mark(self) -> tuple[float, float]:
+        """(now, busy seconds so far): the start of a window for `idle_fraction`."""
+        return time.monotonic(), self.busy_s()
+
+    def idle_fraction(self, since: tuple[float, float] | None = None) -> float | None:
+        """Share of the wall time since `since` (default: the first generation) with no generation running."""
+        if since is None:
+            if self.first_start is None:
+                return None
+            since = (self.first_start, 0.0)
+        wall = time.monotonic() - since[0]
+        return None if wall <= 0 else min(1.0, max(0.0, 1.0 - (self.busy_s() - since[1]) / wall))
+
+
 class Telemetry:
     """One server process's counters, errors and token rate, and the instance id that tells a restart apart."""
 
@@ -84,6 +131,7 @@ class Telemetry:
         self.counters = Counters()
         self.errors = ErrorLog()
         self.generated = TokenRate()
+        self.generation = GenerationClock()
         self.instance_id = uuid.uuid4().hex  # a monitor sees a restart as a new id
         self.started_at = time.time()
 

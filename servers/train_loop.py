@@ -68,6 +68,7 @@ class TrainLoop:
         self._stop_engine = stop_engine  # closes the leases too
         self._training: tuple[int, int, float] | None = None  # (step, samples, monotonic start) while one runs
         self._overlapped: asyncio.Task | None = None  # the step running beside the rollouts (`overlap`)
+        self._idle_mark: tuple[float, float] | None = None  # the generation clock at the last step's end
 
     async def run(self) -> None:
         """Forever: on every wake-up, drain once the batch is complete, and train once the leases are gone."""
@@ -143,7 +144,7 @@ class TrainLoop:
         if generation != lifecycle.generation:
             return
         counters.train_steps += 1
-        self._record.append(step, metrics)
+        self._record.append(step, {**metrics, **self._rollout_idle()})
         if overlap:
             lifecycle.policy_version = step  # still ROLLING: the calls that start from now on record it
         else:
@@ -169,6 +170,13 @@ class TrainLoop:
         finally:
             self._training = None
         return {k: float(v) for k, v in metrics.items()}
+
+    def _rollout_idle(self) -> dict[str, float]:
+        """`rollout_idle_frac`: the share of the time since the last step's end (or the first generation) in which
+        no generation ran on this server: the drain and the drained step, or none of them with `overlap`."""
+        clock = self._telemetry.generation
+        idle, self._idle_mark = clock.idle_fraction(self._idle_mark), clock.mark()
+        return {} if idle is None else {"rollout_idle_frac": idle}
 
     async def _step_failed(self, exc: Exception) -> None:
         log.exception("training step failed")

@@ -141,4 +141,5 @@ class TrainableServer:
             model=lifecycle.served_name, state=lifecycle.state, policy_version=lifecycle.policy_version,
             running_leases=len(self.pool.leases), tokens_per_s=telemetry.generated.per_s(),
             counters=telemetry.counters, engine_stats=getattr(lifecycle.engine, "stats", None),
-            pool=await self.pool.info(), last_step=self._last_step_metrics())
+            pool=await self.pool.info(), last_step=self._last_step_metrics(),
+            generation_busy_s=telemetry.generation.busy_s())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import time
 
 from conftest import admin_http, play_episode, server_process, start_rolling, wait_version
 
@@ -35,6 +36,37 @@ def test_sigkill_right_after_end_loses_nothing_and_trains_once(tiny_model, tmp_p
         status = http.get("/control/status").json()
         assert status["policy_version"] == 1  # resumed from the step-1 checkpoint
         assert status["pool"]["pending_episodes"] == 0  # nothing is handed to the trainer again
+
+
+def test_sigkill_during_an_overlapped_step_loses_nothing_and_trains_once(tiny_model, tmp_path):
+    """`overlap`: episodes are acknowledged while a step trains; SIGKILL lands mid-step. The claimed batch returns to
+    the pool, and every acknowledged episode is trained exactly once by the steps after the restart."""
+    data = tmp_path / "data"
+    slow = dict(batch_size=1, num_repeat=2, save_freq=1, overlap=True, grpo={"ppo_epochs": 2000})  # a long step
+    with server_process(tiny_model, data) as (proc, url), admin_http(url) as http:
+        start_rolling(http, **slow)
+        acked = [play_episode(http, "t1", reward=r) for r in (0.0, 1.0)]  # a complete batch: step 1 starts
+        deadline = time.monotonic() + 60
+        while http.get("/control/monitor").json()["training"] is None:
+            assert time.monotonic() < deadline, "step 1 never started"
+            time.sleep(0.02)
+        acked.append(play_episode(http, "t2", reward=1.0))  # acknowledged while step 1 trains
+        assert http.get("/control/monitor").json()["training"] is not None  # still mid-step
+        assert http.get("/control/pool").json()["pending_episodes"] == 1  # t1's two are claimed by step 1
+        proc.kill()
+    with server_process(tiny_model, data) as (proc, url), admin_http(url) as http:
+        start_rolling(http, **{**slow, "grpo": {}})
+        acked.append(play_episode(http, "t2", reward=0.0))  # both groups complete: steps 1 and 2
+        wait_version(http, 2)
+        proc.kill()
+    db = sqlite3.connect(data / "ledger.sqlite")
+    rows = db.execute("SELECT episode_id, task_id, consumed_step FROM samples").fetchall()
+    db.close()
+    assert sorted(e for e, _, _ in rows) == sorted(acked)  # each acknowledged episode once, nothing else
+    by_task = {task: {step for _, t, step in rows if t == task} for _, task, _ in rows}
+    assert sorted(by_task.values(), key=min) == [{1}, {2}]  # each group trained by exactly one step
+    records = [json.loads(line) for line in (data / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["samples"]) for r in records] == [(1, 2), (2, 2)]  # the killed step left no record
 
 
 def _sample(episode: str, agent: str = "a") -> Sample:

@@ -110,3 +110,40 @@ def test_leases_roll_on_while_a_step_trains(local_server, tmp_path):
         assert [s["step"] for s in steps] == [1, 2]
         assert steps[1]["offpolicy_frac"] > 0 and steps[1]["staleness_max"] == 1.0
         assert steps[1]["importance_weight_mean"] > 0 and steps[0]["offpolicy_frac"] == 0.0
+        assert all(0.0 <= s["rollout_idle_frac"] <= 1.0 for s in steps)
+        scrape = http.get("/metrics").text
+        assert "marl_generation_busy_seconds_total" in scrape and "marl_last_step_offpolicy_frac" in scrape
+        assert "marl_last_step_rollout_idle_frac" in scrape and "marl_last_step_staleness_max" in scrape
+
+
+def test_samples_beyond_max_staleness_are_dropped_and_counted(local_server):
+    """max_staleness 0: an episode that began on version 0 and ended after step 1 is never trained on."""
+    config = CONFIG.model_copy(update={"max_staleness": 0})
+    with local_server() as srv, admin_http(srv.url) as http:
+        assert http.post("/control/config", json=config.model_dump(mode="json")).status_code == 200
+        assert http.post("/control/start").status_code == 200
+        while http.get("/control/status").json()["state"] != "ROLLING":
+            time.sleep(0.05)
+        old, old_client = begin(http)
+        say(old_client, [], "generated on version 0")
+        for reward in (0.0, 1.0):  # a complete batch: step 1 trains while `old` stays open
+            lease, client = begin(http)
+            say(client, [], "hello")
+            end(http, lease, "t1", reward)
+        wait_version(http, 1)
+        end(http, old, "t2", 1.0)  # its group fills with a version-1 episode: the stale one is dropped first
+        fresh, client = begin(http)
+        say(client, [], "generated on version 1")
+        end(http, fresh, "t2", 0.0)
+        deadline = time.monotonic() + 60
+        while (status := http.get("/control/status").json())["metrics"]["samples_dropped_stale"] < 1:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.05)
+        assert status["policy_version"] == 1  # its group is one short again: no step 2 yet
+        refill, client = begin(http)
+        say(client, [], "generated on version 1 too")
+        end(http, refill, "t2", 1.0)
+        wait_version(http, 2)
+        steps = [json.loads(line) for line in (srv.data_dir / "metrics.jsonl").read_text().splitlines()]
+        assert steps[1]["samples"] == 2 and steps[1]["dropped_stale"] == 0 and steps[1]["staleness_max"] == 0.0
+        assert http.get("/control/status").json()["metrics"]["samples_dropped_stale"] == 1
