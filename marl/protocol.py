@@ -247,6 +247,9 @@ class ErrorCode(enum.StrEnum):
     ENGINE_NOT_ROLLING = "engine_not_rolling"
     # 503: wait and retry (retry_after_s is set)
     NO_FREE_SLOT = "no_free_slot"
+    # `overlap`: a step trains and enough episodes wait for the next ones that a lease begun now would be trained
+    # more than `max_staleness` versions late (servers.train_loop bounds the rollouts)
+    ROLLOUTS_AHEAD = "rollouts_ahead"
     ENGINE_BOOTING = "engine_booting"
     ENGINE_UNAVAILABLE = "engine_unavailable"
     LEDGER_UNAVAILABLE = "ledger_unavailable"  # the ledger write failed; nothing changed, the lease is still live

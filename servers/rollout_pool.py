@@ -49,6 +49,9 @@ class RolloutPool:
         self._counters = counters
         self._wakeup = wakeup
         self._public_url = public_url  # base of the URLs handed to agents; default: the URL the client used
+        #: `overlap`: leases that may run while a step trains before their samples would be too stale to train
+        #: (set by the train loop; None: no bound)
+        self.rollout_room: int | None = None
 
     # --- leases --------------------------------------------------------------------------------------------------
 
@@ -61,6 +64,11 @@ class RolloutPool:
             raise Refusal(503 if waiting else 409, ErrorCode.ENGINE_NOT_ROLLING,
                           f"no new leases while the engine is {state.value}; {what}",
                           retry_after_s=1.0 if waiting else None, state=state)
+        if self.rollout_room is not None and len(self.leases) >= self.rollout_room:
+            raise Refusal(503, ErrorCode.ROLLOUTS_AHEAD, f"a step trains and {len(self.leases)} running episodes plus"
+                          " those waiting in the pool fill the batches of the next steps: one begun now would be"
+                          f" trained more than {config.max_staleness} versions late (train.max_staleness)",
+                          retry_after_s=0.5, state=state)
         try:
             lease = self.leases.open(client_id=client_id, generation=self._lifecycle.generation,
                                      patience_s=config.lease_patience_s, max_leases=config.max_leases)

@@ -88,7 +88,9 @@ class TrainLoop:
     async def _advance(self) -> None:
         lifecycle = self._lifecycle
         if lifecycle.config.overlap:
-            if (lifecycle.state == EngineState.ROLLING and self._overlapped is None
+            if self._overlapped is not None:
+                await self._bound_rollouts()
+            elif (lifecycle.state == EngineState.ROLLING
                     and len(await self._ready_groups()) >= lifecycle.config.batch_size):  # fmt: skip
                 self._overlapped = asyncio.create_task(self._overlapped_step())
             return
@@ -112,7 +114,17 @@ class TrainLoop:
             await self._step_failed(exc)
         finally:
             self._overlapped = None
+            self._pool.rollout_room = None
             self._wakeup.wake()
+
+    async def _bound_rollouts(self) -> None:
+        """While an overlapped step trains on version v: an episode begun now is trained after every episode pending
+        or running, at a step that starts `1 + (pending + running) // batch` versions later. `max_staleness` caps
+        that, so the pool refuses a lease (503 rollouts_ahead) once pending + running reach `max_staleness`
+        batches: rollouts run at most that far ahead of training instead of generating samples to be dropped."""
+        config = self._lifecycle.config
+        pending = await self._ledger.pending_episodes()
+        self._pool.rollout_room = config.max_staleness * config.batch_size * config.num_repeat - pending
 
     async def _train_step(self, overlap: bool = False) -> None:
         """Claim a batch, train, publish, checkpoint. Drained (WEIGHT_SYNCING, no lease open), or with `overlap`
@@ -130,6 +142,8 @@ class TrainLoop:
                 lifecycle.move_to(EngineState.ROLLING)
             return
         claimed = await self._ledger.claim_batch(step, ready)
+        if overlap:
+            await self._bound_rollouts()
         batch = TrainBatch(step=step, dropped_stale=dropped, groups=[
             Group(job=k.job, task_id=k.task_id, agent=k.agent, samples=s) for k, s in claimed.items()])
         if not overlap:

@@ -147,3 +147,38 @@ def test_samples_beyond_max_staleness_are_dropped_and_counted(local_server):
         steps = [json.loads(line) for line in (srv.data_dir / "metrics.jsonl").read_text().splitlines()]
         assert steps[1]["samples"] == 2 and steps[1]["dropped_stale"] == 0 and steps[1]["staleness_max"] == 0.0
         assert http.get("/control/status").json()["metrics"]["samples_dropped_stale"] == 1
+
+
+def test_rollouts_run_at_most_max_staleness_batches_ahead_of_training(local_server):
+    """max_staleness 1, batches of 2 episodes: while step 1 trains, two more leases may run (the next batch); a third
+    would be trained two versions late and is refused with 503 rollouts_ahead until the step is done."""
+    gate, stepping = threading.Event(), threading.Event()
+
+    def trainer(model_dir, config):
+        return GatedTrainer(model_dir, config.grpo, device="cpu", gate=gate, stepping=stepping)
+
+    config = CONFIG.model_copy(update={"max_staleness": 1})
+    with local_server(trainer_factory=trainer) as srv, admin_http(srv.url) as http:
+        assert http.post("/control/config", json=config.model_dump(mode="json")).status_code == 200
+        assert http.post("/control/start").status_code == 200
+        while http.get("/control/status").json()["state"] != "ROLLING":
+            time.sleep(0.05)
+        for reward in (0.0, 1.0):  # a complete batch: step 1 starts
+            lease, client = begin(http)
+            say(client, [], "hello")
+            end(http, lease, "t1", reward)
+        assert stepping.wait(60)
+        deadline = time.monotonic() + 60
+        while http.get("/control/pool").json()["pending_episodes"]:  # until step 1 has claimed its batch
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        ahead = [begin(http)[0] for _ in range(2)]  # the next batch, generated while step 1 trains
+        refused = http.post("/episodes/begin", json={"client_id": "c"})
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "rollouts_ahead" and error["retry_after_s"] > 0 and "max_staleness" in error["message"]
+        gate.set()
+        wait_version(http, 1)
+        begin(http)  # step 1 is done: room again
+        for lease, reward in zip(ahead, (0.0, 1.0), strict=True):
+            end(http, lease, "t2", reward)
