@@ -336,6 +336,7 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
         _check_kv(plan, key, arch, vllm_setting, kv, max_model_len)
         sleeps = setting is not None and bool(gpus.shared) if v is None or v.sleep_between_steps == "auto" \
             else bool(v.sleep_between_steps)
+        sleeps = sleeps and not server.overlaps  # overlap: vLLM generates during the step
         engine_in_step = engine_vllm_asleep(engine) if sleeps else engine.total
     else:
         engine = _torch_engine(name, server, arch, spec, on_gpu=True)

@@ -237,6 +237,13 @@ class ServerSpec(_Spec):
         """Runs on this machine, started by `marl run` (past snapshots too: one `marl serve --static` per snapshot)."""
         return self.kind in (ServerKind.LOCAL_TRAINABLE, ServerKind.LOCAL_STATIC, ServerKind.PAST_SNAPSHOTS)
 
+    @property
+    def overlaps(self) -> bool:
+        """A learner of this server trains beside its rollouts (`train.overlap`, or a policy's): its engine keeps
+        generating during every step, so it never sleeps for one."""
+        base = bool(self.train and self.train.overlap)
+        return any(bool(p.train.get("overlap", base)) for p in self.policies.values()) if self.policies else base
+
     def policy_train(self, policy: str) -> TrainConfig:
         """The config synced for `policy`: the server's `train:` with the policy's own keys merged in."""
         return _merged_train(self.train or TrainConfig(), self.policies[policy].train)  # type: ignore[index]
@@ -344,6 +351,10 @@ def _vllm_rules(s: ServerSpec) -> list[Rule]:
     if s.vllm.sleep_between_steps is True and s.device == "cpu":
         return [(("vllm", "sleep_between_steps"), "sleep mode needs CUDA (the CPU build of vLLM has none): set it"
                                                   " to auto or false, or device: cuda")]
+    if s.vllm.sleep_between_steps is True and s.overlaps:
+        return [(("vllm", "sleep_between_steps"), "train.overlap keeps vLLM generating during every training step,"
+                                                  " so it cannot sleep for one: set sleep_between_steps to auto or"
+                                                  " false (the trainer must then fit beside vLLM), or overlap: false")]
     return []
 
 

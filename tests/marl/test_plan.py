@@ -107,6 +107,14 @@ def test_the_shipped_gpu_topology_fits_80_gb_on_every_gpu():
     assert seer.step is not None and any(what == "engine asleep" for what, _ in seer.step.items)
 
 
+def test_overlap_keeps_the_engine_awake_in_the_step_and_the_plan_counts_it():
+    """`overlap`: vLLM generates during the step, so on a GPU it shares with the trainer it is counted awake."""
+    asleep = _plan().servers[1].devices[0]
+    awake = _plan("servers.seer_14b.train.overlap=true").servers[1].devices[0]
+    assert any(what == "engine (awake)" for what, _ in awake.step.items)
+    assert awake.step.total > asleep.step.total
+
+
 @pytest.mark.parametrize(("override", "key"), [
     ("servers.seer_14b.vllm.kv_cache_gb=2", "servers.seer_14b.vllm.max_model_len"),
     ("servers.seer_14b.vllm.gpu_memory_utilization=0.8", "servers.seer_14b.vllm.gpu_memory_utilization"),

@@ -100,6 +100,8 @@ def test_the_section_needs_a_local_vllm_server():
     assert "served by the torch engine" in problem_at(past, "servers.past.vllm")
     on_cpu = topology({"sleep_between_steps": True}, device="cpu")
     assert "sleep mode needs CUDA" in problem_at(on_cpu, "servers.speaker_model.vllm.sleep_between_steps")
+    overlapped = topology({"sleep_between_steps": True}, train={"job": "s", "overlap": True})
+    assert "cannot sleep" in problem_at(overlapped, "servers.speaker_model.vllm.sleep_between_steps")
 
 
 def test_a_bad_value_in_a_file_names_its_line(tmp_path):

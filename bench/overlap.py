@@ -1,0 +1,151 @@
+"""Rollouts during training (issue 22): games per hour and the rollout idle fraction, `overlap: false` against
+`true`, when every game waits on a slow co-player.
+
+    python bench/overlap.py                       # SmolLM2-135M learner, 1 s co-player, 8 steps per side
+    python bench/overlap.py --out DIR             # also DIR/overlap.json
+    python bench/overlap.py --smoke               # a tiny random model, 2 steps per side, 0.3 s co-player
+
+The game is the signalling game of `topologies/signalling-cpu.yaml`: its speaker is the learner (a local trainable
+server, the shipped settings: batches of 2 groups of 8), its listener a static model behind an OpenAI URL that
+answers each call `--delay` seconds late, standing for a frozen 235B behind an API. The delay lives here, in a proxy
+of this script's own in front of a `marl serve --static` server; the product knows nothing of it. Each side is one
+`marl run` of `--steps` steps at the same settings but `overlap`, measured from its own records: games per hour
+between the first and the last game's end (games.jsonl), and the learner's rollout idle fraction (the
+`rollout_idle_frac` of each step after the first in metrics.jsonl, weighted by the time since the step before).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+import yaml
+from fastapi import FastAPI, Request, Response
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
+
+from marl.launch import ServerProcess, free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "bench-overlap"
+
+
+def delaying_proxy(upstream: str, delay_s: float) -> FastAPI:
+    """An OpenAI endpoint that forwards every call to `upstream` and answers `delay_s` later: a slow co-player."""
+    app = FastAPI()
+    client = httpx.AsyncClient(base_url=upstream, timeout=120)
+
+    @app.post("/v1/{path:path}")
+    async def forward(path: str, request: Request) -> Response:
+        started = time.monotonic()
+        answer = await client.post(f"/v1/{path}", content=await request.body(),
+                                   headers={"content-type": "application/json"})
+        await asyncio.sleep(max(0.0, delay_s - (time.monotonic() - started)))
+        return Response(answer.content, status_code=answer.status_code, media_type="application/json")
+
+    return app
+
+
+def serve_in_thread(app: FastAPI, port: int) -> uvicorn.Server:
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    return server
+
+
+def topology(model: str, coplayer_url: str, coplayer_model: str, steps: int, overlap: bool, run_dir: Path) -> dict:
+    shipped = yaml.safe_load((ROOT / "topologies" / "signalling-cpu.yaml").read_text())
+    learner = {**shipped["servers"]["speaker_model"], "model": model}
+    learner["train"] = {**learner["train"], "overlap": overlap}
+    return {
+        "name": f"overlap-{'on' if overlap else 'off'}",
+        "servers": {"learner": learner, "coplayer": {"url": coplayer_url, "model": coplayer_model}},
+        "roles": {"speaker": {"server": "learner", "count": 1, "team": "speaker"},
+                  "listener": {"server": "coplayer", "count": 1, "team": "listener"}},
+        "env": shipped["env"],
+        "run": {**shipped["run"], "max_steps": steps, "concurrency": 16, "run_dir": str(run_dir)},
+    }
+
+
+def measure(run_dir: Path) -> dict:
+    """Games per hour and the learner's rollout idle fraction, from the run's own records."""
+    ends = sorted(json.loads(line)["time"] for line in (run_dir / "games.jsonl").read_text().splitlines())
+    steps = [json.loads(line) for line in (run_dir / "servers" / "learner" / "metrics.jsonl").read_text().splitlines()]
+    spans = [(b["time"] - a["time"], b["rollout_idle_frac"]) for a, b in zip(steps, steps[1:], strict=False)]
+    wall = sum(span for span, _ in spans)
+    return {"games": len(ends), "steps": len(steps), "seconds": ends[-1] - ends[0],
+            "games_per_hour": (len(ends) - 1) / (ends[-1] - ends[0]) * 3600,
+            "rollout_idle_frac": sum(span * idle for span, idle in spans) / wall if wall else None,
+            "staleness_mean": sum(s.get("staleness_mean", 0.0) for s in steps) / len(steps),
+            "dropped_stale": sum(s.get("dropped_stale", 0.0) for s in steps)}
+
+
+def run_side(model: str, coplayer: tuple[str, str], steps: int, overlap: bool, scratch: Path) -> dict:
+    run_dir = scratch / f"run-{'on' if overlap else 'off'}"
+    path = scratch / f"{run_dir.name}.yaml"
+    path.write_text(yaml.safe_dump(topology(model, *coplayer, steps, overlap, run_dir)))
+    print(f"overlap {overlap}: marl run {path.name} ({steps} steps) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "marl.cli", "run", str(path)], check=True, cwd=ROOT,
+                   stdout=subprocess.DEVNULL)
+    return measure(run_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--delay", type=float, default=1.0, help="seconds the co-player takes per call")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per side")
+    parser.add_argument("--smoke", action="store_true", help="a tiny random model, 2 steps per side, 0.3 s co-player")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="overlap-") as tmp:
+        scratch, model = Path(tmp), "smollm2-135m"
+        if args.smoke:
+            from servers.tiny_model import build_tiny_model
+
+            model, args.steps, args.delay = str(build_tiny_model(scratch / "tiny")), 2, min(args.delay, 0.3)
+        static = ServerProcess(model=model, admin_token=TOKEN, data_dir=scratch / "coplayer", static=True,
+                               device="cpu", served_name="coplayer", log_path=scratch / "coplayer.log").start()
+        proxy = None
+        try:
+            static.wait_healthy(timeout=300)
+            port = free_port("127.0.0.1")
+            proxy = serve_in_thread(delaying_proxy(static.url, args.delay), port)
+            coplayer = (f"http://127.0.0.1:{port}/v1", "coplayer")
+            report = {"model": "tiny" if args.smoke else model, "delay_s": args.delay, "steps": args.steps,
+                      "off": run_side(model, coplayer, args.steps, False, scratch),
+                      "on": run_side(model, coplayer, args.steps, True, scratch)}
+        finally:
+            if proxy is not None:
+                proxy.should_exit = True
+            static.kill()
+    report["games_per_hour_ratio"] = report["on"]["games_per_hour"] / report["off"]["games_per_hour"]
+    print_report(report)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "overlap.json").write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def print_report(report: dict) -> None:
+    print(f"signalling game, learner {report['model']}, co-player {report['delay_s']:.1f} s per call,"
+          f" {report['steps']} steps per side:")
+    print(f"{'overlap':10}{'games':>7}{'games/hour':>12}{'rollout idle':>14}{'staleness':>11}{'dropped':>9}")
+    for label, row in (("false", report["off"]), ("true", report["on"])):
+        idle = "-" if row["rollout_idle_frac"] is None else f"{row['rollout_idle_frac']:.1%}"
+        print(f"{label:10}{row['games']:>7}{row['games_per_hour']:>12.0f}{idle:>14}{row['staleness_mean']:>11.2f}"
+              f"{row['dropped_stale']:>9.0f}")
+    print(f"overlap true / false: games per hour {report['games_per_hour_ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
