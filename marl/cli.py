@@ -51,7 +51,8 @@ def _serve_options(args: argparse.Namespace):
         model=args.model, port=args.port, host=args.host, admin_token=args.admin_token,
         data_dir=Path(args.data_dir) if args.data_dir else None, static=args.static,
         served_model_name=args.served_model_name, public_url=args.public_url, device=args.device,
-        prefix_cache_gb=args.prefix_cache_gb, engine=args.engine, vllm=_vllm_settings(args),
+        prefix_cache_gb=args.prefix_cache_gb, engine=args.engine, simulated_speed=args.simulated_speed,
+        vllm=_vllm_settings(args),
         placement=_placement(args), max_body_mb=args.max_body_mb, log_level=args.log_level,
         policies=_policies(args.policy), adapter=Path(args.adapter) if args.adapter else None,
     )
@@ -252,9 +253,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--prefix-cache-gb", type=_gigabytes,
                        help="memory for the keys/values of finished calls, reused by the next turn of the same"
                             " conversation instead of prefilling it again (default: 2; 0 turns it off)")
-    serve.add_argument("--engine", choices=["torch", "vllm"], default="torch",
+    serve.add_argument("--engine", choices=["torch", "vllm", "simulated"], default="torch",
                        help="torch: transformers in this process; vllm: vLLM in a subprocess of its own virtualenv"
-                            " (`make vllm` builds .venv-vllm; or point $MARL_VLLM_PYTHON at one)")
+                            " (`make vllm` builds .venv-vllm; or point $MARL_VLLM_PYTHON at one); simulated: no model,"
+                            " the delays of vLLM serving a 7B on an H100 and a sleeping trainer, for benchmarks and"
+                            " tests of the control plane only (the model is read for its tokenizer)")
+    serve.add_argument("--simulated-speed", type=float, default=1.0, metavar="FACTOR",
+                       help="with --engine simulated: run its delays FACTOR times faster than real time (default: 1)")
     _add_vllm_flags(serve)
     _add_placement_flags(serve)
     serve.add_argument("--policy", action="append", default=[], metavar="NAME[=LORA]",

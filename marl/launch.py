@@ -55,7 +55,8 @@ class ServerProcess:
 
     `host`: the interface it listens on (default: loopback only). `vllm`: a topology server's `vllm:` section, passed
     as `--vllm-*` flags; `placement` as --engine-gpus, --trainer-gpus, --trainer-nodes; `adapter` (with `static`): a
-    PEFT adapter directory served on `model`. `environment`: more variables
+    PEFT adapter directory served on `model`. `engine`: torch, vllm or simulated (benchmarks; `simulated_speed` then
+    runs its delays that many times faster). `environment`: more variables
     for it (a Ray actor's CUDA_VISIBLE_DEVICES). `die_with_parent`: on Linux, the server is killed
     when the thread that started it dies (a Ray actor's, marl/ray_cluster.py: a restarted actor must never find the
     old server still on its data dir); that thread must live as long as the server.
@@ -66,7 +67,7 @@ class ServerProcess:
                  prefix_cache_gb: float | None = None, engine: str = "torch", vllm: VLLMSpec | None = None,
                  placement: PlacementSpec | None = None, host: str = "127.0.0.1", die_with_parent: bool = False,
                  environment: Mapping[str, str] | None = None, policies: Mapping[str, LoraSpec] | None = None,
-                 adapter: Path | None = None):
+                 adapter: Path | None = None, simulated_speed: float | None = None):
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
@@ -87,6 +88,8 @@ class ServerProcess:
             self.args += ["--prefix-cache-gb", str(prefix_cache_gb)]
         if engine != "torch":
             self.args += ["--engine", engine]
+        if simulated_speed is not None:  # engine "simulated" (benchmarks): its delays this many times faster
+            self.args += ["--simulated-speed", str(simulated_speed)]
         if vllm is not None:
             self.args += vllm_flags(vllm)
         if placement is not None:

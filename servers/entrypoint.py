@@ -38,7 +38,10 @@ class ServeOptions:
     public_url: str | None = None
     device: str | None = None
     prefix_cache_gb: float | None = None  # None: the engine's default
-    engine: str = "torch"  # torch: transformers in this process; vllm: vLLM in a subprocess of its own venv
+    #: torch: transformers in this process; vllm: vLLM in a subprocess of its own venv; simulated: a latency model
+    #: and a sleeping trainer (servers.engines.simulated), for benchmarks and tests only
+    engine: str = "torch"
+    simulated_speed: float = 1.0  # engine simulated: how many times faster than real time its delays run
     vllm: VLLMSettings | None = None  # engine vllm: how vLLM runs (None: the defaults of the device)
     placement: Placement = field(default_factory=Placement)  # which GPUs the engine and trainer ranks use
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413) before they are read
@@ -49,6 +52,10 @@ class ServeOptions:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        if self.engine == "simulated" and not self.simulated_speed > 0:
+            raise ValueError(f"--simulated-speed must be > 0, got {self.simulated_speed}")
+        if self.engine == "simulated" and self.policies and not self.static:
+            raise ValueError("--engine simulated simulates one full-weight policy: it takes no --policy")
         if self.adapter is None:
             return
         if not self.static:
@@ -151,7 +158,12 @@ def admin_token(options: ServeOptions) -> str:
 
 
 def engine_factory_for(options: ServeOptions) -> EngineFactory:
-    """The engine `options.engine` names: the torch engine, or vLLM in a subprocess (`make vllm`)."""
+    """The engine `options.engine` names: the torch engine, vLLM in a subprocess (`make vllm`), or the simulated
+    one (benchmarks and tests)."""
+    if options.engine == "simulated":
+        from servers.engines.simulated import simulated_engine_factory
+
+        return simulated_engine_factory(options.simulated_speed)
     if options.engine == "vllm":
         from servers.engines.vllm_engine import vllm_engine_factory
 
@@ -186,6 +198,10 @@ def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None 
     served_name = options.served_name()
     token = admin_token(options)
     engine_factory = engine_factory or engine_factory_for(options)
+    if trainer_factory is None and options.engine == "simulated":
+        from servers.trainers.simulated import simulated_trainer_factory
+
+        trainer_factory = simulated_trainer_factory(options.simulated_speed)
     if options.policies and not options.static:
         server = PolicyServer(model=options.model, served_name=served_name, policies=options.policies,
                               data_dir=options.resolved_data_dir(), resolve_model=resolve,
