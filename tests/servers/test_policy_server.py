@@ -11,6 +11,8 @@ import pytest
 
 from marl import SwarmClient
 from marl.protocol import LoraSpec, TrainConfig
+from servers.ledger import Ledger
+from servers.samples import token_versions
 from tests.conftest import ADMIN, admin_http, wait_state
 
 pytestmark = pytest.mark.timeout(600)
@@ -155,3 +157,26 @@ def test_the_client_binds_one_policy(local_server):
         assert speaker.pool().pending_episodes == 1 and listener.pool().pending_episodes == 0
         with pytest.raises(Exception, match="policy"):
             SwarmClient(srv.url, admin_token=ADMIN).begin_episode(timeout=5)
+
+
+def test_with_overlap_each_policy_steps_without_draining_its_own_leases(local_server):
+    """`overlap` per policy: the speaker's step runs while one of its own leases stays open mid-conversation (no
+    drain would ever finish), and that lease's next call runs on the new adapter."""
+    with local_server(policies=POLICIES) as srv, admin_http(srv.url) as http:
+        start_policies(http, overlap=True)
+        open_lease = http.post("/episodes/begin", json={"client_id": "c", "policy": "speaker"}).json()
+        greedy(open_lease, "first turn")
+        for reward in (0.0, 1.0):
+            play(http, "speaker", "t", reward)
+        wait_policy(http, "speaker", "ROLLING", version=1)  # stepped with `open_lease` still open
+        assert http.get("/control/status", params={"policy": "listener"}).json()["policy_version"] == 0
+        greedy(open_lease, "second turn")
+        r = http.post(f"/episodes/{open_lease['episode_id']}/end",
+                      json={"client_id": "c", "task_id": "t2", "reward": 1.0})
+        assert r.status_code == 200, r.text
+        ledger = Ledger(srv.data_dir / "policies" / "speaker" / "ledger.sqlite")
+        try:
+            samples = ledger.samples_of(open_lease["episode_id"])  # two calls, two unrelated prompts: two samples
+        finally:
+            ledger.close()
+        assert {v for s in samples for v, m in zip(token_versions(s), s.loss_mask, strict=True) if m} == {0, 1}
