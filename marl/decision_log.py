@@ -46,11 +46,20 @@ class GameDecision:
     decision: Decision | None
 
 
+#: `done` compacts the log every this many finished games.
+COMPACT_EVERY = 1000
+
+
 class DecisionLog:
-    """Written by one coordinator process (any of its threads); read by servers with `read_decision`."""
+    """Written by one coordinator process (any of its threads); read by servers with `read_decision`.
+
+    A game acknowledged everywhere (`done`) is needed by nobody: no server will read its decision again, and a
+    restarted coordinator re-drives only unfinished games. So `compact` deletes those rows (every `COMPACT_EVERY`
+    done games, by itself), and the file stays as large as the games in flight, however long the run."""
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
+        self._done_since_compact = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -92,6 +101,16 @@ class DecisionLog:
         """Every server acknowledged the game's decision: nothing left to re-drive."""
         with self._lock:
             self._db.execute("UPDATE games SET done = 1 WHERE game_id = ?", (game_id,))
+            self._done_since_compact += 1
+            due = self._done_since_compact >= COMPACT_EVERY
+        if due:
+            self.compact()
+
+    def compact(self) -> int:
+        """Delete the games every server acknowledged; returns how many (their pages are reused by later games)."""
+        with self._lock:
+            self._done_since_compact = 0
+            return self._db.execute("DELETE FROM games WHERE done = 1").rowcount
 
     def decision(self, game_id: str) -> Decision | None:
         with self._lock:

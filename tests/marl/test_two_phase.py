@@ -295,3 +295,27 @@ def test_the_decision_log_is_readable_from_another_process_while_written(tmp_pat
     assert read_decision(decisions.path, "g") is Decision.COMMIT
     with pytest.raises(DecisionLogUnreadable):
         read_decision(tmp_path / "missing.sqlite", "g")
+
+
+def test_the_decision_log_keeps_only_games_not_yet_acknowledged_everywhere(tmp_path, monkeypatch):
+    """Done games are deleted every COMPACT_EVERY, so the log stays the size of the games in flight; an unfinished
+    game keeps its decision for the re-drive and for a server's overdue prepared episode."""
+    from marl import decision_log
+    from marl.decision_log import Participant, read_decision
+
+    monkeypatch.setattr(decision_log, "COMPACT_EVERY", 10)
+    decisions = DecisionLog(tmp_path / "d.sqlite")
+    who = {"a": Participant("http://127.0.0.1:1", "e", "c")}
+    decisions.begin("in-flight", who)
+    decisions.decide("in-flight", commit=True)
+    sizes = []
+    for i in range(200):
+        decisions.begin(f"g{i}", who)
+        decisions.decide(f"g{i}", commit=i % 2 == 0)
+        decisions.done(f"g{i}")
+        if i % 50 == 49:
+            sizes.append(decisions.path.stat().st_size)
+    assert [g.game_id for g in decisions.unfinished()] == ["in-flight"]
+    assert read_decision(decisions.path, "in-flight") is Decision.COMMIT
+    rows = sqlite3.connect(decisions.path).execute("SELECT COUNT(*) FROM games").fetchone()[0]
+    assert rows <= 10 and sizes[-1] == sizes[0]  # pages reused: the file does not grow with the games played
