@@ -381,6 +381,10 @@ class TrainConfig(_Strict):
     # Checkpoints
     save_freq: Int = Field(1, ge=0, description="Checkpoint every N steps; 0 disables checkpoints.")
     keep_checkpoints: Int = Field(2, ge=1)
+    keep_sample_tokens_steps: Int | None = Field(
+        None, ge=0, description="After each checkpoint, empty the token payloads of samples trained more than this"
+        " many steps before it (their rows, rewards and versions stay; `marl episode show` then shows no tokens), so"
+        " the ledger stops growing with every token of a long run. None: keep every sample whole.")
     seed: Int = Field(0, ge=0, le=SEED_MAX)
     # The trainer
     trainer: Literal["grpo", "fsdp"] = Field("grpo", description="Which trainer steps the policy; its knobs are the"

@@ -227,6 +227,18 @@ class Ledger:
             cur = self.db.execute("UPDATE samples SET consumed_step = NULL WHERE consumed_step > ?", (resume_step,))
         return cur.rowcount
 
+    def compact(self, through_step: int) -> int:
+        """Empty the token payloads (ids, mask, logprobs, versions) of samples trained by step `through_step` or
+        before, or dropped as stale; returns how many. Their rows stay (episode, reward, version, token count), as do
+        the episodes': only what a step after the latest checkpoint may need again (`recover`) must stay whole, and
+        the caller passes a step at or before it. SQLite reuses the freed pages, so the file stops growing with the
+        tokens of a long run."""
+        with self.transaction():
+            cur = self.db.execute(
+                "UPDATE samples SET token_ids = x'', loss_mask = x'', logprobs = x'', versions = NULL"
+                " WHERE consumed_step IS NOT NULL AND consumed_step <= ? AND length(token_ids) > 0", (through_step,))
+        return cur.rowcount
+
     # --- reading -----------------------------------------------------------------------------------------------
 
     def samples_of(self, episode_id: str) -> list[Sample]:
@@ -308,6 +320,9 @@ class LedgerThread:
 
     async def recover(self, resume_step: int) -> int:
         return await self.run(self.ledger.recover, resume_step)
+
+    async def compact(self, through_step: int) -> int:
+        return await self.run(self.ledger.compact, through_step)
 
     async def close(self) -> None:
         await self.run(self.ledger.close)

@@ -155,6 +155,8 @@ class TrainLoop:
         await asyncio.to_thread(release_freed_memory)
         if config.save_freq and step % config.save_freq == 0:
             await asyncio.to_thread(lifecycle.checkpoints.save, trainer, step, config.keep_checkpoints)
+            if config.keep_sample_tokens_steps is not None:  # only steps the checkpoint holds: never recovered
+                await self._ledger.compact(step - config.keep_sample_tokens_steps)
         if generation != lifecycle.generation:
             return
         counters.train_steps += 1

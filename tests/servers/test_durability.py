@@ -91,3 +91,35 @@ def test_ledger_claims_once_and_recovers_uncheckpointed_steps(tmp_path):
     assert reopened.recover(resume_step=0) == 3  # step 1 was lost: its samples return to the pool
     assert reopened.pool_groups() == {key: 3}
     assert reopened.drop_stale(min_version=1) == 3 and reopened.pool_groups() == {}
+
+
+def test_compaction_empties_trained_tokens_and_keeps_every_episode_and_what_may_be_recovered(tmp_path):
+    ledger = Ledger(tmp_path / "l.sqlite")
+    for i, task in enumerate(["t1", "t1", "t2", "t2", "t3"]):
+        ledger.record_episode(episode_id=f"e{i}", job="j", task_id=task, client_id="c", reward=1.0,
+                              agent_rewards=None, metadata={}, num_calls=1, samples=[_sample(f"e{i}")])
+    ledger.claim_batch(1, [GroupKey("j", "t1", "a")])
+    ledger.claim_batch(2, [GroupKey("j", "t2", "a")])
+    assert ledger.compact(through_step=1) == 2
+    assert ledger.compact(through_step=1) == 0  # once
+    assert [s.token_ids for s in ledger.samples_of("e0")] == [[]]  # trained by step 1: tokens gone, row kept
+    assert ledger.samples_of("e2")[0].token_ids == [1, 2, 3]  # step 2: may still be recovered
+    assert ledger.samples_of("e4")[0].token_ids == [1, 2, 3]  # in the pool
+    assert ledger.recover(resume_step=1) == 2 and ledger.pool_groups()[GroupKey("j", "t2", "a")] == 2
+    episodes = ledger.db.execute("SELECT COUNT(*) FROM episodes").fetchone()[0]
+    ledger.close()
+    assert episodes == 5  # every acknowledged episode is still on record
+
+
+def test_a_server_keeping_one_step_of_sample_tokens_compacts_after_each_checkpoint(tiny_model, tmp_path):
+    data = tmp_path / "data"
+    with server_process(tiny_model, data) as (proc, url), admin_http(url) as http:
+        start_rolling(http, batch_size=1, num_repeat=2, save_freq=1, keep_sample_tokens_steps=1)
+        episodes = [play_episode(http, task, reward=r) for task in ("t1", "t2") for r in (0.0, 1.0)]
+        wait_version(http, 2)
+    ledger = Ledger(data / "ledger.sqlite")
+    try:
+        tokens = [len(ledger.samples_of(e)[0].token_ids) for e in episodes]
+    finally:
+        ledger.close()
+    assert tokens[:2] == [0, 0] and min(tokens[2:]) > 0  # step 1's emptied at step 2's checkpoint; step 2's kept
