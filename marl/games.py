@@ -82,8 +82,9 @@ class _Games:
 
     def __init__(self, coordinator: Coordinator, schedule: Iterable[tuple[str, int]], *, games: int | None,
                  max_failures: int, should_stop: Callable[[], bool], on_result: Callable[[GameRecord], None],
-                 on_failure: Callable[[FailedAttempt], None]):
+                 on_failure: Callable[[FailedAttempt], None], keep_results: bool = True):
         self.coordinator, self.games, self.max_failures = coordinator, games, max_failures
+        self.keep_results = keep_results
         self.schedule = iter(schedule)  # a list of (task id, seed) pairs works too
         self.should_stop, self.on_result, self.on_failure = should_stop, on_result, on_failure
         self.stats = RunStats()
@@ -150,7 +151,8 @@ class _Games:
                 continue
             with self.lock:
                 self.stats.games += 1
-                self.stats.results.append(result)
+                if self.keep_results:
+                    self.stats.results.append(result)
             self.call("on_result", self.on_result, result)
             return
 
@@ -180,12 +182,15 @@ def play_games(
     on_result: Callable[[GameRecord], None] = lambda result: None,
     on_failure: Callable[[FailedAttempt], None] = lambda failure: None,
     max_attempts: int | None = None,
+    keep_results: bool = True,
 ) -> RunStats:
     """Play `games` games (None: until `should_stop()` or the end of a finite `schedule`), `concurrency` at a time;
     see the module docstring.
 
     `on_result(record)` gets every game played and committed, `on_failure(attempt)` every failed attempt; both are
     called on worker threads. Returns the run's tallies; `RunStats.error` says why the run gave up, if it did.
+    `keep_results=False` leaves `RunStats.results` empty: a long run that records its games through `on_result`
+    (as `marl run` does, into games.jsonl) then keeps nothing per game in memory.
 
     Raises `CallbackFailed` (chained to the callback's exception) if `on_result`, `on_failure` or `should_stop`
     raised: the run stopped there, and games already playing were finished and committed first.
@@ -199,7 +204,7 @@ def play_games(
         warnings.warn("play_games(max_attempts=...) is now max_failures=...", DeprecationWarning, stacklevel=2)
         max_failures = max_attempts
     run = _Games(coordinator, schedule, games=games, max_failures=max_failures, should_stop=should_stop,
-                 on_result=on_result, on_failure=on_failure)
+                 on_result=on_result, on_failure=on_failure, keep_results=keep_results)
     threads = [threading.Thread(target=run.worker, name=f"game-{i}", daemon=True) for i in range(concurrency)]
     for thread in threads:
         thread.start()

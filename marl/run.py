@@ -38,7 +38,7 @@ import secrets
 import signal
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -74,6 +74,8 @@ if TYPE_CHECKING:  # imported at run time only with run.ray: a run without it ne
     from marl.ray_cluster import RayCluster, RayServer, RaySupervisor
 
 log = logging.getLogger("marl.run")
+#: the live table's and the closing line's "recent reward" is the mean over this many games per role
+RECENT_GAMES = 50
 
 
 @dataclass
@@ -95,7 +97,8 @@ class _Board:
         self.lock = threading.Lock()
         self.target = target
         self.games = self.failed = self.retried = 0
-        self.rewards: dict[str, list[float]] = defaultdict(list)  # role -> rewards, game after game
+        # role -> the last RECENT_GAMES rewards (bounded: a run of 100,000 games keeps no more than 50 per role)
+        self.rewards: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=RECENT_GAMES))
         self.last_error = ""
         self._file = open(games_path, "a")
 
@@ -119,10 +122,10 @@ class _Board:
             except OSError as exc:  # only a line whose write already failed, and ended the run saying so, is lost
                 log.warning("could not close games.jsonl: %s", exc)
 
-    def recent_rewards(self, games: int = 50) -> dict[str, float]:
-        """Mean reward per role over the last `games` games."""
+    def recent_rewards(self) -> dict[str, float]:
+        """Mean reward per role over the last RECENT_GAMES games."""
         with self.lock:
-            return {role: sum(v[-games:]) / len(v[-games:]) for role, v in sorted(self.rewards.items())}
+            return {role: sum(v) / len(v) for role, v in sorted(self.rewards.items())}
 
     def table(self, name: str, started: float, servers: dict[str, ServerView]) -> Table:
         rewards = ", ".join(f"{role} {mean:.2f}" for role, mean in self.recent_rewards().items())
@@ -130,7 +133,7 @@ class _Board:
             games = f"{self.games}/{self.target}" if self.target else str(self.games)
             table = Table(title=f"marl run {name} — {games} games, {self.failed} failed attempts, {self.retried}"
                                 f" retries, {time.monotonic() - started:.0f}s", title_justify="left")
-            caption = f"reward (last 50 games): {rewards or '-'}"
+            caption = f"reward (last {RECENT_GAMES} games): {rewards or '-'}"
             if self.last_error:  # its text may quote what a client sent: escaped, and never read as markup
                 caption += f"\nlast failure: {safe(self.last_error[:160])}"
             table.caption = Text(caption)
@@ -286,7 +289,7 @@ class _Session:
                 stats = play_games(self.coordinator, tasks(self.spec.name, run.repeats or 1, run.seed),
                                    concurrency=run.concurrency, games=run.games, max_failures=self.max_failures,
                                    should_stop=self._should_stop, on_result=self.board.record,
-                                   on_failure=self.board.failure)
+                                   on_failure=self.board.failure, keep_results=False)  # games.jsonl has them
         except CallbackFailed as exc:  # e.g. games.jsonl could not be written: the run stops and says so (exit 1)
             self.console.print()
             self.error = str(exc)

@@ -99,6 +99,13 @@ def test_a_finite_schedule_ends_the_run_and_a_list_will_do(coordinator):
     assert sorted(r.task_id for r in stats.results) == ["a", "b", "c"]
 
 
+def test_without_keep_results_a_run_keeps_nothing_per_game(coordinator):
+    seen = []
+    stats = play_games(coordinator, [(f"t{i}", i) for i in range(20)], concurrency=4, on_result=seen.append,
+                       keep_results=False)
+    assert stats.games == len(seen) == 20 and stats.results == []
+
+
 def test_the_old_import_and_the_two_argument_on_result_work_with_warnings(coordinator, failing_coordinator):
     with pytest.warns(DeprecationWarning, match="marl.coordinator.play_games moved to marl.games.play_games"):
         from marl.coordinator import play_games as old_play_games
