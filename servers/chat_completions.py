@@ -8,7 +8,8 @@ onto the lease's earlier calls, see `servers.chat_format`) in a worker thread, s
 event loop, and checks the context length. The `ChatCall` runs the engine and records exactly what it produced
 (`servers.engine_call`), and shapes the OpenAI response or its SSE chunks; its `events` (text as it comes, then the
 whole response) are what the Responses and Messages APIs stream in their own shapes (`servers.translated_apis`).
-`ChatService.create` is the chat completion route's one call. `servers.http_routes` only routes to these.
+`ChatService.create` is a chat completion in one call (the route starts the `ChatCall` itself, to report its engine
+time as a `Server-Timing` header). `servers.http_routes` only routes to these.
 """
 
 from __future__ import annotations

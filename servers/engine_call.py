@@ -3,10 +3,15 @@
 Every data-plane API (chat completions and the APIs translated to it, and `/v1/completions`) ends here, so there is
 one engine call path and one recording path: the prompt ids given, the generated ids and their logprobs as the engine
 returned them, the policy version, the agent tag, recorded on the call's session (its lease) once it finishes.
+
+`engine_s` is the wall time the engine took (from asking it for the generation to its last token: waiting for a slot
+or a weight swap, prefill, decode), which a non-streaming chat completion reports as `Server-Timing: engine;dur=<ms>`
+(`server_timing`); the rest of what its caller sees is marl's (HTTP, the lease, the prompt, the reply, recording).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -36,11 +41,12 @@ class EngineCall:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.finish = "length"
+        self.engine_s = 0.0  # wall seconds inside the engine's generate (module docstring)
 
     async def chunks(self) -> AsyncIterator[list[int]]:
         """The generated ids as they come; the call is recorded once the engine finishes."""
         with self.session.busy(), self.service.telemetry.generation.generating():
-            first = True
+            first, started = True, time.perf_counter()
             async for chunk in self.engine.generate(self.prompt_ids, self.params):
                 if first:
                     self.version, first = self._model.policy_version, False
@@ -48,6 +54,7 @@ class EngineCall:
                 self.logprobs += chunk.logprobs
                 if chunk.finish_reason:
                     self.finish = chunk.finish_reason
+                self.engine_s = time.perf_counter() - started
                 yield chunk.token_ids
         self.service.finished(self.session, CallRecord(
             agent=self.agent, prompt_ids=self.prompt_ids, completion_ids=self.ids, logprobs=self.logprobs,
@@ -71,6 +78,10 @@ class EngineCall:
         refusal = Refusal(500, ErrorCode.ENGINE_ERROR, f"generation failed: {exc}")
         self.service.telemetry.errors.report(refusal.message)
         return refusal
+
+    def server_timing(self) -> str:
+        """The `Server-Timing` header value of the finished call: the engine's wall time in milliseconds."""
+        return f"engine;dur={self.engine_s * 1000:.3f}"
 
     def usage(self) -> p.Usage:
         return p.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.ids),

@@ -45,6 +45,10 @@ from servers.trainable_server import TrainableServer
 log = logging.getLogger("marl.server")
 
 
+#: A non-streaming chat completion's response header: `engine;dur=<ms>`, the engine's wall time for the call
+#: (`servers.engine_call`); the rest of the latency a client sees is marl's and the network's.
+SERVER_TIMING = "Server-Timing"
+
 #: What the training routes see: a server's learners (one; or one per policy), each a `TrainableServer`.
 Learners = TrainableServer | PolicyServer
 #: The control routes' `?policy=`: one policy of a server of several (left out: the whole server, or its only one).
@@ -264,14 +268,20 @@ def _data_plane_routes(chat: ChatService) -> APIRouter:
 
     @router.post(p.ROUTE_CHAT, dependencies=[BEARER], responses={
         200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
-              "description": "The completion (JSON), or its server-sent events with `stream: true`."},
+              "description": "The completion (JSON), or its server-sent events with `stream: true`.",
+              "headers": {SERVER_TIMING: {"description": "Without `stream`: `engine;dur=<ms>`, the engine's wall"
+                                          " time for the call (the rest of its latency is marl's and the network's).",
+                                          "schema": {"type": "string"}}}},
         **errors(400, 401, 404, 413, 500, 503)})
-    async def chat_completions(body: p.ChatCompletionRequest, request: Request,
+    async def chat_completions(body: p.ChatCompletionRequest, request: Request, response: Response,
                                agent: str | None = Header(None, alias=p.AGENT_HEADER)):
         service, session = chat.route(request.scope[_CHAT_SESSION], body.model)
-        reply = await service.create(body, session, agent)
-        return reply if isinstance(reply, p.ChatCompletionResponse) else StreamingResponse(
-            reply, media_type="text/event-stream")
+        call = await service.start(body, session, agent)
+        if body.stream:
+            return StreamingResponse(call.stream(), media_type="text/event-stream")
+        reply = await call.complete()
+        response.headers[SERVER_TIMING] = call.server_timing()  # the engine's share of the call's latency
+        return reply
 
     @router.post(p.ROUTE_RESPONSES, dependencies=[BEARER], responses=_CALL_RESPONSES)
     async def responses(body: ResponsesRequest, request: Request,

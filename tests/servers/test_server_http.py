@@ -282,6 +282,23 @@ def test_a_chat_call_looks_its_key_up_once_and_header_tags_win(rolling, monkeypa
     assert sorted(s.agent for s in samples(srv, lease["episode_id"])) == ["seer", "wolf"]
 
 
+def test_a_chat_completion_reports_its_engine_time_as_server_timing(rolling):
+    """`Server-Timing: engine;dur=<ms>`: the engine's share of a non-streaming call's latency (bench/scale.py
+    subtracts it to get marl's own); a streamed reply has its status line sent before the engine runs: none."""
+    _, http = rolling
+    lease = begin(http)
+    call = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    key = {"Authorization": f"Bearer {lease['api_key']}"}
+    started = time.perf_counter()
+    reply = http.post("/v1/chat/completions", json=call, headers=key)
+    seen_ms = (time.perf_counter() - started) * 1000
+    assert reply.status_code == 200, reply.text
+    name, dur = reply.headers["server-timing"].split(";")
+    assert name == "engine" and dur.startswith("dur=") and 0 < float(dur[4:]) < seen_ms
+    streamed = http.post("/v1/chat/completions", json={**call, "stream": True}, headers=key)
+    assert streamed.status_code == 200 and "server-timing" not in streamed.headers
+
+
 def test_end_and_commit_replies_carry_the_pool_only_when_asked(rolling):
     srv, http = rolling
     ended, asked = begin(http), begin(http)

@@ -426,6 +426,7 @@ def test_the_openapi_schema_documents_what_the_server_sends(small_limit):
     assert set(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     chat_ok = schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     assert {"application/json", "text/event-stream"} <= set(chat_ok)
+    assert "Server-Timing" in schema["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["headers"]
 
 
 def test_405_keeps_its_allow_header(small_limit):
