@@ -63,17 +63,18 @@ def serve_in_thread(app: FastAPI, port: int) -> uvicorn.Server:
     return server
 
 
-def topology(model: str, coplayer_url: str, coplayer_model: str, steps: int, overlap: bool, run_dir: Path) -> dict:
+def topology(model: str, coplayer: tuple[str, str], args: argparse.Namespace, overlap: bool, run_dir: Path) -> dict:
     shipped = yaml.safe_load((ROOT / "topologies" / "signalling-cpu.yaml").read_text())
     learner = {**shipped["servers"]["speaker_model"], "model": model}
-    learner["train"] = {**learner["train"], "overlap": overlap}
+    learner["train"] = {**learner["train"], "overlap": overlap, "max_staleness": args.max_staleness}
+    coplayer_url, coplayer_model = coplayer
     return {
         "name": f"overlap-{'on' if overlap else 'off'}",
         "servers": {"learner": learner, "coplayer": {"url": coplayer_url, "model": coplayer_model}},
         "roles": {"speaker": {"server": "learner", "count": 1, "team": "speaker"},
                   "listener": {"server": "coplayer", "count": 1, "team": "listener"}},
         "env": shipped["env"],
-        "run": {**shipped["run"], "max_steps": steps, "concurrency": 16, "run_dir": str(run_dir)},
+        "run": {**shipped["run"], "max_steps": args.steps, "concurrency": args.concurrency, "run_dir": str(run_dir)},
     }
 
 
@@ -86,15 +87,16 @@ def measure(run_dir: Path) -> dict:
     return {"games": len(ends), "steps": len(steps), "seconds": ends[-1] - ends[0],
             "games_per_hour": (len(ends) - 1) / (ends[-1] - ends[0]) * 3600,
             "rollout_idle_frac": sum(span * idle for span, idle in spans) / wall if wall else None,
+            "step_s_mean": sum(s.get("seconds", 0.0) for s in steps) / len(steps),
             "staleness_mean": sum(s.get("staleness_mean", 0.0) for s in steps) / len(steps),
             "dropped_stale": sum(s.get("dropped_stale", 0.0) for s in steps)}
 
 
-def run_side(model: str, coplayer: tuple[str, str], steps: int, overlap: bool, scratch: Path) -> dict:
+def run_side(model: str, coplayer: tuple[str, str], args: argparse.Namespace, overlap: bool, scratch: Path) -> dict:
     run_dir = scratch / f"run-{'on' if overlap else 'off'}"
     path = scratch / f"{run_dir.name}.yaml"
-    path.write_text(yaml.safe_dump(topology(model, *coplayer, steps, overlap, run_dir)))
-    print(f"overlap {overlap}: marl run {path.name} ({steps} steps) ...", flush=True)
+    path.write_text(yaml.safe_dump(topology(model, coplayer, args, overlap, run_dir)))
+    print(f"overlap {overlap}: marl run {path.name} ({args.steps} steps) ...", flush=True)
     subprocess.run([sys.executable, "-m", "marl.cli", "run", str(path)], check=True, cwd=ROOT,
                    stdout=subprocess.DEVNULL)
     return measure(run_dir)
@@ -104,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--delay", type=float, default=1.0, help="seconds the co-player takes per call")
     parser.add_argument("--steps", type=int, default=8, help="training steps per side")
+    parser.add_argument("--concurrency", type=int, default=16, help="games in flight (run.concurrency)")
+    parser.add_argument("--max-staleness", type=int, default=1, help="the learner's train.max_staleness")
     parser.add_argument("--smoke", action="store_true", help="a tiny random model, 2 steps per side, 0.3 s co-player")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -122,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
             proxy = serve_in_thread(delaying_proxy(static.url, args.delay), port)
             coplayer = (f"http://127.0.0.1:{port}/v1", "coplayer")
             report = {"model": "tiny" if args.smoke else model, "delay_s": args.delay, "steps": args.steps,
-                      "off": run_side(model, coplayer, args.steps, False, scratch),
-                      "on": run_side(model, coplayer, args.steps, True, scratch)}
+                      "concurrency": args.concurrency, "max_staleness": args.max_staleness,
+                      "off": run_side(model, coplayer, args, False, scratch),
+                      "on": run_side(model, coplayer, args, True, scratch)}
         finally:
             if proxy is not None:
                 proxy.should_exit = True
@@ -138,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_report(report: dict) -> None:
     print(f"signalling game, learner {report['model']}, co-player {report['delay_s']:.1f} s per call,"
+          f" {report['concurrency']} games in flight, max_staleness {report['max_staleness']},"
           f" {report['steps']} steps per side:")
-    print(f"{'overlap':10}{'games':>7}{'games/hour':>12}{'rollout idle':>14}{'staleness':>11}{'dropped':>9}")
+    print(f"{'overlap':10}{'games':>7}{'games/hour':>12}{'rollout idle':>14}{'step s':>8}{'staleness':>11}"
+          f"{'dropped':>9}")
     for label, row in (("false", report["off"]), ("true", report["on"])):
         idle = "-" if row["rollout_idle_frac"] is None else f"{row['rollout_idle_frac']:.1%}"
-        print(f"{label:10}{row['games']:>7}{row['games_per_hour']:>12.0f}{idle:>14}{row['staleness_mean']:>11.2f}"
-              f"{row['dropped_stale']:>9.0f}")
+        print(f"{label:10}{row['games']:>7}{row['games_per_hour']:>12.0f}{idle:>14}{row['step_s_mean']:>8.1f}"
+              f"{row['staleness_mean']:>11.2f}{row['dropped_stale']:>9.0f}")
     print(f"overlap true / false: games per hour {report['games_per_hour_ratio']:.2f}x")
 
 
