@@ -69,13 +69,17 @@ class TokenRate:
         self._finished: collections.deque[tuple[float, int]] = collections.deque()  # (monotonic, tokens)
 
     def add(self, tokens: int) -> None:
-        self._finished.append((time.monotonic(), tokens))
+        now = time.monotonic()
+        self._finished.append((now, tokens))
+        self._forget_before(now - RATE_WINDOW_S)  # here too: a server nobody polls must not keep every call
 
     def per_s(self) -> float:
-        horizon = time.monotonic() - RATE_WINDOW_S
+        self._forget_before(time.monotonic() - RATE_WINDOW_S)
+        return sum(n for _, n in self._finished) / RATE_WINDOW_S
+
+    def _forget_before(self, horizon: float) -> None:
         while self._finished and self._finished[0][0] < horizon:
             self._finished.popleft()
-        return sum(n for _, n in self._finished) / RATE_WINDOW_S
 
 
 class GenerationClock:
