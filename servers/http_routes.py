@@ -161,7 +161,7 @@ def _learner(server: Learners | StaticServer, policy: str | None) -> TrainableSe
 def _trainable_or_refuse(server: Learners | StaticServer):
     """A dependency: the trainable server, or a 409 STATIC_SERVER refusal on a static one."""
 
-    def trainable() -> Learners:
+    async def trainable() -> Learners:  # async: FastAPI would run a plain def in a worker thread per request
         if isinstance(server, StaticServer):
             server.refuse_training()
         return server
