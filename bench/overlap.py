@@ -4,6 +4,7 @@
     python bench/overlap.py                       # SmolLM2-135M learner, 1 s co-player, 8 steps per side
     python bench/overlap.py --out DIR             # also DIR/overlap.json
     python bench/overlap.py --smoke               # a tiny random model, 2 steps per side, 0.3 s co-player
+    python bench/overlap.py --engine simulated --steps 30   # the scheduling alone: a trainer on devices of its own
 
 The game is the signalling game of `topologies/signalling-cpu.yaml`: its speaker is the learner (a local trainable
 server, the shipped settings: batches of 2 groups of 8), its listener a static model behind an OpenAI URL that
@@ -12,6 +13,15 @@ of this script's own in front of a `marl serve --static` server; the product kno
 `marl run` of `--steps` steps at the same settings but `overlap`, measured from its own records: games per hour
 between the first and the last game's end (games.jsonl), and the learner's rollout idle fraction (the
 `rollout_idle_frac` of each step after the first in metrics.jsonl, weighted by the time since the step before).
+
+`--engine torch` (the default) trains SmolLM2 on this machine's CPU, where the step and the rollouts share the cores:
+an overlapped step is slower, which a trainer on devices of its own does not suffer. `--engine simulated` measures
+the scheduling alone: the learner and the co-player are `marl serve --engine simulated` processes (the learner
+started here and reached by `swarm_url:`), whose engine answers with a GPU engine's latency and whose trainer sleeps
+as long as a 7B GRPO step on 8 H100s would (`servers/engines/simulated.py`, `servers/trainers/simulated.py`;
+`--speed` runs both faster). Their replies copy spans of their prompts, so some messages name the target and some
+picks are right: groups' rewards vary and steps train. What is measured is how the learner's rollouts wait, not
+what is learned.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -34,9 +45,11 @@ from fastapi import FastAPI, Request, Response
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
 from marl.launch import ServerProcess, free_port  # noqa: E402
+from marl.protocol import SERVER_KEEP_ALIVE_S  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-overlap"
+TOKEN_ENV = "MARL_OVERLAP_BENCH_ADMIN"
 
 
 def delaying_proxy(upstream: str, delay_s: float) -> FastAPI:
@@ -56,25 +69,49 @@ def delaying_proxy(upstream: str, delay_s: float) -> FastAPI:
 
 
 def serve_in_thread(app: FastAPI, port: int) -> uvicorn.Server:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_keep_alive=SERVER_KEEP_ALIVE_S))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
     return server
 
 
-def topology(model: str, coplayer: tuple[str, str], args: argparse.Namespace, overlap: bool, run_dir: Path) -> dict:
+#: The Werewolves shape of the issue: the learner plays the three werewolves; the seer, witch, hunter and villagers
+#: are the slow co-player (a frozen 235B behind an API in the user's run). Shorter games than the user's 10 rounds.
+WEREWOLVES = {
+    "train": {"job": "werewolves", "batch_size": 4, "num_repeat": 8},
+    "roles": {"werewolf": {"server": "learner", "count": 3, "team": "werewolves"},
+              "seer": {"server": "coplayer", "team": "village"}, "witch": {"server": "coplayer", "team": "village"},
+              "hunter": {"server": "coplayer", "team": "village"},
+              "villager": {"server": "coplayer", "count": 3, "team": "village"}},
+    "env": {"class": "envs.werewolves:Werewolves", "args": {"max_rounds": 3}},
+    "run": {"repeats": 8, "max_tokens": 64, "temperature": 1.0, "lease_timeout_s": 600},
+}
+
+
+def topology(learner_at: dict, coplayer: tuple[str, str], args: argparse.Namespace, overlap: bool,
+             run_dir: Path) -> dict:
+    """The game with the learner as its speaker (signalling: the shipped CPU topology's settings) or its werewolves;
+    `learner_at`: where the learner lives (`model:` for a server `marl run` starts, or `swarm_url:` and its token for
+    one of the bench's)."""
     shipped = yaml.safe_load((ROOT / "topologies" / "signalling-cpu.yaml").read_text())
-    learner = {**shipped["servers"]["speaker_model"], "model": model}
-    learner["train"] = {**learner["train"], "overlap": overlap, "max_staleness": args.max_staleness}
+    shipped_speaker = shipped["servers"]["speaker_model"]
+    game = {"train": shipped_speaker["train"], "env": shipped["env"], "run": shipped["run"],
+            "roles": {"speaker": {"server": "learner", "count": 1, "team": "speaker"},
+                      "listener": {"server": "coplayer", "count": 1, "team": "listener"}}}
+    if args.game == "werewolves":
+        game = {**WEREWOLVES, "run": {**shipped["run"], **WEREWOLVES["run"]}}
+    learner = {**learner_at, "trainable": True,
+               "train": {**game["train"], "overlap": overlap, "max_staleness": args.max_staleness}}
+    if "model" in learner_at:
+        learner["device"] = shipped_speaker["device"]
     coplayer_url, coplayer_model = coplayer
     return {
         "name": f"overlap-{'on' if overlap else 'off'}",
         "servers": {"learner": learner, "coplayer": {"url": coplayer_url, "model": coplayer_model}},
-        "roles": {"speaker": {"server": "learner", "count": 1, "team": "speaker"},
-                  "listener": {"server": "coplayer", "count": 1, "team": "listener"}},
-        "env": shipped["env"],
-        "run": {**shipped["run"], "max_steps": args.steps, "concurrency": args.concurrency, "run_dir": str(run_dir)},
+        "roles": game["roles"], "env": game["env"],
+        "run": {**game["run"], "max_steps": args.steps, "concurrency": args.concurrency, "run_dir": str(run_dir)},
     }
 
 
@@ -95,11 +132,34 @@ def measure(run_dir: Path) -> dict:
 def run_side(model: str, coplayer: tuple[str, str], args: argparse.Namespace, overlap: bool, scratch: Path) -> dict:
     run_dir = scratch / f"run-{'on' if overlap else 'off'}"
     path = scratch / f"{run_dir.name}.yaml"
-    path.write_text(yaml.safe_dump(topology(model, coplayer, args, overlap, run_dir)))
-    print(f"overlap {overlap}: marl run {path.name} ({args.steps} steps) ...", flush=True)
-    subprocess.run([sys.executable, "-m", "marl.cli", "run", str(path)], check=True, cwd=ROOT,
-                   stdout=subprocess.DEVNULL)
-    return measure(run_dir)
+    learner = None
+    if args.engine == "simulated":  # a server of the bench's own, its records where marl run keeps a local one's
+        learner = start_server(model, run_dir / "servers" / "learner", args.speed, static=False)
+        learner_at = {"swarm_url": learner.url, "admin_token_env": TOKEN_ENV}
+    else:
+        learner_at = {"model": model}
+    try:
+        path.write_text(yaml.safe_dump(topology(learner_at, coplayer, args, overlap, run_dir)))
+        print(f"overlap {overlap}: marl run {path.name} ({args.steps} steps) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "marl.cli", "run", str(path)], check=True, cwd=ROOT,
+                       stdout=subprocess.DEVNULL, env={**os.environ, TOKEN_ENV: TOKEN})
+    finally:
+        if learner is not None:
+            learner.stop()
+    row, speed = measure(run_dir), args.speed if args.engine == "simulated" else 1.0
+    row.update(games_per_hour=row["games_per_hour"] / speed, step_s_mean=row["step_s_mean"] * speed)  # real time
+    return row
+
+
+def start_server(model: str, data_dir: Path, speed: float, *, static: bool) -> ServerProcess:
+    """A `marl serve` of `model` (`speed` None: the torch engine; else the simulated one at that speed)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    simulated = {} if speed is None else {"engine": "simulated", "simulated_speed": speed}
+    proc = ServerProcess(model=model, admin_token=TOKEN, data_dir=data_dir, static=static, device="cpu",
+                         served_name=data_dir.name, log_path=data_dir.parent / f"{data_dir.name}.log",
+                         **simulated).start()  # fmt: skip
+    proc.wait_healthy(timeout=300)
+    return proc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="training steps per side")
     parser.add_argument("--concurrency", type=int, default=16, help="games in flight (run.concurrency)")
     parser.add_argument("--max-staleness", type=int, default=1, help="the learner's train.max_staleness")
+    parser.add_argument("--game", choices=["signalling", "werewolves"], default="signalling",
+                        help="signalling: the learner speaks to the co-player; werewolves: it plays the wolves")
+    parser.add_argument("--engine", choices=["torch", "simulated"], default="torch",
+                        help="torch: SmolLM2 on this CPU; simulated: a GPU engine's latency and a 7B trainer's step")
+    parser.add_argument("--speed", type=float, default=1.0, help="with --engine simulated: its delays this much faster")
     parser.add_argument("--smoke", action="store_true", help="a tiny random model, 2 steps per side, 0.3 s co-player")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -117,15 +182,15 @@ def main(argv: list[str] | None = None) -> int:
             from servers.tiny_model import build_tiny_model
 
             model, args.steps, args.delay = str(build_tiny_model(scratch / "tiny")), 2, min(args.delay, 0.3)
-        static = ServerProcess(model=model, admin_token=TOKEN, data_dir=scratch / "coplayer", static=True,
-                               device="cpu", served_name="coplayer", log_path=scratch / "coplayer.log").start()
-        proxy = None
+        speed = args.speed if args.engine == "simulated" else None
+        static, proxy = start_server(model, scratch / "coplayer", speed, static=True), None
         try:
-            static.wait_healthy(timeout=300)
             port = free_port("127.0.0.1")
-            proxy = serve_in_thread(delaying_proxy(static.url, args.delay), port)
+            delay = args.delay / (speed or 1.0)  # a faster simulation runs the co-player's delay faster too
+            proxy = serve_in_thread(delaying_proxy(static.url, delay), port)
             coplayer = (f"http://127.0.0.1:{port}/v1", "coplayer")
-            report = {"model": "tiny" if args.smoke else model, "delay_s": args.delay, "steps": args.steps,
+            report = {"model": "tiny" if args.smoke else model, "engine": args.engine, "game": args.game,
+                      "speed": args.speed if speed else 1.0, "delay_s": args.delay, "steps": args.steps,
                       "concurrency": args.concurrency, "max_staleness": args.max_staleness,
                       "off": run_side(model, coplayer, args, False, scratch),
                       "on": run_side(model, coplayer, args, True, scratch)}
@@ -142,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_report(report: dict) -> None:
-    print(f"signalling game, learner {report['model']}, co-player {report['delay_s']:.1f} s per call,"
+    print(f"{report['game']} game, {report['engine']} engine (speed {report['speed']:g}), learner {report['model']},"
+          f" co-player {report['delay_s']:.1f} s per call,"
           f" {report['concurrency']} games in flight, max_staleness {report['max_staleness']},"
           f" {report['steps']} steps per side:")
     print(f"{'overlap':10}{'games':>7}{'games/hour':>12}{'rollout idle':>14}{'step s':>8}{'staleness':>11}"

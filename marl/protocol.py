@@ -54,6 +54,11 @@ ADMIN_TOKEN_ENV = "MARL_ADMIN_TOKEN"
 EPISODE_KEY_PREFIX = "marl-ep-"
 #: Routes under these prefixes need the admin token (the rest: a lease key on the data plane, or nothing).
 ADMIN_ROUTE_PREFIXES = ("/control/", "/episodes/")
+#: Seconds a server keeps an idle keep-alive connection open: longer than clients keep theirs (httpx, and so the
+#: openai SDK: 5 s). With equal timeouts a client may send a call on a connection the server is closing at that
+#: instant and get a connection error; a call under a lease is not retried (it could have been recorded), so a whole
+#: game would be lost. Waits of more than 5 s between one seat's calls are the rule in long games.
+SERVER_KEEP_ALIVE_S = 75
 #: Default limit on a request body (`marl serve --max-body-mb`); a larger one is refused with 413 before it is read.
 DEFAULT_MAX_BODY_MB = 16.0
 #: Longest id a client may choose (client_id, task_id, game_id, an agent tag).

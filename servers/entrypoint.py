@@ -13,7 +13,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
-from marl.protocol import ADMIN_TOKEN_ENV, DEFAULT_MAX_BODY_MB, LoraSpec, TrainConfig
+from marl.protocol import ADMIN_TOKEN_ENV, DEFAULT_MAX_BODY_MB, SERVER_KEEP_ALIVE_S, LoraSpec, TrainConfig
 from servers.engines.vllm_lora import LoraSlots, lora_slots
 from servers.engines.vllm_process import VLLMSettings
 from servers.http_routes import create_app
@@ -234,5 +234,12 @@ def serve(options: ServeOptions) -> None:
     where = "static" if options.static else f"trainable (data: {options.resolved_data_dir()})"
     print(f"marl serve: {where} server for '{server.served_name}' on http://{options.host}:{options.port}",
           file=sys.stderr, flush=True)
-    uvicorn.run(create_app(server, token, max_body_mb=options.max_body_mb), host=options.host, port=options.port,
-                log_level=options.log_level, timeout_graceful_shutdown=5, access_log=options.log_level == "debug")
+    http_server(create_app(server, token, max_body_mb=options.max_body_mb), options.host, options.port,
+                options.log_level).run()
+
+
+def http_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Server:
+    """The uvicorn server `marl serve` runs `app` on (its access log at debug only; idle connections kept longer
+    than clients keep theirs: `SERVER_KEEP_ALIVE_S`)."""
+    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                                         timeout_keep_alive=SERVER_KEEP_ALIVE_S, access_log=log_level == "debug"))

@@ -11,12 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.launch import ServerProcess, free_port
 from marl.protocol import TrainConfig
-from servers.entrypoint import ServeOptions, build_server
+from servers.entrypoint import ServeOptions, build_server, http_server
 from servers.http_routes import create_app
 from servers.lifecycle import TrainerFactory
 from servers.tiny_model import build_tiny_model
@@ -75,8 +74,7 @@ class LocalServer:
         options = ServeOptions(model=str(model), port=self.port, admin_token=ADMIN, data_dir=data_dir, static=static,
                                served_model_name="tiny", device="cpu", policies=policies or {})
         self.server, token = build_server(options, trainer_factory=trainer_factory)
-        config = uvicorn.Config(create_app(self.server, token), host="127.0.0.1", port=self.port, log_level="warning")
-        self._uvicorn = uvicorn.Server(config)
+        self._uvicorn = http_server(create_app(self.server, token), "127.0.0.1", self.port, "warning")
         self._thread = threading.Thread(target=self._uvicorn.run, daemon=True)
 
     def __enter__(self) -> LocalServer:

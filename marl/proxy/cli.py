@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from marl.protocol import ADMIN_TOKEN_ENV
+from marl.protocol import ADMIN_TOKEN_ENV, SERVER_KEEP_ALIVE_S
 
 API_KEY_ENV = "MARL_PROXY_API_KEY"
 DEFAULT_PORT = 10087
@@ -87,7 +87,8 @@ def run_proxy(args: argparse.Namespace) -> None:
     print(f"marl proxy: {options.num_repeat} candidates per request on {options.served_model!r} at {args.server};"
           f" serving http://{args.host}:{args.port}/v1", flush=True)
     _serve_until_signalled(uvicorn.Server(uvicorn.Config(build_app(options), host=args.host, port=args.port,
-                                                         log_level=args.log_level)))
+                                                         log_level=args.log_level,
+                                                         timeout_keep_alive=SERVER_KEEP_ALIVE_S)))
 
 
 def _serve_until_signalled(server: Any) -> None:

@@ -20,11 +20,14 @@ then advance n tokens per ITL(n), the throughput of one batched decode step, wit
 the two, and exact whenever n is steady. At most `max_running` sequences run; more wait for a slot, as in vLLM.
 `speed` divides every delay (1.0: real time; 100: a hundred times faster, for tests).
 
-Generated ids are drawn from the tokenizer's vocabulary without special tokens, with negative logprobs; a
-generation stops at max_tokens ("length"), or earlier at a random length ending with an eos id ("stop"), seeded by
-`SamplingParams.seed` and the prompt when a seed is given. Weight and adapter loads are counted, not applied; they
-still drain the running generations first, as the interface demands. Everything runs on the server's event loop
-(asyncio.sleep only); the blocking calls (loads, close) come from worker threads.
+A reply copies the prompt's own tokens, in order from a random place among its last `ECHO_WINDOW` plain (not
+special) tokens, with negative logprobs: so envs' parsers meet words they know (an item's name, a player's number)
+and some moves are valid and some rewards differ, as with a real model, where random ids would make every move fall
+back the same way (and every GRPO group score alike). A generation stops at max_tokens ("length"), or earlier at a
+random length ending with an eos id ("stop"), seeded by `SamplingParams.seed` and the prompt when a seed is given.
+Weight and adapter loads are counted, not applied; they still drain the running generations first, as the interface
+demands. Everything runs on the server's event loop (asyncio.sleep only); the blocking calls (loads, close) come
+from worker threads.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from typing import Any
 from marl.protocol import LoraSpec
 from servers.engines.model_limits import context_length, eos_token_ids
 from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams
+
+#: A reply copies the prompt from a random place among its last this many plain tokens (the latest observation).
+ECHO_WINDOW = 64
 
 __all__ = ["LatencyModel", "SimulatedEngine", "SimulatedStats", "simulated_engine_factory"]
 
@@ -112,8 +118,8 @@ class SimulatedEngine(InferenceEngine):
         self.context_length = context_length(config, self.tokenizer)
         self.eos_token_ids = eos_token_ids(_generation_config(self.model_dir), config, self.tokenizer)
         self.vocab_size = max(len(self.tokenizer), int(getattr(config, "vocab_size", 0) or 0))
-        special = set(self.tokenizer.all_special_ids) | set(self.eos_token_ids)
-        self._plain_ids = [i for i in range(len(self.tokenizer)) if i not in special]
+        self._special = set(self.tokenizer.all_special_ids) | set(self.eos_token_ids)
+        self._plain_ids = [i for i in range(len(self.tokenizer)) if i not in self._special]
         self.stats = SimulatedStats()
         self.adapters: dict[str, LoraSpec] = {}
         self._lock = threading.Condition()
@@ -124,13 +130,16 @@ class SimulatedEngine(InferenceEngine):
         limit = self._checked(prompt_ids, params)
         rng = random.Random(hash((params.seed, *prompt_ids)) if params.seed is not None else None)
         stop_at = 1 + int(rng.expovariate(1.0 / self.mean_completion_tokens))  # beyond `limit`: "length"
+        echo = [i for i in prompt_ids if i not in self._special][-ECHO_WINDOW:] or self._plain_ids
+        start = rng.randrange(len(echo))
+        source = echo[start:] + echo[:start]  # the reply's ids, in the prompt's order, from a random place
         await self._admit()
         try:
             self.stats.prefilled_tokens += len(prompt_ids)
             await asyncio.sleep(self.latency.ttft(len(prompt_ids), self.stats.running))
             completion: list[int] = []
             while True:
-                token, finish = self._next_token(rng, completion, stop_at, limit, params)
+                token, finish = self._next_token(source, completion, stop_at, limit, params)
                 self.stats.generated_tokens += 1
                 yield GenerationChunk([token], [-0.01 - rng.expovariate(1.0)], finish)
                 if finish:
@@ -142,13 +151,13 @@ class SimulatedEngine(InferenceEngine):
                 self.stats.running -= 1
                 self._lock.notify_all()
 
-    def _next_token(self, rng: random.Random, completion: list[int], stop_at: int, limit: int,
+    def _next_token(self, source: list[int], completion: list[int], stop_at: int, limit: int,
                     params: SamplingParams) -> tuple[int, str | None]:  # fmt: skip
         """The next id (appended to `completion`) and why the generation ends with it (None: it goes on)."""
         if len(completion) + 1 == stop_at and self.eos_token_ids:
             completion.append(min(self.eos_token_ids))
             return completion[-1], "stop"
-        completion.append(rng.choice(self._plain_ids))
+        completion.append(source[len(completion) % len(source)])
         if len(completion) >= limit:
             return completion[-1], "length"
         if params.stop and _hits_stop(self.tokenizer, completion, params.stop):

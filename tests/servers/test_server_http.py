@@ -11,9 +11,12 @@ import torch
 from conftest import admin_http, play_episode, start_rolling, wait_state, wait_version
 from transformers import AutoModelForCausalLM
 
+from marl.protocol import ROUTE_HEALTH, SERVER_KEEP_ALIVE_S
 from servers.entrypoint import default_trainer_factory
 from servers.ledger import Ledger
 from servers.trainers.grpo import token_logprobs
+
+HTTPX_KEEP_ALIVE_S = httpx.Limits().keepalive_expiry  # what the openai SDK's httpx client keeps too
 
 CLIENT = "client-a"
 
@@ -315,3 +318,21 @@ def test_end_and_commit_replies_carry_the_pool_only_when_asked(rolling):
         assert prepared.status_code == 200 and "pool" not in prepared.json()
         committed = http.post(f"/episodes/{episode_id}/commit?include_pool={include_pool}", json={"client_id": CLIENT})
         assert (committed.json()["pool"] is not None) == (include_pool == "true")
+
+
+def test_an_idle_connection_outlives_the_clients_keep_alive(local_server):
+    """A seat waits more than httpx's 5 s between calls in a long game; the server must not be the side that closes
+    the idle connection (a call sent as it closes fails, and a call under a lease is not retried)."""
+    import http.client
+
+    with local_server(static=True) as srv:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        conn.request("GET", ROUTE_HEALTH)
+        assert conn.getresponse().read() and conn.sock is not None
+        sock = conn.sock
+        time.sleep(HTTPX_KEEP_ALIVE_S + 0.5)
+        conn.request("GET", ROUTE_HEALTH)  # on the same socket: it fails if the server closed it meanwhile
+        answer = conn.getresponse()
+        assert answer.status == 200 and conn.sock is sock
+        conn.close()
+    assert SERVER_KEEP_ALIVE_S > HTTPX_KEEP_ALIVE_S
