@@ -4,15 +4,18 @@
     python bench/overlap.py                       # SmolLM2-135M learner, 1 s co-player, 8 steps per side
     python bench/overlap.py --out DIR             # also DIR/overlap.json
     python bench/overlap.py --smoke               # a tiny random model, 2 steps per side, 0.3 s co-player
-    python bench/overlap.py --engine simulated --steps 30   # the scheduling alone: a trainer on devices of its own
+    python bench/overlap.py --engine simulated --game werewolves --speed 2 --steps 5 --concurrency 32
+                                                  # the scheduling alone, a trainer on devices of its own (~12 min)
 
-The game is the signalling game of `topologies/signalling-cpu.yaml`: its speaker is the learner (a local trainable
-server, the shipped settings: batches of 2 groups of 8), its listener a static model behind an OpenAI URL that
-answers each call `--delay` seconds late, standing for a frozen 235B behind an API. The delay lives here, in a proxy
-of this script's own in front of a `marl serve --static` server; the product knows nothing of it. Each side is one
-`marl run` of `--steps` steps at the same settings but `overlap`, measured from its own records: games per hour
-between the first and the last game's end (games.jsonl), and the learner's rollout idle fraction (the
+The game (`--game signalling`) is the signalling game of `topologies/signalling-cpu.yaml`: its speaker is the learner
+(a trainable server, the shipped settings: batches of 2 groups of 8), its listener a static model behind an OpenAI
+URL that answers each call `--delay` seconds late, standing for a frozen 235B behind an API. The delay lives here, in
+a proxy of this script's own in front of a `marl serve --static` server; the product knows nothing of it. Each side
+is one `marl run` of `--steps` steps at the same settings but `overlap`, measured from its own records: games per
+hour between the first and the last game's end (games.jsonl), and the learner's rollout idle fraction (the
 `rollout_idle_frac` of each step after the first in metrics.jsonl, weighted by the time since the step before).
+`--game werewolves`: 9-player Werewolves (3 rounds at most), the learner the three werewolves (batches of 4 groups
+of 8), the co-player every other seat: the issue's own case of long games against a frozen model.
 
 `--engine torch` (the default) trains SmolLM2 on this machine's CPU, where the step and the rollouts share the cores:
 an overlapped step is slower, which a trainer on devices of its own does not suffer. `--engine simulated` measures
