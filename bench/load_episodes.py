@@ -2,6 +2,7 @@
 
     python bench/load_episodes.py                      # 1000 episodes at once
     python bench/load_episodes.py --episodes 200       # fewer
+    python bench/load_episodes.py --rounds 5           # 5 rounds of 1000 on the same server: does a round slow down?
     python bench/load_episodes.py --smoke              # seconds: 20 episodes (does the bench run?)
 
 Starts a trainable server on a tiny random model (max_leases and batch big enough that every episode runs at once
@@ -11,6 +12,9 @@ how many SwarmClient retries happened (transport errors and "wait" answers) and 
 the ledger (`replayed`: a retried end whose first try the server had acted on), checks the ledger holds every
 acknowledged episode exactly once and nothing else, and reads the server's resident memory (VmRSS, and its peak
 VmHWM) from /proc before and after. Exit code 1 if an end was not acknowledged or the ledger disagrees.
+With `--rounds N` the same server plays N such rounds one after the other, and each round's seconds and the RSS after
+it are reported: a server that keeps work or memory per finished episode (a prefix cache scanned whole, a table
+never pruned) shows it as rounds that grow (`slowest_round_vs_first`).
 """
 
 from __future__ import annotations
@@ -97,6 +101,26 @@ def run_episodes(url: str, count: int, max_tokens: int) -> dict:
             "replayed_ends": sum(replayed for _, _, replayed in results)}
 
 
+def run_rounds(proc, args) -> dict:
+    """`args.rounds` rounds of `run_episodes` on one server: the first round's report, with the outcomes, errors and
+    acknowledged ids of all, and each round's seconds and RSS after it."""
+    rounds = []
+    for _ in range(args.rounds):
+        rounds.append(run_episodes(proc.url, args.episodes, args.max_tokens))
+        rounds[-1]["rss_mb"] = memory_mb(proc.proc.pid)["VmRSS"]
+        print(f"round {len(rounds)}: {rounds[-1]['seconds']} s, RSS {rounds[-1]['rss_mb']} MB", flush=True)
+    report = dict(rounds[0])
+    report.update(outcomes=dict(sum((collections.Counter(r["outcomes"]) for r in rounds), collections.Counter())),
+                  errors=[e for r in rounds for e in r["errors"]][:10],
+                  acknowledged=[eid for r in rounds for eid in r["acknowledged"]],
+                  replayed_ends=sum(r["replayed_ends"] for r in rounds))
+    if args.rounds > 1:
+        seconds = [r["seconds"] for r in rounds]
+        report.update(round_seconds=seconds, round_rss_mb=[r["rss_mb"] for r in rounds],
+                      slowest_round_vs_first=round(max(seconds) / seconds[0], 2))
+    return report
+
+
 def ledger_check(data_dir: Path, acknowledged: list[str]) -> dict:
     db = sqlite3.connect(f"file:{data_dir / 'ledger.sqlite'}?mode=ro", uri=True)
     try:
@@ -114,6 +138,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--episodes", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of --episodes on the same server")
     parser.add_argument("--smoke", action="store_true", help="a few seconds: does the bench run?")
     args = parser.parse_args()
     if args.smoke:
@@ -135,7 +160,7 @@ def main() -> int:
                 admin.auto_sync_train_config_and_start_engine(
                     {"batch_size": 10**6, "num_repeat": 4, "max_leases": args.episodes, "save_freq": 0})
             before = memory_mb(proc.proc.pid)
-            report = run_episodes(proc.url, args.episodes, args.max_tokens)
+            report = run_rounds(proc, args)
             after = memory_mb(proc.proc.pid)
         finally:
             proc.kill()
@@ -143,8 +168,9 @@ def main() -> int:
     report.update(episodes=args.episodes, client_retries=dict(retries.counts),
                   server_rss_mb={"before": before["VmRSS"], "after": after["VmRSS"], "peak": after["VmHWM"]})
     print(json.dumps(report, indent=2))
-    ok = report["outcomes"].get("acknowledged", 0) == args.episodes and report["recorded_twice"] == 0 and \
-        report["acknowledged_exactly_once"] == args.episodes
+    total = args.episodes * args.rounds
+    ok = report["outcomes"].get("acknowledged", 0) == total and report["recorded_twice"] == 0 and \
+        report["acknowledged_exactly_once"] == total
     return 0 if ok else 1
 
 

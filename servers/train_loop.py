@@ -75,12 +75,7 @@ class TrainLoop:
         try:
             while True:
                 await self._wakeup.wait()
-                try:
-                    await self._advance()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    await self._step_failed(exc)
+                await self._guarded(self._advance())
         finally:
             if self._overlapped is not None:
                 self._overlapped.cancel()
@@ -100,6 +95,15 @@ class TrainLoop:
         if lifecycle.state == EngineState.ROLLING_POST and not len(self._pool.leases):
             await self._train_step()
 
+    async def _guarded(self, work: Awaitable[None]) -> None:
+        """Await a step's work: a failure fails the step (`_step_failed`), never the loop that runs it."""
+        try:
+            await work
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await self._step_failed(exc)
+
     async def _ready_groups(self) -> list[GroupKey]:
         groups = await self._ledger.pool_groups()
         return [key for key, n in groups.items() if n >= self._lifecycle.config.num_repeat]
@@ -107,11 +111,7 @@ class TrainLoop:
     async def _overlapped_step(self) -> None:
         """A step beside the rollouts; the loop looks again when it is done (the pool may hold the next batch)."""
         try:
-            await self._train_step(overlap=True)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            await self._step_failed(exc)
+            await self._guarded(self._train_step(overlap=True))
         finally:
             self._overlapped = None
             self._pool.rollout_room = None
