@@ -62,6 +62,7 @@ from pydantic_core import to_jsonable_python
 from marl.protocol import (
     ADMIN_TOKEN_ENV,
     AGENT_HEADER,
+    CLIENT_KEEP_ALIVE_S,
     INCLUDE_POOL_PARAM,
     POLICY_PARAM,
     ROUTE_ABORT,
@@ -292,6 +293,20 @@ def _output_fields(output: Any) -> tuple[float, dict[str, float] | None, dict[st
 
 
 @functools.cache
+def connection_limits(max_connections: int = 100) -> httpx.Limits:
+    """Pool limits for a client many threads share: every connection may stay pooled, for `CLIENT_KEEP_ALIVE_S`.
+
+    httpcore 1.0.9 closes an idle connection whenever the pool holds more connections *in all* than
+    `max_keepalive_connections` (httpx's default: 20), or one idle past its keep-alive (httpx's default: 5 s), even
+    one it has just handed to a thread that has not woken yet; that thread's request then hangs until its read
+    timeout and fails with `ReadError: [Errno 9] Bad file descriptor` (encode/httpcore#1110; seen here with 1,000
+    threads on one SwarmClient). With as many keep-alive connections as connections, and a keep-alive longer than
+    a seat waits between calls, neither pass closes a connection that is about to be used.
+    """
+    return httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                        keepalive_expiry=CLIENT_KEEP_ALIVE_S)
+
+
 def _plain_http_ssl_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
@@ -345,7 +360,8 @@ class SwarmClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # Plain-http servers need no TLS: reuse one context instead of building one (~0.1 s) per client.
         verify: Any = _plain_http_ssl_context() if self.url.startswith("http://") else True
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout, verify=verify)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout, verify=verify,
+                                  limits=connection_limits())
 
     # -- lifecycle --------------------------------------------------------------------------------------------
 

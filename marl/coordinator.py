@@ -38,7 +38,7 @@ import httpx
 import openai
 
 from envs.base import GameEnv
-from marl.client import EpisodeOutput, SwarmError
+from marl.client import EpisodeOutput, SwarmError, connection_limits
 from marl.decision_log import DecisionLog
 from marl.endpoints import HeldLease, SnapshotPoolEndpoint, StaticEndpoint
 from marl.game_record import GameRecord
@@ -185,8 +185,9 @@ class Coordinator:
             return None
         with self._static_clients_lock:
             if seat.base_url not in self._static_clients:
-                self._static_clients[seat.base_url] = openai.OpenAI(base_url=seat.base_url, api_key=seat.api_key,
-                                                                    max_retries=2, timeout=600)
+                self._static_clients[seat.base_url] = openai.OpenAI(  # shared by every game's threads
+                    base_url=seat.base_url, api_key=seat.api_key, max_retries=2, timeout=600,
+                    http_client=openai.DefaultHttpxClient(limits=connection_limits(1000)))
             return self._static_clients[seat.base_url]
 
 

@@ -59,6 +59,8 @@ ADMIN_ROUTE_PREFIXES = ("/control/", "/episodes/")
 #: instant and get a connection error; a call under a lease is not retried (it could have been recorded), so a whole
 #: game would be lost. Waits of more than 5 s between one seat's calls are the rule in long games.
 SERVER_KEEP_ALIVE_S = 75
+#: Seconds marl's own clients keep an idle connection pooled: shorter than the server's, longer than a seat's wait.
+CLIENT_KEEP_ALIVE_S = 60
 #: Default limit on a request body (`marl serve --max-body-mb`); a larger one is refused with 413 before it is read.
 DEFAULT_MAX_BODY_MB = 16.0
 #: Longest id a client may choose (client_id, task_id, game_id, an agent tag).

@@ -738,3 +738,45 @@ def test_package_exports() -> None:
     assert {"ADMIN_TOKEN_ENV", "RUNNING_STATES"} <= set(marl.client.__all__)
     with pytest.raises(AttributeError):
         marl.nope  # noqa: B018
+
+
+def test_a_client_shared_by_many_threads_keeps_its_connections() -> None:
+    """A pooled connection is never closed for being one of many (httpcore closes idle connections beyond
+    `max_keepalive_connections` counted over the whole pool, even one just handed to a waiting thread, whose request
+    then hangs until its timeout: encode/httpcore#1110). So a second wave of as many concurrent calls reuses the
+    first wave's connections: the server accepts no new one."""
+    import http.server
+
+    accepted: list[int] = []
+
+    class SlowHealth(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive
+
+        def setup(self) -> None:
+            super().setup()
+            accepted.append(1)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            time.sleep(0.3)  # every call of a wave is in flight at once
+            body = b'{"status": "ok"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    threads = 40
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowHealth)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with SwarmClient(f"http://127.0.0.1:{server.server_address[1]}", admin_token="unused") as client:
+            for _ in range(2):
+                with ThreadPoolExecutor(threads) as pool:
+                    assert all(pool.map(lambda _: client.health(), range(threads)))
+        assert len(accepted) <= threads
+    finally:
+        server.shutdown()
+        server.server_close()
