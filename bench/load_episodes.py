@@ -60,9 +60,10 @@ def memory_mb(pid: int) -> dict[str, float]:
 
 def run_episodes(url: str, count: int, max_tokens: int) -> dict:
     from marl import SwarmClient
+    from marl.client import connection_limits
 
     client = SwarmClient(url, ADMIN)  # SwarmClient's defaults: timeout 30 s, max_wait_s 600 s
-    chat = httpx.Client(timeout=600, limits=httpx.Limits(max_connections=count, max_keepalive_connections=count))
+    chat = httpx.Client(timeout=600, limits=connection_limits(count))  # pooled as SwarmClient pools its own
     start = threading.Barrier(count)
     results: list[tuple[str, str, bool]] = []  # (episode id, outcome, replayed)
     lock = threading.Lock()
