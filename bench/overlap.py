@@ -48,7 +48,7 @@ from fastapi import FastAPI, Request, Response
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
 from marl.launch import ServerProcess, free_port  # noqa: E402
-from marl.protocol import SERVER_KEEP_ALIVE_S  # noqa: E402
+from servers.entrypoint import http_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-overlap"
@@ -72,8 +72,7 @@ def delaying_proxy(upstream: str, delay_s: float) -> FastAPI:
 
 
 def serve_in_thread(app: FastAPI, port: int) -> uvicorn.Server:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_keep_alive=SERVER_KEEP_ALIVE_S))
+    server = http_server(app, "127.0.0.1", port, "warning")  # configured as `marl serve`'s (its keep-alive)
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
