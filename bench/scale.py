@@ -398,11 +398,13 @@ env:
 }
 
 
-def topology_yaml(game: str, urls: dict[str, str], games: int, run_dir: Path) -> str:
+def topology_yaml(game: str, urls: dict[str, str], games: int, run_dir: Path, spread: bool = False) -> str:
+    """The coordinator's run; `spread`: its games played as Ray tasks (`run.ray.spread_games` on a local Ray)."""
     servers = "".join(f"  {name}:\n    swarm_url: {url}\n    admin_token_env: {TOKEN_ENV}\n    trainable: true\n"
                       f"    train: {TRAIN % game}\n" for name, url in urls.items())
+    ray = "  ray: {address: local, spread_games: true}\n" if spread else ""
     return (f"name: scale-{game}\nservers:\n{servers}{GAMES[game][1]}run:\n  games: {games}\n  repeats: 4\n"
-            f"  concurrency: 4\n  max_tokens: 32\n  lease_timeout_s: 300\n  run_dir: {run_dir}\n")
+            f"  concurrency: 4\n  max_tokens: 32\n  lease_timeout_s: 300\n  run_dir: {run_dir}\n{ray}")
 
 
 def served_calls(url: str) -> int:
@@ -410,21 +412,21 @@ def served_calls(url: str) -> int:
     return int(sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith("marl_calls_total")))
 
 
-def play_games(model_dir: Path, scratch: Path, game: str, games: int, speed: float) -> dict:
-    """`marl run` of `games` games on simulated remote swarm servers: games/hour, its CPU per 1,000 calls."""
+def play_games(model_dir: Path, scratch: Path, game: str, games: int, speed: float, spread: bool = False) -> dict:
+    """`marl run` of `games` games on simulated remote swarm servers: games/hour, its CPU per 1,000 calls (with
+    `spread`, its own process's: the games' players run in Ray's workers)."""
     import os
     import subprocess
 
     procs = {name: start_server(model_dir, scratch / name, speed) for name in GAMES[game][0]}
     try:
         topology = scratch / "topology.yaml"
-        topology.write_text(topology_yaml(game, {n: p.url for n, p in procs.items()}, games, scratch / "run"))
+        topology.write_text(topology_yaml(game, {n: p.url for n, p in procs.items()}, games, scratch / "run", spread))
         with open(scratch / "marl-run.log", "wb") as log:
             started = time.monotonic()
             child = subprocess.Popen([sys.executable, "-m", "marl.cli", "run", str(topology)], stdout=log,
                                      stderr=subprocess.STDOUT, env={**os.environ, TOKEN_ENV: ADMIN})  # fmt: skip
-            startup_cpu = cpu_at_first_call(child, procs.values())
-            _, status, usage = os.wait4(child.pid, 0)
+            samples, status, usage = watch_usage(child.pid, list(procs.values()))
             seconds = time.monotonic() - started
         if os.waitstatus_to_exitcode(status) != 0:
             tail = (scratch / "marl-run.log").read_text()[-2000:]
@@ -433,31 +435,50 @@ def play_games(model_dir: Path, scratch: Path, game: str, games: int, speed: flo
     finally:
         for proc in procs.values():
             proc.stop()
+    playing_cpu, playing_calls = while_playing(samples)
     cpu = usage.ru_utime + usage.ru_stime
-    return {"game": game, "games": games, "seconds": seconds, "games_per_hour": games / seconds * 3600,
-            "calls": calls, "coordinator_cpu_s": cpu, "coordinator_startup_cpu_s": startup_cpu,
-            "coordinator_cpu_s_per_1k_calls": (cpu - startup_cpu) / max(calls, 1) * 1000}
+    return {"game": game, "spread_games": spread, "games": games, "seconds": seconds,
+            "games_per_hour": games / seconds * 3600,
+            "calls": calls, "coordinator_cpu_s": cpu, "coordinator_playing_cpu_s": playing_cpu,
+            "coordinator_cpu_s_per_1k_calls": playing_cpu / max(playing_calls, 1) * 1000,
+            "calls_per_game": calls / games}
 
 
-def cpu_at_first_call(child, procs) -> float:
-    """The coordinator's CPU-seconds until its first chat call was served (imports, config sync, engine starts):
-    what it spends before playing, left out of its cost per call."""
-    while child.poll() is None:
-        cpu = process_usage(child.pid)[0]
-        if sum(served_calls(p.url) for p in procs):
-            return cpu
+def watch_usage(pid: int, procs: list) -> tuple[list[tuple[float, int]], int, object]:
+    """(the coordinator's CPU-seconds, the calls its servers have served) every 0.2 s until it exits; then its
+    wait status and rusage."""
+    import os
+
+    samples = []
+    while True:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done:
+            return samples, status, usage
+        samples.append((process_usage(pid)[0], sum(served_calls(p.url) for p in procs)))
         time.sleep(0.2)
-    return 0.0
+
+
+def while_playing(samples: list[tuple[float, int]]) -> tuple[float, int]:
+    """CPU-seconds and calls from the first call served to the last: start-up (imports, engine starts) and
+    wind-down (the run's last checkpoint and plots) left out of the cost per call."""
+    final = samples[-1][1] if samples else 0
+    if not final:
+        return 0.0, 0
+    first = next(sample for sample in samples if sample[1])
+    last = next(sample for sample in samples if sample[1] == final)
+    return last[0] - first[0], last[1] - first[1]
 
 
 def coordinator_rate(model_dir: Path, scratch: Path, args) -> list[dict]:
     rows = []
     for game, games in (("signalling", args.signalling_games), ("werewolves", args.werewolves_games)):
-        rows.append(play_games(model_dir, scratch / f"coordinator-{game}", game, games, args.coordinator_speed))
+        spread = args.spread_games and game == "werewolves"
+        rows.append(play_games(model_dir, scratch / f"coordinator-{game}", game, games, args.coordinator_speed, spread))
         row = rows[-1]
-        print(f"{game:>12}: {row['games']} games in {row['seconds']:.0f} s = {row['games_per_hour']:.0f} games/hour,"
+        label = game + " (Ray tasks)" * spread
+        print(f"{label:>12}: {row['games']} games in {row['seconds']:.0f} s = {row['games_per_hour']:.0f} games/hour,"
               f" {row['calls']} calls; coordinator {row['coordinator_cpu_s']:.1f} CPU-s, of which"
-              f" {row['coordinator_startup_cpu_s']:.1f} before the first call: then"
+              f" {row['coordinator_playing_cpu_s']:.1f} from the first call to the last:"
               f" {row['coordinator_cpu_s_per_1k_calls']:.1f} CPU-s per 1,000 calls")
         sys.stdout.flush()
     return rows
@@ -508,6 +529,8 @@ def parse(argv: list[str] | None):
     parser.add_argument("--signalling-games", type=int, default=8, help="the coordinator's signalling games")
     parser.add_argument("--werewolves-games", type=int, default=4, help="the coordinator's Werewolves games")
     parser.add_argument("--coordinator-speed", type=float, default=1.0)
+    parser.add_argument("--spread-games", action="store_true",
+                        help="the Werewolves games as Ray tasks (run.ray.spread_games): the coordinator's own cost")
     parser.add_argument("--skip-load", action="store_true")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--skip-coordinator", action="store_true")

@@ -32,15 +32,10 @@ def static_client(static_server):
 
 
 def spy_on(client):
-    """Record the keyword arguments of every chat.completions.create call (the call itself still goes out)."""
-    calls, create = [], client.chat.completions.create
-
-    def spy(**kwargs):
-        calls.append(kwargs)
-        return create(**kwargs)
-
-    client.chat.completions.create = spy
-    return calls
+    """Record the JSON body of every request `client` (or a copy of it: they share its HTTP client) sends."""
+    bodies: list[dict] = []
+    client._client.event_hooks["request"].append(lambda request: bodies.append(json.loads(request.content)))
+    return bodies
 
 
 def test_conversation_grows_turn_by_turn(static_client):
@@ -62,6 +57,22 @@ def test_conversation_grows_turn_by_turn(static_client):
     assert agent.messages == [{"role": "system", "content": "You are a test."}]
     agent.reset(system_prompt="New role.")
     assert agent.messages == [{"role": "system", "content": "New role."}]
+
+
+def test_an_sdk_client_sends_the_body_without_the_sdks_type_walk(static_client, monkeypatch):
+    """`chat.completions.create` walks every message through the SDK's type transform (milliseconds per call in a
+    long game); the agent posts the same body itself, and what it gets back is the SDK's ChatCompletion."""
+    def unused(*args, **kwargs):
+        raise AssertionError("chat.completions.create was called")
+
+    monkeypatch.setattr(openai.resources.chat.completions.Completions, "create", unused)
+    calls = spy_on(static_client)
+    agent = LLMAgent(static_client, "tiny", system_prompt="s", max_tokens=3, temperature=0.5, top_p=0.9, stop="\n")
+    reply = agent.act("hi")
+    sent = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    assert calls == [{"model": "tiny", "messages": sent, "max_tokens": 3, "temperature": 0.5, "top_p": 0.9,
+                      "stop": ["\n"]}]
+    assert agent.messages[-1] == {"role": "assistant", "content": reply}
 
 
 def test_the_agent_tag_is_sent_once_as_its_clients_header(static_server):
