@@ -14,8 +14,8 @@ a proxy of this script's own in front of a `marl serve --static` server; the pro
 is one `marl run` of `--steps` steps at the same settings but `overlap`, measured from its own records: games per
 hour between the first and the last game's end (games.jsonl), and the learner's rollout idle fraction (the
 `rollout_idle_frac` of each step after the first in metrics.jsonl, weighted by the time since the step before).
-`--game werewolves`: 9-player Werewolves (3 rounds at most), the learner the three werewolves (batches of 4 groups
-of 8), the co-player every other seat: the issue's own case of long games against a frozen model.
+`--game werewolves`: 9-player Werewolves (`--max-rounds`, 3 by default), the learner the three werewolves (batches
+of 4 groups of 8), the co-player every other seat: the issue's own case of long games against a frozen model.
 
 `--engine torch` (the default) trains SmolLM2 on this machine's CPU, where the step and the rollouts share the cores:
 an overlapped step is slower, which a trainer on devices of its own does not suffer. `--engine simulated` measures
@@ -80,7 +80,8 @@ def serve_in_thread(app: FastAPI, port: int) -> uvicorn.Server:
 
 
 #: The Werewolves shape of the issue: the learner plays the three werewolves; the seer, witch, hunter and villagers
-#: are the slow co-player (a frozen 235B behind an API in the user's run). Shorter games than the user's 10 rounds.
+#: are the slow co-player (a frozen 235B behind an API in the user's run). `--max-rounds` sets the game's length
+#: (3 by default, shorter than the issue's 10 rounds).
 WEREWOLVES = {
     "train": {"job": "werewolves", "batch_size": 4, "num_repeat": 8},
     "roles": {"werewolf": {"server": "learner", "count": 3, "team": "werewolves"},
@@ -103,7 +104,8 @@ def topology(learner_at: dict, coplayer: tuple[str, str], args: argparse.Namespa
             "roles": {"speaker": {"server": "learner", "count": 1, "team": "speaker"},
                       "listener": {"server": "coplayer", "count": 1, "team": "listener"}}}
     if args.game == "werewolves":
-        game = {**WEREWOLVES, "run": {**shipped["run"], **WEREWOLVES["run"]}}
+        game = {**WEREWOLVES, "run": {**shipped["run"], **WEREWOLVES["run"]},
+                "env": {**WEREWOLVES["env"], "args": {"max_rounds": args.max_rounds}}}
     learner = {**learner_at, "trainable": True,
                "train": {**game["train"], "overlap": overlap, "max_staleness": args.max_staleness}}
     if "model" in learner_at:
@@ -172,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-staleness", type=int, default=1, help="the learner's train.max_staleness")
     parser.add_argument("--game", choices=["signalling", "werewolves"], default="signalling",
                         help="signalling: the learner speaks to the co-player; werewolves: it plays the wolves")
+    parser.add_argument("--max-rounds", type=int, default=3, help="with --game werewolves: rounds at most per game")
     parser.add_argument("--engine", choices=["torch", "simulated"], default="torch",
                         help="torch: SmolLM2 on this CPU; simulated: a GPU engine's latency and a 7B trainer's step")
     parser.add_argument("--speed", type=float, default=1.0, help="with --engine simulated: its delays this much faster")
@@ -192,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             proxy = serve_in_thread(delaying_proxy(static.url, delay), port)
             coplayer = (f"http://127.0.0.1:{port}/v1", "coplayer")
             report = {"model": "tiny" if args.smoke else model, "engine": args.engine, "game": args.game,
+                      "max_rounds": args.max_rounds if args.game == "werewolves" else None,
                       "speed": args.speed if speed else 1.0, "delay_s": args.delay, "steps": args.steps,
                       "concurrency": args.concurrency, "max_staleness": args.max_staleness,
                       "off": run_side(model, coplayer, args, False, scratch),
@@ -209,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_report(report: dict) -> None:
-    print(f"{report['game']} game, {report['engine']} engine (speed {report['speed']:g}), learner {report['model']},"
+    rounds = f" ({report['max_rounds']} rounds at most)" if report.get("max_rounds") else ""
+    print(f"{report['game']} game{rounds}, {report['engine']} engine (speed {report['speed']:g}),"
+          f" learner {report['model']},"
           f" co-player {report['delay_s']:.1f} s per call,"
           f" {report['concurrency']} games in flight, max_staleness {report['max_staleness']},"
           f" {report['steps']} steps per side:")
