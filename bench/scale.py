@@ -398,13 +398,14 @@ env:
 }
 
 
-def topology_yaml(game: str, urls: dict[str, str], games: int, run_dir: Path, spread: bool = False) -> str:
+def topology_yaml(game: str, urls: dict[str, str], games: int, run_dir: Path, concurrency: int = 4,
+                  spread: bool = False) -> str:
     """The coordinator's run; `spread`: its games played as Ray tasks (`run.ray.spread_games` on a local Ray)."""
     servers = "".join(f"  {name}:\n    swarm_url: {url}\n    admin_token_env: {TOKEN_ENV}\n    trainable: true\n"
                       f"    train: {TRAIN % game}\n" for name, url in urls.items())
     ray = "  ray: {address: local, spread_games: true}\n" if spread else ""
     return (f"name: scale-{game}\nservers:\n{servers}{GAMES[game][1]}run:\n  games: {games}\n  repeats: 4\n"
-            f"  concurrency: 4\n  max_tokens: 32\n  lease_timeout_s: 300\n  run_dir: {run_dir}\n{ray}")
+            f"  concurrency: {concurrency}\n  max_tokens: 32\n  lease_timeout_s: 300\n  run_dir: {run_dir}\n{ray}")
 
 
 def served_calls(url: str) -> int:
@@ -412,16 +413,18 @@ def served_calls(url: str) -> int:
     return int(sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines() if line.startswith("marl_calls_total")))
 
 
-def play_games(model_dir: Path, scratch: Path, game: str, games: int, speed: float, spread: bool = False) -> dict:
+def play_games(model_dir: Path, scratch: Path, game: str, games: int, args) -> dict:
     """`marl run` of `games` games on simulated remote swarm servers: games/hour, its CPU per 1,000 calls (with
-    `spread`, its own process's: the games' players run in Ray's workers)."""
+    `--spread-games`, its own process's: the Werewolves games' players run in Ray's workers)."""
     import os
     import subprocess
 
-    procs = {name: start_server(model_dir, scratch / name, speed) for name in GAMES[game][0]}
+    spread = args.spread_games and game == "werewolves"
+    procs = {name: start_server(model_dir, scratch / name, args.coordinator_speed) for name in GAMES[game][0]}
     try:
         topology = scratch / "topology.yaml"
-        topology.write_text(topology_yaml(game, {n: p.url for n, p in procs.items()}, games, scratch / "run", spread))
+        urls = {name: proc.url for name, proc in procs.items()}
+        topology.write_text(topology_yaml(game, urls, games, scratch / "run", args.coordinator_concurrency, spread))
         with open(scratch / "marl-run.log", "wb") as log:
             started = time.monotonic()
             child = subprocess.Popen([sys.executable, "-m", "marl.cli", "run", str(topology)], stdout=log,
@@ -437,7 +440,8 @@ def play_games(model_dir: Path, scratch: Path, game: str, games: int, speed: flo
             proc.stop()
     playing_cpu, playing_calls = while_playing(samples)
     cpu = usage.ru_utime + usage.ru_stime
-    return {"game": game, "spread_games": spread, "games": games, "seconds": seconds,
+    return {"game": game, "spread_games": spread, "concurrency": args.coordinator_concurrency, "games": games,
+            "seconds": seconds,
             "games_per_hour": games / seconds * 3600,
             "calls": calls, "coordinator_cpu_s": cpu, "coordinator_playing_cpu_s": playing_cpu,
             "coordinator_cpu_s_per_1k_calls": playing_cpu / max(playing_calls, 1) * 1000,
@@ -472,10 +476,9 @@ def while_playing(samples: list[tuple[float, int]]) -> tuple[float, int]:
 def coordinator_rate(model_dir: Path, scratch: Path, args) -> list[dict]:
     rows = []
     for game, games in (("signalling", args.signalling_games), ("werewolves", args.werewolves_games)):
-        spread = args.spread_games and game == "werewolves"
-        rows.append(play_games(model_dir, scratch / f"coordinator-{game}", game, games, args.coordinator_speed, spread))
+        rows.append(play_games(model_dir, scratch / f"coordinator-{game}", game, games, args))
         row = rows[-1]
-        label = game + " (Ray tasks)" * spread
+        label = game + " (Ray tasks)" * row["spread_games"]
         print(f"{label:>12}: {row['games']} games in {row['seconds']:.0f} s = {row['games_per_hour']:.0f} games/hour,"
               f" {row['calls']} calls; coordinator {row['coordinator_cpu_s']:.1f} CPU-s, of which"
               f" {row['coordinator_playing_cpu_s']:.1f} from the first call to the last:"
@@ -529,6 +532,7 @@ def parse(argv: list[str] | None):
     parser.add_argument("--signalling-games", type=int, default=8, help="the coordinator's signalling games")
     parser.add_argument("--werewolves-games", type=int, default=4, help="the coordinator's Werewolves games")
     parser.add_argument("--coordinator-speed", type=float, default=1.0)
+    parser.add_argument("--coordinator-concurrency", type=int, default=4, help="the coordinator's games in flight")
     parser.add_argument("--spread-games", action="store_true",
                         help="the Werewolves games as Ray tasks (run.ray.spread_games): the coordinator's own cost")
     parser.add_argument("--skip-load", action="store_true")

@@ -93,6 +93,18 @@ def test_the_agent_tag_is_sent_once_as_its_clients_header(static_server):
         LLMAgent(RefusingClient(), "m", system_prompt="s", agent_tag="seer")  # no OpenAI SDK client: say so
 
 
+def test_the_seats_own_clients_share_one_connection_pool(static_server):
+    """Each leased seat gets an OpenAI client of its own (its base URL, its tag, no retries), all on one connection
+    pool: a client with a pool of its own costs ~65 ms of CPU to make (its SSL context), and a game makes several."""
+    seats = [Seat(f"player_{i}", role, "srv", base_url=static_server.url + "/v1", model="tiny", trainable=True,
+                  max_tokens=2) for i, role in enumerate(("seer", "witch"))]
+    first, second = (default_player(seat) for seat in seats)
+    assert first.client is not second.client and first.client._client is second.client._client
+    assert [player.client.default_headers[AGENT_HEADER] for player in (first, second)] == ["seer", "witch"]
+    replies = [player.act("hi") for player in (first, second)]  # both call through the shared pool
+    assert all(isinstance(reply, str) for reply in replies) and len(second.messages) == 3
+
+
 def test_untagged_agent_sends_no_tag_and_failed_call_keeps_conversation(static_client):
     calls = spy_on(static_client)
     agent = LLMAgent(static_client, "tiny", system_prompt="s", max_tokens=4)
