@@ -88,7 +88,7 @@ WEREWOLVES = {
               "seer": {"server": "coplayer", "team": "village"}, "witch": {"server": "coplayer", "team": "village"},
               "hunter": {"server": "coplayer", "team": "village"},
               "villager": {"server": "coplayer", "count": 3, "team": "village"}},
-    "env": {"class": "envs.werewolves:Werewolves", "args": {"max_rounds": 3}},
+    "env": {"class": "envs.werewolves:Werewolves"},  # its args: `--max-rounds`
     "run": {"repeats": 8, "max_tokens": 64, "temperature": 1.0, "lease_timeout_s": 600},
 }
 
