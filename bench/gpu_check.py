@@ -15,8 +15,8 @@ Checks, in order (each one's failure is reported and the next still runs):
 5. with vLLM's CUDA build in .venv-vllm (`make vllm`): a boot, a weight sync through the weight-transfer engine
    (the disk path as fallback, reported), sleep and wake, tokens/s at batch 32.
 
-Checks 1-4 ran on one H200 on 2026-11-26 (docs/backends.md, "On a GPU"); check 5 has not run on a GPU yet. The
-smoke run proves the code paths on the CPU.
+Checks 1-4 ran on one H200 and on one H100 on 2026-11-26 (docs/backends.md, "On a GPU"); check 5 has not run on a
+GPU yet. The smoke run proves the code paths on the CPU.
 """
 
 from __future__ import annotations
