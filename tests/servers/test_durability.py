@@ -6,9 +6,11 @@ import json
 import sqlite3
 import time
 
+import pytest
 from conftest import admin_http, play_episode, server_process, start_rolling, wait_version
 
 from servers.ledger import GroupKey, Ledger
+from servers.prepared import PreparedEpisodes
 from servers.samples import Sample
 
 
@@ -123,3 +125,41 @@ def test_a_server_keeping_one_step_of_sample_tokens_compacts_after_each_checkpoi
     finally:
         ledger.close()
     assert tokens[:2] == [0, 0] and min(tokens[2:]) > 0  # step 1's emptied at step 2's checkpoint; step 2's kept
+
+
+def test_the_pools_kept_counts_equal_sqlites_after_every_kind_of_write(tmp_path):
+    ledger = Ledger(tmp_path / "l.sqlite")
+    prepared = PreparedEpisodes(ledger)
+
+    def record(episode: str, task: str, agents: tuple[str, ...] = ("a",), version: int = 0) -> None:
+        samples = [Sample(**{**vars(_sample(episode, agent)), "policy_version": version}) for agent in agents]
+        ledger.record_episode(episode_id=episode, job="j", task_id=task, client_id="c", reward=1.0,
+                              agent_rewards=None, metadata={}, num_calls=1, samples=samples)
+
+    def agrees() -> bool:
+        pending = ledger.db.execute("SELECT COUNT(DISTINCT episode_id) FROM samples WHERE consumed_step IS NULL")
+        return (list(ledger.pool_groups().items()) == list(ledger.count_pool_groups().items())  # and their order
+                and ledger.pending_episodes() == pending.fetchone()[0])
+
+    assert ledger.pool_groups() == {} and agrees()
+    record("e0", "t1", ("a", "b"))
+    record("e1", "t2")
+    record("e2", "t1", ("a", "a"))  # two samples of one agent: one episode of the group
+    record("e3", "t3", ())  # no samples: nothing joins the pool
+    assert ledger.pool_groups() == {GroupKey("j", "t1", "a"): 2, GroupKey("j", "t1", "b"): 1,
+                                    GroupKey("j", "t2", "a"): 1} and ledger.pending_episodes() == 3 and agrees()
+    with pytest.raises(sqlite3.IntegrityError):  # a second e1: the transaction rolls back, nothing is counted
+        record("e1", "t2")
+    assert ledger.pending_episodes() == 3 and agrees()
+    prepared.prepare(game_id="g", timeout_s=60, decision_log=None, request_digest="d", samples=[_sample("p0")],
+                     episode_id="p0", job="j", task_id="t4", client_id="c", reward=1.0, agent_rewards=None,
+                     metadata={}, num_calls=1)
+    assert GroupKey("j", "t4", "a") not in ledger.pool_groups() and agrees()  # prepared: not in the pool yet
+    prepared.commit("p0")
+    assert ledger.pool_groups()[GroupKey("j", "t4", "a")] == 1 and agrees()
+    ledger.claim_batch(1, [GroupKey("j", "t1", "a")])
+    assert GroupKey("j", "t1", "a") not in ledger.pool_groups() and agrees()
+    record("e4", "t1", version=1)  # the group comes back, as the newest
+    assert list(ledger.pool_groups())[-1] == GroupKey("j", "t1", "a") and agrees()
+    assert ledger.recover(resume_step=0) == 3 and agrees()  # e0's and e2's samples of agent a
+    assert ledger.drop_stale(min_version=1) == 6 and list(ledger.pool_groups().values()) == [1] and agrees()
