@@ -81,14 +81,14 @@ def serve_in_thread(app: FastAPI, port: int) -> uvicorn.Server:
 
 #: The Werewolves shape of the issue: the learner plays the three werewolves; the seer, witch, hunter and villagers
 #: are the slow co-player (a frozen 235B behind an API in the user's run). `--max-rounds` sets the game's length
-#: (3 by default, shorter than the issue's 10 rounds).
+#: (3 by default, shorter than the issue's 10 rounds) and `--valid-action-bonus` the env's shaping.
 WEREWOLVES = {
     "train": {"job": "werewolves", "batch_size": 4, "num_repeat": 8},
     "roles": {"werewolf": {"server": "learner", "count": 3, "team": "werewolves"},
               "seer": {"server": "coplayer", "team": "village"}, "witch": {"server": "coplayer", "team": "village"},
               "hunter": {"server": "coplayer", "team": "village"},
               "villager": {"server": "coplayer", "count": 3, "team": "village"}},
-    "env": {"class": "envs.werewolves:Werewolves"},  # its args: `--max-rounds`
+    "env": {"class": "envs.werewolves:Werewolves"},  # its args: `--max-rounds`, `--valid-action-bonus`
     "run": {"repeats": 8, "max_tokens": 64, "temperature": 1.0, "lease_timeout_s": 600},
 }
 
@@ -105,7 +105,8 @@ def topology(learner_at: dict, coplayer: tuple[str, str], args: argparse.Namespa
                       "listener": {"server": "coplayer", "count": 1, "team": "listener"}}}
     if args.game == "werewolves":
         game = {**WEREWOLVES, "run": {**shipped["run"], **WEREWOLVES["run"]},
-                "env": {**WEREWOLVES["env"], "args": {"max_rounds": args.max_rounds}}}
+                "env": {**WEREWOLVES["env"], "args": {"max_rounds": args.max_rounds,
+                                                      "valid_action_bonus": args.valid_action_bonus}}}
     learner = {**learner_at, "trainable": True,
                "train": {**game["train"], "overlap": overlap, "max_staleness": args.max_staleness}}
     if "model" in learner_at:
@@ -175,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--game", choices=["signalling", "werewolves"], default="signalling",
                         help="signalling: the learner speaks to the co-player; werewolves: it plays the wolves")
     parser.add_argument("--max-rounds", type=int, default=3, help="with --game werewolves: rounds at most per game")
+    parser.add_argument("--valid-action-bonus", type=float, default=0.0,
+                        help="with --game werewolves: the env's shaping (at 10 rounds the simulated wolves always win:"
+                             " the bonus makes groups differ, so steps train)")
     parser.add_argument("--engine", choices=["torch", "simulated"], default="torch",
                         help="torch: SmolLM2 on this CPU; simulated: a GPU engine's latency and a 7B trainer's step")
     parser.add_argument("--speed", type=float, default=1.0, help="with --engine simulated: its delays this much faster")
@@ -196,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             coplayer = (f"http://127.0.0.1:{port}/v1", "coplayer")
             report = {"model": "tiny" if args.smoke else model, "engine": args.engine, "game": args.game,
                       "max_rounds": args.max_rounds if args.game == "werewolves" else None,
+                      "valid_action_bonus": args.valid_action_bonus if args.game == "werewolves" else None,
                       "speed": args.speed if speed else 1.0, "delay_s": args.delay, "steps": args.steps,
                       "concurrency": args.concurrency, "max_staleness": args.max_staleness,
                       "off": run_side(model, coplayer, args, False, scratch),
