@@ -14,8 +14,11 @@ tokenizer the tiny test model's. It trains as it rolls: batch_size 8 x num_repea
 while a step trains; `max_staleness` as large as the most leases need, so that no begin is refused for being ahead).
 For each point, that many leases run at once in a closed loop: begin, `--turns` chat calls of a growing conversation
 (`--max-tokens` each), end with a random reward, begin again. A call's latency as the client saw it minus the engine's
-wall time for it (the `Server-Timing: engine;dur=<ms>` header every non-streaming chat completion carries) is marl's
-added latency: HTTP, the lease's key, the prompt rendered and spliced, the reply shaped, the call recorded. The engine's
+wall time for it (the `Server-Timing: engine;dur=<ms>, marl;dur=<ms>` header every non-streaming chat completion
+carries) is marl's added latency: HTTP, the lease's key, the prompt rendered and spliced, the reply shaped, the call
+recorded, and any wait of the request or the reply in the client's own loop or the kernel. The header's `marl` is the
+server's own part of it, timed inside the server from its first sight of the request (`own p50`, `own p99`): what it
+leaves out is the client's and the network's, and the wait before the server's loop reads the request. The engine's
 wall time includes waiting for a slot (256 run at once) and for a weight swap, as in vLLM; it also includes any delay
 of the server's event loop in waking the engine's sleeps, so when the server's loop is saturated (CPU near one core)
 part of marl's cost shows as engine time: read the server's CPU column with the latency. Calls and episodes are
@@ -63,6 +66,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
 import httpx
+
+from marl.protocol import SERVER_TIMING_HEADER, TIMING_ENGINE, TIMING_MARL, parse_server_timing  # noqa: E402
 
 ADMIN = "-scale-bench-admin"
 BATCH_SIZE, NUM_REPEAT = 8, 8  # 64 episodes per step
@@ -139,7 +144,8 @@ class Load:
 
 @dataclass
 class WorkerResult:
-    calls: list[tuple[float, float, float]] = field(default_factory=list)  # (finished at, seen s, engine s)
+    calls: list[tuple[float, float, float, float]] = field(default_factory=list)  # (finished at, seen s, engine s,
+    # the server's own s)
     episodes: list[float] = field(default_factory=list)  # ended at
     refused: int = 0  # 503s at begin, waited out
     dropped: int = 0  # connections the server closed mid-request (counted; the episode is given up, a new one begun)
@@ -213,8 +219,8 @@ async def _episode(client: httpx.AsyncClient, load: Load, result: WorkerResult, 
             "model": lease["model"], "max_tokens": load.max_tokens, "messages": messages})
         done = time.monotonic()
         call.raise_for_status()
-        engine_ms = float(call.headers["server-timing"].split("dur=")[1])
-        result.calls.append((done, done - sent, engine_ms / 1000))
+        timing = parse_server_timing(call.headers[SERVER_TIMING_HEADER])
+        result.calls.append((done, done - sent, timing[TIMING_ENGINE] / 1000, timing[TIMING_MARL] / 1000))
         messages.append({"role": "assistant", "content": call.json()["choices"][0]["message"]["content"] or ""})
     end = await client.post(f"/episodes/{lease['episode_id']}/end",
                             json={"client_id": "scale", "task_id": task, "reward": rng.random()})
@@ -283,7 +289,8 @@ def summarize(leases: int, results: list[WorkerResult], window: tuple[float, flo
     inside = [c for r in results for c in r.calls if window[0] <= c[0] <= window[1]]
     episodes = sum(window[0] <= t <= window[1] for r in results for t in r.episodes)
     seconds = window[1] - window[0]
-    marl_ms = [(seen - engine) * 1000 for _, seen, engine in inside]
+    marl_ms = [(seen - engine) * 1000 for _, seen, engine, _ in inside]
+    server_ms = [own * 1000 for *_, own in inside]
     cpu = usage["end"][0] - usage["start"][0]
     return {
         "leases": leases,
@@ -295,6 +302,8 @@ def summarize(leases: int, results: list[WorkerResult], window: tuple[float, flo
         "marl_p50_ms": percentile(marl_ms, 50),
         "marl_p99_ms": percentile(marl_ms, 99),
         "marl_mean_ms": statistics.fmean(marl_ms) if marl_ms else float("nan"),
+        "server_marl_p50_ms": percentile(server_ms, 50),
+        "server_marl_p99_ms": percentile(server_ms, 99),
         "server_cpu_util": cpu / seconds,
         "server_cpu_s_per_1k_calls": cpu / max(len(inside), 1) * 1000,
         "server_rss_mb": usage["end"][1] / 2**20,
@@ -309,7 +318,8 @@ def summarize(leases: int, results: list[WorkerResult], window: tuple[float, flo
 LOAD_COLUMNS = (  # (key, title, format) of the printed table
     ("leases", "leases", "{:d}"), ("episodes_per_s", "ep/s", "{:.1f}"), ("calls_per_s", "calls/s", "{:.1f}"),
     ("engine_p50_ms", "engine p50", "{:.0f}"), ("marl_p50_ms", "marl p50", "{:.2f}"),
-    ("marl_p99_ms", "marl p99", "{:.2f}"), ("server_cpu_util", "srv cpu", "{:.2f}"),
+    ("marl_p99_ms", "marl p99", "{:.2f}"), ("server_marl_p50_ms", "own p50", "{:.2f}"),
+    ("server_marl_p99_ms", "own p99", "{:.2f}"), ("server_cpu_util", "srv cpu", "{:.2f}"),
     ("server_cpu_s_per_1k_calls", "cpu-s/1k", "{:.2f}"), ("server_rss_mb", "RSS MB", "{:.0f}"),
     ("ledger_kb_per_1k_episodes", "ledger KB/1k ep", "{:.0f}"),
     ("client_lag_p99_ms", "client lag p99", "{:.0f}"), ("client_cpu_util", "client cpu", "{:.2f}"),
@@ -501,6 +511,7 @@ def plot(load_rows: list[dict], memory_rows: list[dict], path: Path) -> None:
         x = [r["leases"] for r in load_rows]
         left.plot(x, [r["marl_p50_ms"] for r in load_rows], "o-", label="marl p50")
         left.plot(x, [r["marl_p99_ms"] for r in load_rows], "s-", label="marl p99")
+        left.plot(x, [r["server_marl_p99_ms"] for r in load_rows], "d-", label="server's own p99")
         left.axhline(5.0, color="grey", linestyle=":", label="goal p99 5 ms")
         left.set(xscale="log", yscale="log", xlabel="concurrent leases", ylabel="marl's added latency per call (ms)")
         twin = left.twinx()

@@ -48,6 +48,13 @@ ROUTE_METRICS = "/metrics"  # Prometheus text format, no auth (counts only, as v
 AGENT_HEADER = "X-Marl-Agent"
 #: Agent tag used when a call carries neither the header nor `user`.
 DEFAULT_AGENT = "default"
+#: A non-streaming chat completion's response header: `engine;dur=<ms>, marl;dur=<ms>`. `engine`: the engine's wall
+#: time for the call (waiting for a slot or a weight swap, prefill, decode); `marl`: the server's own, from its first
+#: sight of the request to its reply, less the engine's (the lease's key, the body, the prompt, the reply, recording;
+#: not the reply's serialisation). What else a client sees is the network's and its own.
+SERVER_TIMING_HEADER = "Server-Timing"
+TIMING_ENGINE = "engine"
+TIMING_MARL = "marl"
 #: Environment variable holding a server's admin token (read by `marl serve`, clients, `marl run`, overwatch).
 ADMIN_TOKEN_ENV = "MARL_ADMIN_TOKEN"
 #: Every episode key starts with this, so the control plane can tell a misplaced episode key from a wrong token.
@@ -806,3 +813,15 @@ def __getattr__(name: str):
         from servers.samples import Sample
         return Sample
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def parse_server_timing(value: str) -> dict[str, float]:
+    """A `Server-Timing` header's durations in milliseconds by name (`engine;dur=1.5, marl;dur=0.4`); a metric without
+    a duration is left out."""
+    timings = {}
+    for metric in value.split(","):
+        name, *params = (part.strip() for part in metric.split(";"))
+        durations = [float(v[4:]) for v in params if v.startswith("dur=")]
+        if name and durations:
+            timings[name] = durations[0]
+    return timings

@@ -5,8 +5,8 @@ one engine call path and one recording path: the prompt ids given, the generated
 returned them, the policy version, the agent tag, recorded on the call's session (its lease) once it finishes.
 
 `engine_s` is the wall time the engine took (from asking it for the generation to its last token: waiting for a slot
-or a weight swap, prefill, decode), which a non-streaming chat completion reports as `Server-Timing: engine;dur=<ms>`
-(`server_timing`); the rest of what its caller sees is marl's (HTTP, the lease, the prompt, the reply, recording).
+or a weight swap, prefill, decode), which a non-streaming chat completion reports in its `Server-Timing` header beside
+the server's own time on the call (`server_timing`, `marl.protocol.SERVER_TIMING_HEADER`).
 """
 
 from __future__ import annotations
@@ -79,9 +79,11 @@ class EngineCall:
         self.service.telemetry.errors.report(refusal.message)
         return refusal
 
-    def server_timing(self) -> str:
-        """The `Server-Timing` header value of the finished call: the engine's wall time in milliseconds."""
-        return f"engine;dur={self.engine_s * 1000:.3f}"
+    def server_timing(self, received_at: float) -> str:
+        """The `Server-Timing` header value of the finished call (`marl.protocol.SERVER_TIMING_HEADER`): the engine's
+        wall time and the server's own since `received_at` (`time.perf_counter()`), in milliseconds."""
+        marl_s = max(0.0, time.perf_counter() - received_at - self.engine_s)
+        return f"{p.TIMING_ENGINE};dur={self.engine_s * 1000:.3f}, {p.TIMING_MARL};dur={marl_s * 1000:.3f}"
 
     def usage(self) -> p.Usage:
         return p.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.ids),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -50,6 +51,8 @@ PARSE_OFF_LOOP_BYTES = 64 * 2**10
 MAX_BODY_OBJECTS = 8192
 #: Scope key of a body the gate parsed (servers.http_routes' routes take it from there).
 PARSED_JSON = "marl.parsed_json"
+#: Scope key of when the gate first saw the request (`time.perf_counter()`): where the server's own time on it starts.
+RECEIVED_AT = "marl.received_at"
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -68,6 +71,7 @@ class RequestGate:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        scope[RECEIVED_AT] = time.perf_counter()
         headers = Headers(scope=scope)
         declared = _content_length(headers)
         refusal = self.authorize(scope, bearer_token(headers.get("authorization")))

@@ -36,7 +36,7 @@ from servers.chat_completions import ChatService
 from servers.completions_api import CompletionRequest, create_completion
 from servers.errors import Refusal, refusal_response
 from servers.frozen_policies import FrozenPolicies
-from servers.http_guards import PARSED_JSON, Authorize, CatchUnexpected, RequestGate, Scope
+from servers.http_guards import PARSED_JSON, RECEIVED_AT, Authorize, CatchUnexpected, RequestGate, Scope
 from servers.openapi import BEARER, errors
 from servers.policy_server import PolicyServer
 from servers.static_server import StaticServer
@@ -45,9 +45,7 @@ from servers.trainable_server import TrainableServer
 log = logging.getLogger("marl.server")
 
 
-#: A non-streaming chat completion's response header: `engine;dur=<ms>`, the engine's wall time for the call
-#: (`servers.engine_call`); the rest of the latency a client sees is marl's and the network's.
-SERVER_TIMING = "Server-Timing"
+SERVER_TIMING = p.SERVER_TIMING_HEADER
 
 #: What the training routes see: a server's learners (one; or one per policy), each a `TrainableServer`.
 Learners = TrainableServer | PolicyServer
@@ -269,8 +267,9 @@ def _data_plane_routes(chat: ChatService) -> APIRouter:
     @router.post(p.ROUTE_CHAT, dependencies=[BEARER], responses={
         200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
               "description": "The completion (JSON), or its server-sent events with `stream: true`.",
-              "headers": {SERVER_TIMING: {"description": "Without `stream`: `engine;dur=<ms>`, the engine's wall"
-                                          " time for the call (the rest of its latency is marl's and the network's).",
+              "headers": {SERVER_TIMING: {"description": "Without `stream`: `engine;dur=<ms>, marl;dur=<ms>`, the"
+                                          " engine's wall time for the call and the server's own (the rest of its"
+                                          " latency is the network's).",
                                           "schema": {"type": "string"}}}},
         **errors(400, 401, 404, 413, 500, 503)})
     async def chat_completions(body: p.ChatCompletionRequest, request: Request, response: Response,
@@ -280,7 +279,7 @@ def _data_plane_routes(chat: ChatService) -> APIRouter:
         if body.stream:
             return StreamingResponse(call.stream(), media_type="text/event-stream")
         reply = await call.complete()
-        response.headers[SERVER_TIMING] = call.server_timing()  # the engine's share of the call's latency
+        response.headers[SERVER_TIMING] = call.server_timing(request.scope[RECEIVED_AT])  # whose time the call took
         return reply
 
     @router.post(p.ROUTE_RESPONSES, dependencies=[BEARER], responses=_CALL_RESPONSES)
