@@ -8,6 +8,7 @@ stalls the event loop; 5. no unhandled 500 (and none that drops the connection);
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import sqlite3
@@ -23,6 +24,7 @@ from stubs import AppServer
 
 from marl import SwarmClient
 from marl.protocol import ErrorCode
+from servers import chat_completions
 from servers.entrypoint import ServeOptions, build_app
 
 CLIENT = "client-h"
@@ -301,6 +303,31 @@ def test_health_answers_while_a_huge_prompt_is_handled(rolling):
     answer, slowest = slowest_health_while(srv, lambda: chat(lease, big))
     refused(answer, 400, ErrorCode.CONTEXT_LENGTH_EXCEEDED)
     assert slowest < 1.0, f"/health took {slowest:.2f}s while the prompt was handled"
+
+
+def test_a_short_prompt_renders_on_the_event_loop_and_a_long_one_in_a_worker_thread(rolling, monkeypatch):
+    """A thread hop costs a short prompt more than its render (docs/scale.md); a long one must not hold the loop."""
+    _, http = rolling
+    lease = begin(http)
+    where: list[str] = []
+    render = chat_completions._prompt
+
+    def spy(*args):
+        try:
+            asyncio.get_running_loop()
+            where.append("loop")
+        except RuntimeError:  # no loop runs in a worker thread
+            where.append("worker")
+        return render(*args)
+
+    monkeypatch.setattr(chat_completions, "_prompt", spy)
+    short = [{"role": "user", "content": "hi"}]
+    many = short * (chat_completions.INLINE_PROMPT_MESSAGES + 1)
+    long = [{"role": "user", "content": "x" * (chat_completions.INLINE_PROMPT_CHARS + 1)}]
+    for messages in (short, many):
+        assert chat(lease, {"model": "tiny", "max_tokens": 2, "messages": messages}).status_code == 200
+    refused(chat(lease, {"model": "tiny", "messages": long}), 400, ErrorCode.CONTEXT_LENGTH_EXCEEDED)  # rendered first
+    assert where == ["loop", "worker", "worker"]
 
 
 def slowest_health_while(srv: LocalServer, work) -> tuple[object, float]:
