@@ -290,7 +290,8 @@ def _renders_in_moments(body: p.ChatCompletionRequest, history: list[CallRecord]
 
 def _prompt(formatter: ChatFormatter, body: p.ChatCompletionRequest, choice: ToolChoice, history: list[CallRecord],
             context_length: int) -> tuple[str, list[int]]:
-    """(the text prefilled for a forced tool call, the prompt's ids): run in a worker thread."""
+    """(the text prefilled for a forced tool call, the prompt's ids): in a worker thread, or on the event loop for a
+    short prompt (`_renders_in_moments`)."""
     prefill = ""
     if choice.forced:
         if formatter.tool_call_format is None:

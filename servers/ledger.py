@@ -9,8 +9,8 @@ Guarantees (invariant 1: no acknowledged sample is lost or counted twice):
 - The pool's counts (`pool_groups`, `pending_episodes`), which the train loop reads after every end, are counted in
   SQLite once and then kept up to date by the writes: an inserted episode adds to them when its transaction commits,
   and every other write that moves samples in or out of the pool (`claim_batch`, `drop_stale`, `recover`) makes the
-  next read count again. A GROUP BY over the pool at every end cost time in proportion to the pool (10 ms at 5,000
-  pending samples) on the ledger's one thread, where the ends wait.
+  next read count again. A GROUP BY over the pool at every end cost time in proportion to the pool (21.7 ms at
+  5,000 pending episodes, `bench/ledger_commit.py --recount`) on the ledger's one thread, where the ends wait.
 - A claim is kept only as long as a checkpoint holds its step: a restarted server calls `recover(resume_step)` with
   the step of the checkpoint it resumed from, which returns the claims of later steps (the restored model never kept
   those updates) to the pool, so the resumed lineage trains on every sample exactly once.
@@ -302,7 +302,7 @@ class Ledger:
     def transaction(self):
         """One write transaction; the episodes it inserted join the kept pool counts once it commits."""
         self.db.execute("BEGIN IMMEDIATE")
-        self._inserted = []
+        self._inserted, counted = [], self._pool
         try:
             yield
         except BaseException:
@@ -310,8 +310,9 @@ class Ledger:
             self._pool = None  # whatever the transaction did is undone: count again rather than undo by hand
             raise
         self.db.execute("COMMIT")
-        for groups in self._inserted if self._pool is not None else ():
-            self._pool.add(groups)
+        if counted is not None and self._pool is counted:  # not counted again meanwhile (that count saw the inserts)
+            for groups in self._inserted:
+                counted.add(groups)
 
 
 def _sample(row) -> Sample:
