@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="signalling: the learner speaks to the co-player; werewolves: it plays the wolves")
     parser.add_argument("--max-rounds", type=int, default=3, help="with --game werewolves: rounds at most per game")
     parser.add_argument("--valid-action-bonus", type=float, default=0.0,
-                        help="with --game werewolves: the env's shaping (at 10 rounds the simulated wolves always win:"
-                             " the bonus makes groups differ, so steps train)")
+                        help="with --game werewolves: the env's shaping (at 10 rounds the simulated wolves nearly"
+                             " always win: the bonus makes groups differ, so steps train)")
     parser.add_argument("--engine", choices=["torch", "simulated"], default="torch",
                         help="torch: SmolLM2 on this CPU; simulated: a GPU engine's latency and a 7B trainer's step")
     parser.add_argument("--speed", type=float, default=1.0, help="with --engine simulated: its delays this much faster")
