@@ -43,7 +43,7 @@ def look(ledger: Ledger, recount: bool) -> float:
     started = time.perf_counter()
     if recount:
         ledger.count_pool_groups()
-        ledger.db.execute("SELECT COUNT(DISTINCT episode_id) FROM samples WHERE consumed_step IS NULL").fetchone()
+        ledger.count_pending_episodes()
     else:
         ledger.pool_groups()
         ledger.pending_episodes()

@@ -45,8 +45,6 @@ from servers.trainable_server import TrainableServer
 log = logging.getLogger("marl.server")
 
 
-SERVER_TIMING = p.SERVER_TIMING_HEADER
-
 #: What the training routes see: a server's learners (one; or one per policy), each a `TrainableServer`.
 Learners = TrainableServer | PolicyServer
 #: The control routes' `?policy=`: one policy of a server of several (left out: the whole server, or its only one).
@@ -267,10 +265,10 @@ def _data_plane_routes(chat: ChatService) -> APIRouter:
     @router.post(p.ROUTE_CHAT, dependencies=[BEARER], responses={
         200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
               "description": "The completion (JSON), or its server-sent events with `stream: true`.",
-              "headers": {SERVER_TIMING: {"description": "Without `stream`: `engine;dur=<ms>, marl;dur=<ms>`, the"
-                                          " engine's wall time for the call and the server's own (the rest of its"
-                                          " latency is the network's).",
-                                          "schema": {"type": "string"}}}},
+              "headers": {p.SERVER_TIMING_HEADER: {
+                  "description": "Without `stream`: `engine;dur=<ms>, marl;dur=<ms>`, the engine's wall time for the"
+                                 " call and the server's own (the rest of its latency is the network's).",
+                  "schema": {"type": "string"}}}},
         **errors(400, 401, 404, 413, 500, 503)})
     async def chat_completions(body: p.ChatCompletionRequest, request: Request, response: Response,
                                agent: str | None = Header(None, alias=p.AGENT_HEADER)):
@@ -279,7 +277,7 @@ def _data_plane_routes(chat: ChatService) -> APIRouter:
         if body.stream:
             return StreamingResponse(call.stream(), media_type="text/event-stream")
         reply = await call.complete()
-        response.headers[SERVER_TIMING] = call.server_timing(request.scope[RECEIVED_AT])  # whose time the call took
+        response.headers[p.SERVER_TIMING_HEADER] = call.server_timing(request.scope[RECEIVED_AT])  # whose time
         return reply
 
     @router.post(p.ROUTE_RESPONSES, dependencies=[BEARER], responses=_CALL_RESPONSES)

@@ -219,9 +219,13 @@ class Ledger:
 
     def _counts(self) -> PoolCounts:
         if self._pool is None:
-            self._pool = PoolCounts(self.count_pool_groups(), self.db.execute(
-                "SELECT COUNT(DISTINCT episode_id) FROM samples WHERE consumed_step IS NULL").fetchone()[0])
+            self._pool = PoolCounts(self.count_pool_groups(), self.count_pending_episodes())
         return self._pool
+
+    def count_pending_episodes(self) -> int:
+        """`pending_episodes` counted in SQLite."""
+        query = "SELECT COUNT(DISTINCT episode_id) FROM samples WHERE consumed_step IS NULL"
+        return self.db.execute(query).fetchone()[0]
 
     def count_pool_groups(self) -> dict[GroupKey, int]:
         """`pool_groups` counted in SQLite (what the kept counts must always equal)."""

@@ -137,9 +137,8 @@ def test_the_pools_kept_counts_equal_sqlites_after_every_kind_of_write(tmp_path)
                               agent_rewards=None, metadata={}, num_calls=1, samples=samples)
 
     def agrees() -> bool:
-        pending = ledger.db.execute("SELECT COUNT(DISTINCT episode_id) FROM samples WHERE consumed_step IS NULL")
         return (list(ledger.pool_groups().items()) == list(ledger.count_pool_groups().items())  # and their order
-                and ledger.pending_episodes() == pending.fetchone()[0])
+                and ledger.pending_episodes() == ledger.count_pending_episodes())
 
     assert ledger.pool_groups() == {} and agrees()
     record("e0", "t1", ("a", "b"))
