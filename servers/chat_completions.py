@@ -159,7 +159,7 @@ def _sampling_params(body: p.ChatCompletionRequest, prompt_tokens: int, context_
         raise _too_long(str(prompt_tokens), body, context_length)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(max_tokens=max_tokens or room, temperature=body.temperature, top_p=body.top_p, stop=stop,
-                          seed=body.seed)
+                          seed=body.seed, stream=bool(body.stream))
 
 
 def _too_long(prompt_tokens: str, body: p.ChatCompletionRequest, context_length: int) -> Refusal:

@@ -69,7 +69,7 @@ async def create_completion(chat: ChatService, body: CompletionRequest, session:
         raise _too_long(len(prompt_ids), context)
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, stop=stop,
-                            seed=body.seed)
+                            seed=body.seed, stream=bool(body.stream))
     call = CompletionCall(chat, session, prompt_ids, params, agent or body.user or p.DEFAULT_AGENT)
     if body.stream:
         return call.stream()

@@ -14,6 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from marl.protocol import ADMIN_TOKEN_ENV, DEFAULT_MAX_BODY_MB, SERVER_KEEP_ALIVE_S, LoraSpec, TrainConfig
+from servers import heap
 from servers.engines.vllm_lora import LoraSlots, lora_slots
 from servers.engines.vllm_process import VLLMSettings
 from servers.http_routes import create_app
@@ -229,6 +230,7 @@ def build_app(options: ServeOptions, *, engine_factory=None, trainer_factory=Non
 
 
 def serve(options: ServeOptions) -> None:
+    heap.own_process()  # this process is the server's alone: its boots freeze the boot-time heap
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server, token = build_server(options)
     where = "static" if options.static else f"trainable (data: {options.resolved_data_dir()})"

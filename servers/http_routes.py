@@ -77,13 +77,16 @@ def create_app(server: Learners | StaticServer, admin_token: str, *,
     app.state.server = server
     for error, handler in _ERROR_HANDLERS.items():
         app.add_exception_handler(error, handler)
-    app.include_router(_open_routes(server))
-    app.include_router(_monitoring_routes(server), dependencies=[BEARER])
+    # Routes are matched in this order, one after the other: the busiest first (a chat call, a begin, an end).
+    data_plane, episodes = _data_plane_routes(server.chat), _episode_routes(server)
+    app.include_router(data_plane)
+    app.include_router(episodes, dependencies=[BEARER])
     app.include_router(_control_routes(server), dependencies=[BEARER])
-    app.include_router(_episode_routes(server), dependencies=[BEARER])
-    app.include_router(_data_plane_routes(server.chat))
+    app.include_router(_monitoring_routes(server), dependencies=[BEARER])
+    app.include_router(_open_routes(server))
+    fixed = _fixed_paths(data_plane.routes + episodes.routes)
     # The last added runs first: unexpected errors are caught around the gate too.
-    app.add_middleware(RequestGate, authorize=_authorizer(server, admin_token, app.router.routes),
+    app.add_middleware(RequestGate, authorize=_authorizer(server, admin_token, app.router.routes, fixed),
                        max_body_bytes=int(max_body_mb * 2**20))
     app.add_middleware(CatchUnexpected)
     app.add_middleware(AnthropicErrors)  # outermost: every error on /v1/messages in Anthropic's shape
@@ -310,12 +313,21 @@ _CALL_RESPONSES = {200: {"content": {"text/event-stream": {"schema": {"type": "s
 # --- authentication ------------------------------------------------------------------------------------------------
 
 
-def _authorizer(server: SwarmServer, admin_token: str, routes: list[BaseRoute]) -> Authorize:
+def _fixed_paths(routes: list[BaseRoute]) -> frozenset[tuple[str, str]]:
+    """(method, path) of every route in `routes` without path parameters: taken without matching every route."""
+    return frozenset((method, route.path) for route in routes if isinstance(route, APIRoute)
+                     and not route.param_convertors for method in route.methods)  # fmt: skip
+
+
+def _authorizer(server: SwarmServer, admin_token: str, routes: list[BaseRoute],
+                fixed: frozenset[tuple[str, str]]) -> Authorize:  # fmt: skip
     """Who may go on, from the request line and the bearer token alone (`RequestGate` asks before reading the body).
-    A request no route takes goes on unasked: the router answers it 404 or 405 without reading its body."""
+    A request no route takes goes on unasked: the router answers it 404 or 405 without reading its body. `fixed`:
+    (method, path) pairs known to be taken (`_fixed_paths`), which skip the walk over every route."""
 
     def authorize(scope: Scope, token: str | None) -> Refusal | None:
-        if not any(route.matches(scope)[0] is Match.FULL for route in routes):
+        if (scope["method"], scope["path"]) not in fixed and not any(
+                route.matches(scope)[0] is Match.FULL for route in routes):
             return None
         path = scope["path"]
         if path.startswith(p.ADMIN_ROUTE_PREFIXES):

@@ -47,6 +47,9 @@ class SamplingParams:
     seed: int | None = None
     #: The LoRA adapter (a policy's name) to generate with; None: the base model.
     adapter: str | None = None
+    #: Whether anyone reads the tokens as they come. False (a non-streaming API call): the engine may hand back the
+    #: whole generation as one chunk, which spares the server a wake-up per token (docs/scale.md).
+    stream: bool = True
 
 
 @dataclass
@@ -87,7 +90,8 @@ class InferenceEngine(abc.ABC):
         `logprobs[i]` is log softmax of the raw logits (temperature 1, no top-p) at the sampled token: the same
         number a training forward pass computes, whatever temperature the token was sampled at.
 
-        Waits (does not fail) while weights are being swapped.
+        Waits (does not fail) while weights are being swapped. With `params.stream` False the chunks may come all at
+        once, at the end; their concatenation is the same either way.
         """
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from marl.protocol import ConfigResponse, EngineState, ErrorCode, TrainConfig
+from servers import heap
 from servers.chat_format import ChatFormatter
 from servers.checkpoint_dirs import CheckpointDir
 from servers.errors import Refusal
@@ -127,6 +128,7 @@ class EngineLifecycle:
             return
         self.engine, self.trainer, self.policy_version = engine, trainer, trainer.step_count
         self.formatter = formatter
+        heap.settle()  # before the first call: its one collection holds the loop
         self.move_to(EngineState.ROLLING)
         log.info("engine ROLLING: serving %s at policy version %d", self.served_name, self.policy_version)
         self._wakeup.wake()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from marl.protocol import EngineState, ErrorCode, MonitorSnapshot, ServerStatus
+from servers import heap
 from servers.chat_completions import ChatService, Unleased
 from servers.chat_format import ChatFormatter
 from servers.errors import Refusal
@@ -80,6 +81,7 @@ class StaticServer:
             self.state = EngineState.OFFLINE
             return
         self.engine, self.formatter = engine, formatter
+        heap.settle()  # before the first call: its one collection holds the loop
         self.state = EngineState.STATIC
         log.info("engine STATIC: serving %s", self.served_name)
 

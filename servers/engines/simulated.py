@@ -17,7 +17,10 @@ performance dashboard and its v0.6 release blog, Llama-3-8B on one H100), not me
 
 Concurrent requests as one batch: each sequence sleeps ITL(n) per token, n read again at every token. n sequences
 then advance n tokens per ITL(n), the throughput of one batched decode step, without a shared clock; the simpler of
-the two, and exact whenever n is steady. At most `max_running` sequences run; more wait for a slot, as in vLLM.
+the two, and exact whenever n is steady. A generation nobody streams (`SamplingParams.stream` False) sleeps
+`UNSTREAMED_STEPS_PER_WAKE` steps at a time, n read again at each, and comes back as one chunk at its end, at the
+same time as the streamed one's last token: 256 running sequences would otherwise wake the server's loop 9,000
+times a second. At most `max_running` sequences run; more wait for a slot, as in vLLM.
 `speed` divides every delay (1.0: real time; 100: a hundred times faster, for tests).
 
 A reply copies the prompt's own tokens, in order from a random place among its last `ECHO_WINDOW` plain (not
@@ -26,13 +29,14 @@ and some moves are valid and some rewards differ, as with a real model, where ra
 back the same way (and every GRPO group score alike). A generation stops at max_tokens ("length"), or earlier at a
 random length ending with an eos id ("stop"), seeded by `SamplingParams.seed` and the prompt when a seed is given.
 Weight and adapter loads are counted, not applied; they still drain the running generations first, as the interface
-demands. Everything runs on the server's event loop (asyncio.sleep only); the blocking calls (loads, close) come
-from worker threads.
+demands. A request that waits for a slot sleeps until one is handed to it, oldest first. Everything runs on the
+server's event loop (asyncio.sleep only); the blocking calls (loads, close) come from worker threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 import threading
 import time
@@ -47,10 +51,13 @@ from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams
 
 #: A reply copies the prompt from a random place among its last this many plain tokens (the latest observation).
 ECHO_WINDOW = 64
+#: Without a reader of every token (`SamplingParams.stream` False) a sequence sleeps this many decode steps at once:
+#: one wake-up where there were this many (what the server's loop spent on the simulation, not on marl's own work).
+UNSTREAMED_STEPS_PER_WAKE = 16
 
 __all__ = ["LatencyModel", "SimulatedEngine", "SimulatedStats", "simulated_engine_factory"]
 
-_POLL_S = 0.002  # how often a waiting request looks for a free slot (or the end of a weight swap)
+_Waiter = tuple[asyncio.AbstractEventLoop, asyncio.Future]
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,7 @@ class SimulatedEngine(InferenceEngine):
         self.adapters: dict[str, LoraSpec] = {}
         self._lock = threading.Condition()
         self._swapping = 0  # weight or adapter loads waiting for the running sequences to drain
+        self._waiters: collections.deque[_Waiter] = collections.deque()  # requests waiting for a slot, oldest first
         self._closed = False
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[GenerationChunk]:
@@ -138,17 +146,29 @@ class SimulatedEngine(InferenceEngine):
             self.stats.prefilled_tokens += len(prompt_ids)
             await asyncio.sleep(self.latency.ttft(len(prompt_ids), self.stats.running))
             completion: list[int] = []
+            chunk = GenerationChunk([], [])
+            owed = 0  # decode steps of the tokens made since the last sleep (the first token's is in the TTFT)
             while True:
                 token, finish = self._next_token(source, completion, stop_at, limit, params)
                 self.stats.generated_tokens += 1
-                yield GenerationChunk([token], [-0.01 - rng.expovariate(1.0)], finish)
+                chunk.token_ids.append(token)
+                chunk.logprobs.append(-0.01 - rng.expovariate(1.0))
+                if owed and (finish or params.stream or owed >= UNSTREAMED_STEPS_PER_WAKE):
+                    await asyncio.sleep(owed * self.latency.itl(self.stats.running))
+                    owed = 0
                 if finish:
+                    chunk.finish_reason = finish
                     self.stats.finished_requests += 1
+                    yield chunk
                     return
-                await asyncio.sleep(self.latency.itl(self.stats.running))
+                if params.stream:
+                    yield chunk
+                    chunk = GenerationChunk([], [])
+                owed += 1
         finally:
             with self._lock:
                 self.stats.running -= 1
+                self._hand_over()
                 self._lock.notify_all()
 
     def _next_token(self, source: list[int], completion: list[int], stop_at: int, limit: int,
@@ -166,8 +186,7 @@ class SimulatedEngine(InferenceEngine):
 
     def _checked(self, prompt_ids: list[int], params: SamplingParams) -> int:
         """The most tokens this request may generate; ValueError for a bad request, as the torch engine's."""
-        if self._closed:
-            raise RuntimeError("the engine is closed")
+        self._check_open()
         if not prompt_ids:
             raise ValueError("the prompt is empty: at least one token id is needed")
         if len(prompt_ids) >= self.context_length:
@@ -180,20 +199,48 @@ class SimulatedEngine(InferenceEngine):
         return min(params.max_tokens, self.context_length - len(prompt_ids))
 
     async def _admit(self) -> None:
-        """Take a running slot once one is free and no weight swap waits (a swap drains the running ones first)."""
-        self.stats.waiting += 1
+        """Take a running slot once one is free and no weight swap waits (a swap drains the running ones first);
+        in arrival order. A waiting request is woken only when a slot is handed to it (no polling: a thousand
+        waiting requests would otherwise wake the server's loop hundreds of thousands of times a second)."""
+        with self._lock:
+            self._check_open()
+            if not self._waiters and self._slot_free():
+                self._take_slot()
+                return
+            waiter = (asyncio.get_running_loop(), asyncio.get_running_loop().create_future())
+            self._waiters.append(waiter)
+            self.stats.waiting += 1
         try:
-            while True:
-                with self._lock:
-                    if self._closed:
-                        raise RuntimeError("the engine is closed")
-                    if not self._swapping and self.stats.running < self.max_running:
-                        self.stats.running += 1
-                        self.stats.max_running = max(self.stats.max_running, self.stats.running)
-                        return
-                await asyncio.sleep(_POLL_S)
-        finally:
+            await waiter[1]  # resolved by `_hand_over` with the slot already taken for it, or failed by `close`
+        except BaseException:
+            with self._lock:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+                    self.stats.waiting -= 1
+                elif not self._closed:  # a slot was handed over as it gave up: hand it on
+                    self.stats.running -= 1
+                    self._hand_over()
+                    self._lock.notify_all()
+            raise
+
+    def _slot_free(self) -> bool:
+        return not self._swapping and self.stats.running < self.max_running
+
+    def _take_slot(self) -> None:
+        self.stats.running += 1
+        self.stats.max_running = max(self.stats.max_running, self.stats.running)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
+    def _hand_over(self) -> None:
+        """Under the lock (from the loop or a swap's thread): give the free slots to the oldest waiters."""
+        while self._waiters and self._slot_free():
+            loop, future = self._waiters.popleft()
             self.stats.waiting -= 1
+            self._take_slot()
+            loop.call_soon_threadsafe(_resolve, future, None)
 
     def _drained_swap(self, apply: Callable[[], None], seconds: float) -> None:
         """Hold new generations back, wait for the running ones to finish, then `apply` after `seconds` (slept
@@ -208,6 +255,7 @@ class SimulatedEngine(InferenceEngine):
         finally:
             with self._lock:
                 self._swapping -= 1
+                self._hand_over()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         self._drained_swap(self._count_weights, self.latency.weight_load())
@@ -243,11 +291,24 @@ class SimulatedEngine(InferenceEngine):
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            while self._waiters:
+                loop, future = self._waiters.popleft()
+                self.stats.waiting -= 1
+                loop.call_soon_threadsafe(_resolve, future, RuntimeError("the engine is closed"))
             self._lock.notify_all()
 
     @property
     def running_requests(self) -> int:
         return self.stats.running
+
+
+def _resolve(future: asyncio.Future, error: Exception | None) -> None:
+    if future.done():  # cancelled: the waiter hands its slot on itself (`_admit`)
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
 
 
 def _generation_config(model_dir: Path) -> Any:

@@ -1,9 +1,9 @@
 """The vLLM inference backend: an `InferenceEngine` whose model runs in a vLLM subprocess (`marl serve --engine vllm`).
 
 The server keeps doing what it does with any engine (chat templates, prompt splicing, recording, leases); this
-engine only turns `generate(prompt_ids, params)` into a streamed `/v1/completions` call by token ids and hands back
-vLLM's exact token ids and raw logprobs (servers.engines.vllm_http). vLLM's own continuous batching and automatic
-prefix caching replace the torch engine's.
+engine only turns `generate(prompt_ids, params)` into a `/v1/completions` call by token ids (streamed when the
+caller streams) and hands back vLLM's exact token ids and raw logprobs (servers.engines.vllm_http). vLLM's own
+continuous batching and automatic prefix caching replace the torch engine's.
 
 - The subprocess (servers.engines.vllm_process) starts in the constructor, which returns once vLLM is ready.
 - Weights come as a directory (`takes_tensors = False`): `load_weights_from` keeps a copy of it (hard links when
@@ -49,6 +49,7 @@ from servers.engines.vllm_http import (
     stream_completion,
     sync_weights,
     sync_weights_waking,
+    whole_completion,
 )
 from servers.engines.vllm_lora import LoraSlots, VLLMAdapters, link_or_copy, write_peft_adapter, zero_adapter
 from servers.engines.vllm_process import VLLMLaunch, VLLMProcess, VLLMSettings
@@ -153,7 +154,8 @@ class VLLMEngine(InferenceEngine):
             body["model"] = model  # vLLM names a LoRA adapter as a model
         self.running_requests += 1
         try:
-            async for chunk in stream_completion(self._clients.get(), process.url, body, self._count_prompt):
+            completion = stream_completion if params.stream else whole_completion
+            async for chunk in completion(self._clients.get(), process.url, body, self._count_prompt):
                 yield chunk
         except httpx.HTTPError as exc:
             raise RuntimeError(self._vllm.lost(process, exc)) from exc

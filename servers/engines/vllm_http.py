@@ -1,9 +1,11 @@
 """The HTTP wire between the vLLM engine and its vLLM subprocess.
 
-- Generation: `/v1/completions` with the prompt as token ids (vLLM never re-tokenizes it), streamed, with
-  `return_token_ids` (the exact generated ids), `logprobs: 0` (the sampled token's logprob; vLLM's default
-  `logprobs_mode` is raw logprobs: log softmax of the unscaled logits, as the trainer computes them) and the usage
-  chunk (how many prompt tokens vLLM's prefix cache supplied).
+- Generation: `/v1/completions` with the prompt as token ids (vLLM never re-tokenizes it), with `return_token_ids`
+  (the exact generated ids), `logprobs: 0` (the sampled token's logprob; vLLM's default `logprobs_mode` is raw
+  logprobs: log softmax of the unscaled logits, as the trainer computes them) and the usage (how many prompt tokens
+  vLLM's prefix cache supplied). Streamed when marl's caller streams (`stream_completion`); otherwise one reply
+  (`whole_completion`): a streamed generation is one server-sent event per token for marl's process to read, about
+  9,000 a second at vLLM's 256 running sequences.
 - Weight sync: the dev routes of `VLLM_SERVER_DEV_MODE` (pause, collective RPC into the worker extension, prefix
   cache reset, resume); with sleep mode (CUDA only), sleep before the training step, then wake the weights, reload,
   wake the KV cache. Through vLLM's weight-transfer engine the same calls surround the trainer's push instead of the
@@ -25,7 +27,8 @@ import httpx
 from servers.interfaces import GenerationChunk, SamplingParams
 
 __all__ = ["LoopClients", "after_transfer", "before_transfer", "completion_body", "generate_one_token",
-           "sleep_for_training", "stream_completion", "sync_weights", "sync_weights_waking", "transfer_abandoned"]
+           "sleep_for_training", "stream_completion", "sync_weights", "sync_weights_waking", "transfer_abandoned",
+           "whole_completion"]
 
 #: (prompt tokens, of which served from vLLM's prefix cache), once per finished generation.
 UsageSink = Callable[[int, int], None]
@@ -52,12 +55,16 @@ class LoopClients:
 
 def completion_body(prompt_ids: list[int], params: SamplingParams, *, max_tokens: int,
                     stop_token_ids: list[int]) -> dict[str, Any]:
-    """A streamed `/v1/completions` request that samples exactly as `params` says and reports exact tokens."""
-    return {
+    """A `/v1/completions` request that samples exactly as `params` says and reports exact tokens; streamed as
+    `params.stream` says."""
+    body = {
         "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": params.temperature, "top_p": params.top_p,
         "seed": params.seed, "stop": list(params.stop) or None, "stop_token_ids": stop_token_ids,
-        "logprobs": 0, "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True},
+        "logprobs": 0, "return_token_ids": True, "stream": params.stream,
     }
+    if params.stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str, Any],
@@ -70,16 +77,12 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
     last: GenerationChunk | None = None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
-            detail = (await response.aread()).decode(errors="replace")[:1000]
-            error = ValueError if 400 <= response.status_code < 500 else RuntimeError
-            raise error(f"vLLM answered {response.status_code}: {detail}")
+            _refused(response.status_code, await response.aread())
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line.removeprefix("data: "))
-            if usage := event.get("usage"):
-                details = usage.get("prompt_tokens_details") or {}
-                on_usage(int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0))
+            _count_usage(event, on_usage)
             chunk = _chunk(event)
             if chunk is None:
                 continue
@@ -90,6 +93,32 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
     if last is None:
         raise RuntimeError("the vLLM stream ended before the generation finished")
     yield last
+
+
+async def whole_completion(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                           on_usage: UsageSink) -> AsyncIterator[GenerationChunk]:
+    """vLLM's answer to a request that is not streamed (`body["stream"]` False), as one finished `GenerationChunk`;
+    errors as `stream_completion`'s."""
+    response = await client.post(f"{url}/v1/completions", json=body)
+    if response.status_code != 200:
+        _refused(response.status_code, response.content)
+    event = response.json()
+    _count_usage(event, on_usage)
+    chunk = _chunk(event)
+    if chunk is None or chunk.finish_reason is None:
+        raise RuntimeError(f"vLLM's reply holds no finished generation: {response.text[:1000]}")
+    yield chunk
+
+
+def _refused(status: int, content: bytes) -> None:
+    error = ValueError if 400 <= status < 500 else RuntimeError
+    raise error(f"vLLM answered {status}: {content.decode(errors='replace')[:1000]}")
+
+
+def _count_usage(event: dict[str, Any], on_usage: UsageSink) -> None:
+    if usage := event.get("usage"):
+        details = usage.get("prompt_tokens_details") or {}
+        on_usage(int(usage["prompt_tokens"]), int(details.get("cached_tokens") or 0))
 
 
 def _chunk(event: dict[str, Any]) -> GenerationChunk | None:

@@ -108,6 +108,63 @@ def test_generated_ids_logprobs_and_seeds(tiny_model):
         asyncio.run(_generate(engine, SamplingParams(max_tokens=4, adapter="nope")))
 
 
+def test_a_generation_nobody_streams_comes_whole_at_the_streamed_ones_time(tiny_model):
+    engine = SimulatedEngine(tiny_model, mean_completion_tokens=1000)  # real time; max_tokens ends every generation
+
+    async def chunks(stream: bool) -> tuple[list, float]:
+        started, got = time.perf_counter(), []
+        async for chunk in engine.generate([5, 6, 7], SamplingParams(max_tokens=40, seed=1, stream=stream)):
+            got.append(chunk)
+        return got, time.perf_counter() - started
+
+    streamed, streamed_s = asyncio.run(chunks(True))
+    whole, whole_s = asyncio.run(chunks(False))
+    assert len(streamed) == 40 and len(whole) == 1  # one wake-up per token against one chunk at the end
+    assert whole[0].token_ids == [i for c in streamed for i in c.token_ids]
+    assert whole[0].logprobs == [lp for c in streamed for lp in c.logprobs]
+    assert whole[0].finish_reason == streamed[-1].finish_reason == "length"
+    # both take the latency model's time (sleeps are never shorter than asked): the first token's, then 39 steps
+    least = engine.latency.ttft(3, 1) + 39 * engine.latency.itl(1)
+    assert whole_s >= 0.95 * least and streamed_s >= 0.95 * least
+
+
+def test_waiting_requests_get_freed_slots_in_order_and_a_cancelled_one_loses_none(tiny_model):
+    engine = SimulatedEngine(tiny_model, max_running=1, latency=LatencyModel(speed=20.0))
+    order: list[int] = []
+
+    async def one(i: int) -> None:
+        await _generate(engine, SamplingParams(max_tokens=8, seed=i))
+        order.append(i)
+
+    async def main():
+        tasks = []
+        for i in range(4):
+            tasks.append(asyncio.create_task(one(i)))
+            while engine.stats.running + engine.stats.waiting < i + 1:  # each has asked for its slot
+                await asyncio.sleep(0.001)
+        tasks[2].cancel()  # it waits behind 0 and 1
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _generate(engine, SamplingParams(max_tokens=2))  # no slot was lost to the cancelled one
+
+    asyncio.run(main())
+    assert order == [0, 1, 3]
+    assert engine.stats.running == engine.stats.waiting == 0 and engine.stats.max_running == 1
+
+    async def closed_while_waiting():
+        holder = asyncio.create_task(_generate(engine, SamplingParams(max_tokens=50)))
+        while engine.stats.running == 0:
+            await asyncio.sleep(0.001)
+        waiter = asyncio.create_task(_generate(engine, SamplingParams(max_tokens=2)))
+        while engine.stats.waiting == 0:
+            await asyncio.sleep(0.001)
+        engine.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            await waiter
+        await holder
+
+    asyncio.run(closed_while_waiting())
+
+
 def test_weight_load_waits_for_running_generations(tiny_model):
     engine = SimulatedEngine(tiny_model, latency=LatencyModel(speed=100.0, weight_load_s=1.0))
     events: list[str] = []
