@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import logging
 import sqlite3
@@ -66,20 +67,31 @@ def run_episodes(url: str, count: int, max_tokens: int) -> dict:
     chat = httpx.Client(timeout=600, limits=connection_limits(count))  # pooled as SwarmClient pools its own
     start = threading.Barrier(count)
     results: list[tuple[str, str, bool]] = []  # (episode id, outcome, replayed)
+    phases: dict[str, list[float]] = {"begin": [], "call": [], "end": []}  # seconds each step of each episode took
     lock = threading.Lock()
+
+    def timed(phase: str, started: float) -> float:
+        now = time.monotonic()
+        with lock:
+            phases[phase].append(now - started)
+        return now
 
     def episode(i: int) -> None:
         start.wait()
         episode_id, outcome, replayed = "", "begin failed", False
         try:
+            at = time.monotonic()
             episode_id, lease = client.begin_episode()
+            at = timed("begin", at)
             outcome = "call failed"
             r = chat.post(lease.base_url + "/chat/completions", headers={"Authorization": f"Bearer {lease.api_key}"},
                           json={"model": lease.model, "max_tokens": max_tokens,
                                 "messages": [{"role": "user", "content": f"Episode {i}: say yes."}]})
             r.raise_for_status()
+            at = timed("call", at)
             outcome = "end failed"
             replayed = client.end_episode(f"task-{i % 50}", episode_id, float(i % 2)).replayed
+            timed("end", at)
             outcome = "acknowledged"
         except Exception as exc:  # noqa: BLE001 - counted and reported, not raised
             outcome = f"{outcome}: {type(exc).__name__}: {str(exc)[:200]}"
@@ -99,7 +111,15 @@ def run_episodes(url: str, count: int, max_tokens: int) -> dict:
     return {"seconds": round(seconds, 1), "outcomes": dict(outcomes),
             "errors": [o for _, o, _ in results if o != "acknowledged"][:10],
             "acknowledged": [eid for eid, outcome, _ in results if outcome == "acknowledged"],
-            "replayed_ends": sum(replayed for _, _, replayed in results)}
+            "replayed_ends": sum(replayed for _, _, replayed in results),
+            "phase_seconds": {phase: _spread(times) for phase, times in phases.items()}}
+
+
+def _spread(times: list[float]) -> dict[str, float]:
+    """p50, p99 and max of one step's seconds over a round's episodes: a round lasts as long as its slowest."""
+    ordered = sorted(times) or [float("nan")]
+    return {q: round(ordered[min(len(ordered) - 1, int(f * len(ordered)))], 2)
+            for q, f in (("p50", 0.5), ("p99", 0.99), ("max", 1.0))}
 
 
 def run_rounds(proc, args) -> dict:
@@ -109,7 +129,10 @@ def run_rounds(proc, args) -> dict:
     for _ in range(args.rounds):
         rounds.append(run_episodes(proc.url, args.episodes, args.max_tokens))
         rounds[-1]["rss_mb"] = memory_mb(proc.proc.pid)["VmRSS"]
-        print(f"round {len(rounds)}: {rounds[-1]['seconds']} s, RSS {rounds[-1]['rss_mb']} MB", flush=True)
+        spread = rounds[-1]["phase_seconds"]
+        steps = ", ".join(f"{phase} {t['p50']}/{t['p99']}/{t['max']}" for phase, t in spread.items())
+        print(f"round {len(rounds)}: {rounds[-1]['seconds']} s, RSS {rounds[-1]['rss_mb']} MB; seconds p50/p99/max:"
+              f" {steps}", flush=True)
     report = dict(rounds[0])
     report.update(outcomes=dict(sum((collections.Counter(r["outcomes"]) for r in rounds), collections.Counter())),
                   errors=[e for r in rounds for e in r["errors"]][:10],
@@ -118,6 +141,7 @@ def run_rounds(proc, args) -> dict:
     if args.rounds > 1:
         seconds = [r["seconds"] for r in rounds]
         report.update(round_seconds=seconds, round_rss_mb=[r["rss_mb"] for r in rounds],
+                      round_phase_seconds=[r["phase_seconds"] for r in rounds],
                       slowest_round_vs_first=round(max(seconds) / seconds[0], 2))
     return report
 
@@ -161,6 +185,11 @@ def main() -> int:
                 admin.auto_sync_train_config_and_start_engine(
                     {"batch_size": 10**6, "num_repeat": 4, "max_leases": args.episodes, "save_freq": 0})
             before = memory_mb(proc.proc.pid)
+            # This process imported torch to build the model: without the freeze its 1,000 threads stall together in
+            # every full collection of that heap, which lengthens rounds at random (as servers.heap says for the
+            # server's loop).
+            gc.collect()
+            gc.freeze()
             report = run_rounds(proc, args)
             after = memory_mb(proc.proc.pid)
         finally:
