@@ -95,7 +95,10 @@ def start_server(model_dir: Path, data_dir: Path, speed: float, max_leases: int 
     proc.wait_healthy(timeout=120)
     if max_leases is None:
         return proc
-    staleness = max_leases // (BATCH_SIZE * NUM_REPEAT) + 4  # a begin is never refused for running ahead
+    # A begin is never refused for running ahead (`rollouts_ahead`): the simulated trainer, a step and a weight swap
+    # per 64 episodes, falls behind the rollouts at hundreds of leases and the pool grows by tens of episodes a
+    # second; refused begins, retried every 0.5 s, would be most of the server's requests.
+    staleness = max_leases // (BATCH_SIZE * NUM_REPEAT) + 100
     config = TrainConfig(batch_size=BATCH_SIZE, num_repeat=NUM_REPEAT, overlap=True, max_staleness=staleness,
                          max_leases=max_leases, lease_patience_s=120, save_freq=0)
     with httpx.Client(base_url=proc.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=60) as http:
