@@ -1,7 +1,7 @@
 """marl's own control-plane cost at cluster load, by simulation: one real `marl serve --engine simulated` under many
 concurrent leases (latency, CPU, memory, ledger), its memory after many recorded episodes, and the coordinator's rate.
 
-    python bench/scale.py                          # the default (~14 min on 2 shared cores): 16, 128, 512, 1024
+    python bench/scale.py                          # the default (~6 min on 2 shared cores): 16, 128, 512, 1024
                                                    # leases; 10,000 episodes; 8 signalling + 4 Werewolves games
     python bench/scale.py --out results/scale      # also results/scale/scale.json and scale.png
     python bench/scale.py --leases 1024 --duration 60 --turns 3 --max-tokens 32 --skip-memory --skip-coordinator
