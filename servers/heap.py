@@ -1,11 +1,11 @@
 """The garbage collector of a `marl serve` process: what lives as long as the process leaves the collector's view.
 
 CPython's full (oldest-generation) collection walks every tracked object. Once torch, transformers and an engine are
-loaded that is a few million objects (modules, functions, classes, configs) that live until the process exits, and
-the walk holds the event loop: 330-380 ms, every ~12 s, collecting nothing, at 1,024 leases
-(`bench/scale.py --leases 1024`: the server's own p99 was these pauses). `settle()` runs after an engine boots: one
-collection, then `gc.freeze()` moves every object alive into the permanent generation, which collections skip, so a
-full collection walks only what the server made since (leases, calls, samples).
+loaded that is a few hundred thousand objects (about 400,000 with the simulated engine: modules, functions, classes,
+configs) that live until the process exits, and the walk holds the event loop: 330-380 ms, every ~12 s, collecting
+nothing, at 1,024 leases (`bench/scale.py --leases 1024`: the server's own p99 was these pauses). `settle()` runs
+after an engine boots: one collection, then `gc.freeze()` moves every object alive into the permanent generation,
+which collections skip, so a full collection walks only what the server made since (leases, calls, samples).
 
 The price of freezing: an object alive at the freeze that later becomes garbage in a reference cycle is never freed.
 A `marl serve` process is the server's alone and its boot-time objects live as long as it does, so `marl serve`
