@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import json
 import logging
 import sqlite3
@@ -185,11 +184,6 @@ def main() -> int:
                 admin.auto_sync_train_config_and_start_engine(
                     {"batch_size": 10**6, "num_repeat": 4, "max_leases": args.episodes, "save_freq": 0})
             before = memory_mb(proc.proc.pid)
-            # This process imported torch to build the model: without the freeze its 1,000 threads stall together in
-            # every full collection of that heap, which lengthens rounds at random (as servers.heap says for the
-            # server's loop).
-            gc.collect()
-            gc.freeze()
             report = run_rounds(proc, args)
             after = memory_mb(proc.proc.pid)
         finally:
