@@ -107,8 +107,9 @@ def topology(learner_at: dict, coplayer: tuple[str, str], args: argparse.Namespa
         game = {**WEREWOLVES, "run": {**shipped["run"], **WEREWOLVES["run"]},
                 "env": {**WEREWOLVES["env"], "args": {"max_rounds": args.max_rounds,
                                                       "valid_action_bonus": args.valid_action_bonus}}}
-    learner = {**learner_at, "trainable": True,
-               "train": {**game["train"], "overlap": overlap, "max_staleness": args.max_staleness}}
+    train = {**game["train"], **({"batch_size": args.batch_size} if args.batch_size else {}),
+             "overlap": overlap, "max_staleness": args.max_staleness}
+    learner = {**learner_at, "trainable": True, "train": train}
     if "model" in learner_at:
         learner["device"] = shipped_speaker["device"]
     coplayer_url, coplayer_model = coplayer
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8, help="training steps per side")
     parser.add_argument("--concurrency", type=int, default=16, help="games in flight (run.concurrency)")
     parser.add_argument("--max-staleness", type=int, default=1, help="the learner's train.max_staleness")
+    parser.add_argument("--batch-size", type=int, help="the learner's train.batch_size in groups of 8 (the game's: 2"
+                                                       " for signalling, 4 for werewolves)")
     parser.add_argument("--game", choices=["signalling", "werewolves"], default="signalling",
                         help="signalling: the learner speaks to the co-player; werewolves: it plays the wolves")
     parser.add_argument("--max-rounds", type=int, default=3, help="with --game werewolves: rounds at most per game")
@@ -203,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                       "valid_action_bonus": args.valid_action_bonus if args.game == "werewolves" else None,
                       "speed": args.speed if speed else 1.0, "delay_s": args.delay, "steps": args.steps,
                       "concurrency": args.concurrency, "max_staleness": args.max_staleness,
+                      "batch_size": args.batch_size or (4 if args.game == "werewolves" else 2),
                       "off": run_side(model, coplayer, args, False, scratch),
                       "on": run_side(model, coplayer, args, True, scratch)}
         finally:
@@ -222,7 +226,8 @@ def print_report(report: dict) -> None:
     print(f"{report['game']} game{rounds}, {report['engine']} engine (speed {report['speed']:g}),"
           f" learner {report['model']},"
           f" co-player {report['delay_s']:.1f} s per call,"
-          f" {report['concurrency']} games in flight, max_staleness {report['max_staleness']},"
+          f" {report['concurrency']} games in flight, batches of {report['batch_size']} groups of 8,"
+          f" max_staleness {report['max_staleness']},"
           f" {report['steps']} steps per side:")
     print(f"{'overlap':10}{'games':>7}{'games/hour':>12}{'rollout idle':>14}{'step s':>8}{'staleness':>11}"
           f"{'dropped':>9}")
