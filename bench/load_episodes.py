@@ -3,6 +3,7 @@
     python bench/load_episodes.py                      # 1000 episodes at once
     python bench/load_episodes.py --episodes 200       # fewer
     python bench/load_episodes.py --rounds 5           # 5 rounds of 1000 on the same server: does a round slow down?
+    python bench/load_episodes.py --rounds 5 --lockstep   # the same, each step of a round a burst of its own
     python bench/load_episodes.py --smoke              # seconds: 20 episodes (does the bench run?)
 
 Starts a trainable server on a tiny random model (max_leases and batch big enough that every episode runs at once
@@ -14,13 +15,17 @@ acknowledged episode exactly once and nothing else, and reads the server's resid
 VmHWM) from /proc before and after. Exit code 1 if an end was not acknowledged or the ledger disagrees.
 With `--rounds N` the same server plays N such rounds one after the other, and each round's seconds and the RSS after
 it are reported: a server that keeps work or memory per finished episode (a prefix cache scanned whole, a table
-never pruned) shows it as rounds that grow (`slowest_round_vs_first`).
+never pruned) shows it as rounds that grow (`slowest_round_vs_first`). Without `--lockstep` an episode calls as soon as
+its own begin is answered, so how 1,000 threads happen to interleave on the machine's cores decides what overlaps
+what, and rounds of the same work differ by ±30% here; `--lockstep` joins every step's threads before the next step
+starts, so each round asks the server the same thing in the same order.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import http.client
 import json
 import logging
 import sqlite3
@@ -28,9 +33,9 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -58,60 +63,99 @@ def memory_mb(pid: int) -> dict[str, float]:
     return {key: round(int(fields[key].split()[0]) / 1024, 1) for key in ("VmRSS", "VmHWM")}
 
 
-def run_episodes(url: str, count: int, max_tokens: int) -> dict:
+def run_episodes(url: str, count: int, max_tokens: int, lockstep: bool = False) -> dict:
+    """`count` episodes at once, one thread each. With `lockstep` every step is a burst of its own: all begins, then
+    all calls, then all ends (the threads of one step joined before the next starts).
+
+    Begins and ends go through one SwarmClient, as a coordinator's would. Each chat call opens a connection of its
+    own (the standard library's `http.client`): one httpx client shared by 1,000 threads was this bench's own limit,
+    27-48 s per call at the median while the server spent at most 0.4 s on any (its `Server-Timing`).
+    """
     from marl import SwarmClient
-    from marl.client import connection_limits
 
     client = SwarmClient(url, ADMIN)  # SwarmClient's defaults: timeout 30 s, max_wait_s 600 s
-    chat = httpx.Client(timeout=600, limits=connection_limits(count))  # pooled as SwarmClient pools its own
-    start = threading.Barrier(count)
-    results: list[tuple[str, str, bool]] = []  # (episode id, outcome, replayed)
+    episodes = [_Episode(i) for i in range(count)]
     phases: dict[str, list[float]] = {"begin": [], "call": [], "end": []}  # seconds each step of each episode took
-    lock = threading.Lock()
-
-    def timed(phase: str, started: float) -> float:
-        now = time.monotonic()
-        with lock:
-            phases[phase].append(now - started)
-        return now
-
-    def episode(i: int) -> None:
-        start.wait()
-        episode_id, outcome, replayed = "", "begin failed", False
-        try:
-            at = time.monotonic()
-            episode_id, lease = client.begin_episode()
-            at = timed("begin", at)
-            outcome = "call failed"
-            r = chat.post(lease.base_url + "/chat/completions", headers={"Authorization": f"Bearer {lease.api_key}"},
-                          json={"model": lease.model, "max_tokens": max_tokens,
-                                "messages": [{"role": "user", "content": f"Episode {i}: say yes."}]})
-            r.raise_for_status()
-            at = timed("call", at)
-            outcome = "end failed"
-            replayed = client.end_episode(f"task-{i % 50}", episode_id, float(i % 2)).replayed
-            timed("end", at)
-            outcome = "acknowledged"
-        except Exception as exc:  # noqa: BLE001 - counted and reported, not raised
-            outcome = f"{outcome}: {type(exc).__name__}: {str(exc)[:200]}"
-        with lock:
-            results.append((episode_id, outcome, replayed))
-
-    threads = [threading.Thread(target=episode, args=(i,), name=f"episode-{i}") for i in range(count)]
+    steps = {"begin": lambda e: e.begin(client), "call": lambda e: e.call(max_tokens),
+             "end": lambda e: e.end(client)}
     started = time.monotonic()
+    if lockstep:
+        for phase, step in steps.items():
+            _burst(episodes, lambda e, phase=phase, step=step: e.run([(phase, step)], phases))
+    else:
+        _burst(episodes, lambda e: e.run(list(steps.items()), phases))
+    seconds = time.monotonic() - started
+    client.close()
+    outcomes = collections.Counter(e.outcome.split(":")[0] for e in episodes)
+    return {"seconds": round(seconds, 1), "outcomes": dict(outcomes),
+            "errors": [e.outcome for e in episodes if e.outcome != "acknowledged"][:10],
+            "acknowledged": [e.episode_id for e in episodes if e.outcome == "acknowledged"],
+            "replayed_ends": sum(e.replayed for e in episodes),
+            "phase_seconds": {phase: _spread(times) for phase, times in phases.items()}}
+
+
+class _Episode:
+    """One episode's steps (begin, one chat call, end) and how far it got: `outcome`."""
+
+    _failed = {"begin": "begin failed", "call": "call failed", "end": "end failed"}
+    _lock = threading.Lock()
+
+    def __init__(self, i: int) -> None:
+        self.i, self.episode_id, self.lease, self.replayed = i, "", None, False
+        self.outcome = "not begun"
+
+    def run(self, steps: list[tuple[str, Callable[[_Episode], None]]], phases: dict[str, list[float]]) -> None:
+        for phase, step in steps:
+            if self.outcome not in ("not begun", "begun", "called"):
+                return  # an earlier step failed: counted, nothing more to do
+            at = time.monotonic()
+            try:
+                step(self)
+            except Exception as exc:  # noqa: BLE001 - counted and reported, not raised
+                self.outcome = f"{self._failed[phase]}: {type(exc).__name__}: {str(exc)[:200]}"
+                return
+            with self._lock:
+                phases[phase].append(time.monotonic() - at)
+
+    def begin(self, client) -> None:
+        self.episode_id, self.lease = client.begin_episode()
+        self.outcome = "begun"
+
+    def call(self, max_tokens: int) -> None:
+        """One chat completion on the lease, on a connection of its own (see `run_episodes`)."""
+        url = urllib.parse.urlsplit(self.lease.base_url)
+        connection = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
+        try:
+            connection.request("POST", url.path + "/chat/completions", headers={
+                "Authorization": f"Bearer {self.lease.api_key}", "Content-Type": "application/json"},
+                body=json.dumps({"model": self.lease.model, "max_tokens": max_tokens,
+                                 "messages": [{"role": "user", "content": f"Episode {self.i}: say yes."}]}))
+            reply = connection.getresponse()
+            body = reply.read()
+        finally:
+            connection.close()
+        if reply.status != 200:
+            raise RuntimeError(f"chat completion answered {reply.status}: {body[:200]!r}")
+        self.outcome = "called"
+
+    def end(self, client) -> None:
+        self.replayed = client.end_episode(f"task-{self.i % 50}", self.episode_id, float(self.i % 2)).replayed
+        self.outcome = "acknowledged"
+
+
+def _burst(episodes: list[_Episode], work: Callable[[_Episode], None]) -> None:
+    """`work` on every episode, one thread each, all released together; returns when all are done."""
+    start = threading.Barrier(len(episodes))
+
+    def released(episode: _Episode) -> None:
+        start.wait()
+        work(episode)
+
+    threads = [threading.Thread(target=released, args=(e,), name=f"episode-{e.i}") for e in episodes]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    seconds = time.monotonic() - started
-    client.close()
-    chat.close()
-    outcomes = collections.Counter(outcome.split(":")[0] for _, outcome, _ in results)
-    return {"seconds": round(seconds, 1), "outcomes": dict(outcomes),
-            "errors": [o for _, o, _ in results if o != "acknowledged"][:10],
-            "acknowledged": [eid for eid, outcome, _ in results if outcome == "acknowledged"],
-            "replayed_ends": sum(replayed for _, _, replayed in results),
-            "phase_seconds": {phase: _spread(times) for phase, times in phases.items()}}
 
 
 def _spread(times: list[float]) -> dict[str, float]:
@@ -126,7 +170,7 @@ def run_rounds(proc, args) -> dict:
     acknowledged ids of all, and each round's seconds and RSS after it."""
     rounds = []
     for _ in range(args.rounds):
-        rounds.append(run_episodes(proc.url, args.episodes, args.max_tokens))
+        rounds.append(run_episodes(proc.url, args.episodes, args.max_tokens, args.lockstep))
         rounds[-1]["rss_mb"] = memory_mb(proc.proc.pid)["VmRSS"]
         spread = rounds[-1]["phase_seconds"]
         steps = ", ".join(f"{phase} {t['p50']}/{t['p99']}/{t['max']}" for phase, t in spread.items())
@@ -163,6 +207,8 @@ def main() -> int:
     parser.add_argument("--episodes", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1, help="rounds of --episodes on the same server")
+    parser.add_argument("--lockstep", action="store_true",
+                        help="each step of a round as a burst of its own: all begins, then all calls, then all ends")
     parser.add_argument("--smoke", action="store_true", help="a few seconds: does the bench run?")
     args = parser.parse_args()
     if args.smoke:
