@@ -97,7 +97,6 @@ def run_episodes(url: str, count: int, max_tokens: int, lockstep: bool = False) 
 class _Episode:
     """One episode's steps (begin, one chat call, end) and how far it got: `outcome`."""
 
-    _failed = {"begin": "begin failed", "call": "call failed", "end": "end failed"}
     _lock = threading.Lock()
 
     def __init__(self, i: int) -> None:
@@ -112,7 +111,7 @@ class _Episode:
             try:
                 step(self)
             except Exception as exc:  # noqa: BLE001 - counted and reported, not raised
-                self.outcome = f"{self._failed[phase]}: {type(exc).__name__}: {str(exc)[:200]}"
+                self.outcome = f"{phase} failed: {type(exc).__name__}: {str(exc)[:200]}"
                 return
             with self._lock:
                 phases[phase].append(time.monotonic() - at)

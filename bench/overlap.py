@@ -93,11 +93,9 @@ WEREWOLVES = {
 }
 
 
-def topology(learner_at: dict, coplayer: tuple[str, str], args: argparse.Namespace, overlap: bool,
-             run_dir: Path) -> dict:
-    """The game with the learner as its speaker (signalling: the shipped CPU topology's settings) or its werewolves;
-    `learner_at`: where the learner lives (`model:` for a server `marl run` starts, or `swarm_url:` and its token for
-    one of the bench's)."""
+def game_settings(args: argparse.Namespace) -> dict:
+    """The game's `train`, `env`, `run` and `roles`, and the learner's `device`: signalling as the shipped CPU
+    topology plays it, or Werewolves (`WEREWOLVES`); `--batch-size` replaces the game's own."""
     shipped = yaml.safe_load((ROOT / "topologies" / "signalling-cpu.yaml").read_text())
     shipped_speaker = shipped["servers"]["speaker_model"]
     game = {"train": shipped_speaker["train"], "env": shipped["env"], "run": shipped["run"],
@@ -107,11 +105,20 @@ def topology(learner_at: dict, coplayer: tuple[str, str], args: argparse.Namespa
         game = {**WEREWOLVES, "run": {**shipped["run"], **WEREWOLVES["run"]},
                 "env": {**WEREWOLVES["env"], "args": {"max_rounds": args.max_rounds,
                                                       "valid_action_bonus": args.valid_action_bonus}}}
-    train = {**game["train"], **({"batch_size": args.batch_size} if args.batch_size else {}),
-             "overlap": overlap, "max_staleness": args.max_staleness}
-    learner = {**learner_at, "trainable": True, "train": train}
+    if args.batch_size:
+        game["train"] = {**game["train"], "batch_size": args.batch_size}
+    return {**game, "device": shipped_speaker["device"]}
+
+
+def topology(learner_at: dict, coplayer: tuple[str, str], args: argparse.Namespace, overlap: bool,
+             run_dir: Path) -> dict:
+    """The game of `game_settings` with the learner as its speaker or its werewolves; `learner_at`: where the
+    learner lives (`model:` for a server `marl run` starts, or `swarm_url:` and its token for one of the bench's)."""
+    game = game_settings(args)
+    learner = {**learner_at, "trainable": True,
+               "train": {**game["train"], "overlap": overlap, "max_staleness": args.max_staleness}}
     if "model" in learner_at:
-        learner["device"] = shipped_speaker["device"]
+        learner["device"] = game["device"]
     coplayer_url, coplayer_model = coplayer
     return {
         "name": f"overlap-{'on' if overlap else 'off'}",
@@ -206,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                       "valid_action_bonus": args.valid_action_bonus if args.game == "werewolves" else None,
                       "speed": args.speed if speed else 1.0, "delay_s": args.delay, "steps": args.steps,
                       "concurrency": args.concurrency, "max_staleness": args.max_staleness,
-                      "batch_size": args.batch_size or (4 if args.game == "werewolves" else 2),
+                      "batch_size": game_settings(args)["train"]["batch_size"],
                       "off": run_side(model, coplayer, args, False, scratch),
                       "on": run_side(model, coplayer, args, True, scratch)}
         finally:
