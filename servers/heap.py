@@ -16,11 +16,16 @@ What a server makes while it serves is the other half. Every call in flight hold
 long as its generation runs (the ASGI and FastAPI coroutine chain, its request, its messages): seconds, so they
 survive the young collections and reach the oldest generation, and CPython's rule (a full collection once that
 generation grew by a quarter) then walked them all every ~3 s at 1,024 leases: 150-250 ms with the loop held,
-collecting nothing. `settle()` therefore also sets `SERVING_THRESHOLDS`: young collections as often as CPython's
-default but the middle generation collected every 2 young ones instead of 10 (its pause: p90 6 ms instead of 16),
-and a full collection only after 5,000 middle ones (about every 10 minutes at 1,024 leases; an idle server makes
-none: nothing to collect). Objects in a reference cycle that die old wait for it; the bench's memory phase
-(`bench/scale.py`) checks that resident memory stays flat. Figures: docs/scale.md.
+collecting nothing. `settle()` therefore also sets `SERVING_THRESHOLDS`, for short pauses rather than few:
+- a young collection every 100 allocations instead of 700, the middle generation every 3 young ones instead of 10.
+  A collection walks what is young and still alive, and at load most of it is alive (calls in flight), so a pause
+  grows with the threshold while the work per second does not: at 1,024 leases (700, 2) paused the loop for 2.3-2.8
+  ms at the median and 6.2-6.6 ms at p90 in its middle collections, 10 times a second; (100, 3) for 0.15-0.17 and
+  0.38-0.41 ms, 64-71 times a second, and spent 3% of the wall time collecting instead of 5-6%;
+- a full collection only after 40,000 middle ones (about every 10 minutes at 1,024 leases; an idle server makes
+  none: nothing to collect). Objects in a reference cycle that die old wait for it; the bench's memory phase
+  (`bench/scale.py`) checks that resident memory stays flat.
+Figures: docs/scale.md.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ __all__ = ["SERVING_THRESHOLDS", "own_process", "settle"]
 
 log = logging.getLogger("marl.server")
 
-#: `gc.set_threshold` while serving: young collections, middle ones every 2 young, full ones every 5,000 middle.
-SERVING_THRESHOLDS = (700, 2, 5000)
+#: `gc.set_threshold` while serving: a young collection per 100 allocations, a middle one every 3 young ones, a full
+#: one every 40,000 middle ones (module docstring).
+SERVING_THRESHOLDS = (100, 3, 40000)
 
 _owned = False  # set once by `marl serve`'s process: the collector is a process-wide thing
 
