@@ -7,12 +7,12 @@
     python bench/load_episodes.py --smoke              # seconds: 20 episodes (does the bench run?)
 
 Starts a trainable server on a tiny random model (max_leases and batch big enough that every episode runs at once
-and no training step interferes), then runs one thread per episode, all released together: begin (SwarmClient,
-default settings), one chat completion on the lease (max_tokens 4), end. Reports how many ends were acknowledged,
-how many SwarmClient retries happened (transport errors and "wait" answers) and how many ends were answered from
-the ledger (`replayed`: a retried end whose first try the server had acted on), checks the ledger holds every
-acknowledged episode exactly once and nothing else, and reads the server's resident memory (VmRSS, and its peak
-VmHWM) from /proc before and after. Exit code 1 if an end was not acknowledged or the ledger disagrees.
+and no training step interferes), then runs one thread per episode, all released together: begin (a SwarmClient per
+50 episodes, default settings), one chat completion on the lease (max_tokens 4), end. Reports how many ends were
+acknowledged, how many SwarmClient retries happened (transport errors and "wait" answers) and how many ends were
+answered from the ledger (`replayed`: a retried end whose first try the server had acted on), checks the ledger
+holds every acknowledged episode exactly once and nothing else, and reads the server's resident memory (VmRSS, and
+its peak VmHWM) from /proc before and after. Exit code 1 if an end was not acknowledged or the ledger disagrees.
 With `--rounds N` the same server plays N such rounds one after the other, and each round's seconds and the RSS after
 it are reported: a server that keeps work or memory per finished episode (a prefix cache scanned whole, a table
 never pruned) shows it as rounds that grow (`slowest_round_vs_first`). Without `--lockstep` an episode calls as soon as
@@ -67,17 +67,20 @@ def run_episodes(url: str, count: int, max_tokens: int, lockstep: bool = False) 
     """`count` episodes at once, one thread each. With `lockstep` every step is a burst of its own: all begins, then
     all calls, then all ends (the threads of one step joined before the next starts).
 
-    Begins and ends go through one SwarmClient, as a coordinator's would. Each chat call opens a connection of its
-    own (the standard library's `http.client`): one httpx client shared by 1,000 threads was this bench's own limit,
-    27-48 s per call at the median while the server spent at most 0.4 s on any (its `Server-Timing`).
+    Begins and ends go through SwarmClients, as a coordinator's would, one per `EPISODES_PER_CLIENT` episodes: a
+    SwarmClient pools at most 100 connections, and 1,000 threads queued on one pool were this bench's own limit
+    (begins and ends 8-9 s at the median, 22-26 s at p99, rounds 11.5-28.9 s). Each chat call opens a connection
+    of its own (the standard library's `http.client`): one httpx client shared by 1,000 threads was also this
+    bench's limit, 27-48 s per call at the median while the server spent at most 0.4 s on any (its `Server-Timing`).
     """
     from marl import SwarmClient
 
-    client = SwarmClient(url, ADMIN)  # SwarmClient's defaults: timeout 30 s, max_wait_s 600 s
+    # SwarmClient's defaults: timeout 30 s, max_wait_s 600 s
+    clients = [SwarmClient(url, ADMIN) for _ in range(-(-count // EPISODES_PER_CLIENT))]
     episodes = [_Episode(i) for i in range(count)]
     phases: dict[str, list[float]] = {"begin": [], "call": [], "end": []}  # seconds each step of each episode took
-    steps = {"begin": lambda e: e.begin(client), "call": lambda e: e.call(max_tokens),
-             "end": lambda e: e.end(client)}
+    steps = {"begin": lambda e: e.begin(clients[e.i // EPISODES_PER_CLIENT]), "call": lambda e: e.call(max_tokens),
+             "end": lambda e: e.end(clients[e.i // EPISODES_PER_CLIENT])}
     started = time.monotonic()
     if lockstep:
         for phase, step in steps.items():
@@ -85,13 +88,18 @@ def run_episodes(url: str, count: int, max_tokens: int, lockstep: bool = False) 
     else:
         _burst(episodes, lambda e: e.run(list(steps.items()), phases))
     seconds = time.monotonic() - started
-    client.close()
+    for client in clients:
+        client.close()
     outcomes = collections.Counter(e.outcome.split(":")[0] for e in episodes)
     return {"seconds": round(seconds, 1), "outcomes": dict(outcomes),
             "errors": [e.outcome for e in episodes if e.outcome != "acknowledged"][:10],
             "acknowledged": [e.episode_id for e in episodes if e.outcome == "acknowledged"],
             "replayed_ends": sum(e.replayed for e in episodes),
             "phase_seconds": {phase: _spread(times) for phase, times in phases.items()}}
+
+
+#: Episodes per SwarmClient: half its pool (`marl.client.connection_limits`), so no thread waits for a connection.
+EPISODES_PER_CLIENT = 50
 
 
 class _Episode:
