@@ -6,6 +6,9 @@
     python bench/overlap.py --smoke               # a tiny random model, 2 steps per side, 0.3 s co-player
     python bench/overlap.py --engine simulated --game werewolves --speed 2 --steps 5 --concurrency 32
                                                   # the scheduling alone, a trainer on devices of its own (~12 min)
+    python bench/overlap.py --engine simulated --game werewolves --speed 2 --steps 5 --concurrency 32
+        --max-rounds 10 --valid-action-bonus 0.2 --ppo-epochs 2
+                                                  # the issue's 10-round games, a step twice as long (~22 min)
 
 The game (`--game signalling`) is the signalling game of `topologies/signalling-cpu.yaml`: its speaker is the learner
 (a trainable server, the shipped settings: batches of 2 groups of 8), its listener a static model behind an OpenAI
@@ -95,7 +98,7 @@ WEREWOLVES = {
 
 def game_settings(args: argparse.Namespace) -> dict:
     """The game's `train`, `env`, `run` and `roles`, and the learner's `device`: signalling as the shipped CPU
-    topology plays it, or Werewolves (`WEREWOLVES`); `--batch-size` replaces the game's own."""
+    topology plays it, or Werewolves (`WEREWOLVES`); `--batch-size` and `--ppo-epochs` replace the game's own."""
     shipped = yaml.safe_load((ROOT / "topologies" / "signalling-cpu.yaml").read_text())
     shipped_speaker = shipped["servers"]["speaker_model"]
     game = {"train": shipped_speaker["train"], "env": shipped["env"], "run": shipped["run"],
@@ -107,6 +110,9 @@ def game_settings(args: argparse.Namespace) -> dict:
                                                       "valid_action_bonus": args.valid_action_bonus}}}
     if args.batch_size:
         game["train"] = {**game["train"], "batch_size": args.batch_size}
+    if args.ppo_epochs:  # passes over each batch: a step that long (the simulated trainer's too)
+        grpo = {**game["train"].get("grpo", {}), "ppo_epochs": args.ppo_epochs}
+        game["train"] = {**game["train"], "grpo": grpo}
     return {**game, "device": shipped_speaker["device"]}
 
 
@@ -183,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-staleness", type=int, default=1, help="the learner's train.max_staleness")
     parser.add_argument("--batch-size", type=int, help="the learner's train.batch_size in groups of 8 (the game's: 2"
                                                        " for signalling, 4 for werewolves)")
+    parser.add_argument("--ppo-epochs", type=int, help="the learner's train.grpo.ppo_epochs (the game's: 1); each"
+                                                       " pass lengthens the step")
     parser.add_argument("--game", choices=["signalling", "werewolves"], default="signalling",
                         help="signalling: the learner speaks to the co-player; werewolves: it plays the wolves")
     parser.add_argument("--max-rounds", type=int, default=3, help="with --game werewolves: rounds at most per game")
@@ -214,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                       "speed": args.speed if speed else 1.0, "delay_s": args.delay, "steps": args.steps,
                       "concurrency": args.concurrency, "max_staleness": args.max_staleness,
                       "batch_size": game_settings(args)["train"]["batch_size"],
+                      "ppo_epochs": game_settings(args)["train"].get("grpo", {}).get("ppo_epochs", 1),
                       "off": run_side(model, coplayer, args, False, scratch),
                       "on": run_side(model, coplayer, args, True, scratch)}
         finally:
@@ -234,6 +243,7 @@ def print_report(report: dict) -> None:
           f" learner {report['model']},"
           f" co-player {report['delay_s']:.1f} s per call,"
           f" {report['concurrency']} games in flight, batches of {report['batch_size']} groups of 8,"
+          f" {report.get('ppo_epochs', 1)} PPO epoch(s) per step,"
           f" max_staleness {report['max_staleness']},"
           f" {report['steps']} steps per side:")
     print(f"{'overlap':10}{'games':>7}{'games/hour':>12}{'rollout idle':>14}{'step s':>8}{'staleness':>11}"
