@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import time
@@ -9,7 +10,7 @@ import time
 import pytest
 from conftest import admin_http, play_episode, server_process, start_rolling, wait_version
 
-from servers.ledger import GroupKey, Ledger
+from servers.ledger import GroupKey, Ledger, LedgerThread
 from servers.prepared import PreparedEpisodes
 from servers.samples import Sample
 
@@ -74,6 +75,32 @@ def test_sigkill_during_an_overlapped_step_loses_nothing_and_trains_once(tiny_mo
 def _sample(episode: str, agent: str = "a") -> Sample:
     return Sample(episode_id=episode, agent=agent, token_ids=[1, 2, 3], loss_mask=[0, 1, 1],
                   logprobs=[0.0, -0.5, -0.25], reward=1.0, policy_version=0, num_calls=1)
+
+
+def test_ends_that_arrive_together_are_committed_together_and_a_bad_one_fails_alone(tmp_path):
+    ledger = Ledger(tmp_path / "l.sqlite")
+    ledger.record_episode(episode_id="taken", job="j", task_id="t", client_id="c", reward=1.0, agent_rewards=None,
+                          metadata={}, num_calls=1, samples=[_sample("taken")])
+    commits = []
+    real = ledger.record_episodes
+    ledger.record_episodes = lambda episodes: commits.append(len(episodes)) or real(episodes)  # counts, then commits
+
+    async def end_all() -> list:
+        thread = LedgerThread(ledger)
+        ids = [f"e{i}" for i in range(40)] + ["taken"] + [f"e{i}" for i in range(40, 80)]  # one id recorded before
+        outcomes = await asyncio.gather(*(thread.record_episode(
+            episode_id=episode, job="j", task_id="t", client_id="c", reward=1.0, agent_rewards=None, metadata={},
+            num_calls=1, samples=[_sample(episode)]) for episode in ids), return_exceptions=True)
+        await thread.close()
+        return outcomes
+
+    outcomes = asyncio.run(end_all())
+    assert [type(o).__name__ for o in outcomes if o is not None] == ["IntegrityError"]  # the duplicate alone failed
+    assert outcomes[40] is not None and sum(commits) == 81 and len(commits) < 10  # a few transactions, not 81
+    db = sqlite3.connect(tmp_path / "l.sqlite")
+    assert db.execute("SELECT COUNT(*) FROM episodes").fetchone()[0] == 81  # 80 new + the one before
+    assert db.execute("SELECT COUNT(*) FROM samples").fetchone()[0] == 81  # the duplicate's sample rolled back
+    db.close()
 
 
 def test_ledger_claims_once_and_recovers_uncheckpointed_steps(tmp_path):

@@ -141,13 +141,13 @@ def test_a_failed_ledger_write_leaves_the_lease_live_for_a_retry(rolling, monkey
     srv, http = rolling
     lease = begin(http)
     ledger = srv.server.ledger
-    real = ledger.record_episode
+    real = ledger.record_episodes  # what the server's ends commit through (a group commit)
 
-    def fail_once(**episode):
-        monkeypatch.setattr(ledger, "record_episode", real)
+    def fail_once(episodes):
+        monkeypatch.setattr(ledger, "record_episodes", real)
         raise sqlite3.OperationalError("disk I/O error")
 
-    monkeypatch.setattr(ledger, "record_episode", fail_once)
+    monkeypatch.setattr(ledger, "record_episodes", fail_once)
     body = {"client_id": CLIENT, "task_id": "t", "reward": 1.0}
     error = refused(http.post(f"/episodes/{lease['episode_id']}/end", json=body), 503, ErrorCode.LEDGER_UNAVAILABLE)
     assert error["retry_after_s"] == 1.0
