@@ -13,12 +13,13 @@ acknowledged, how many SwarmClient retries happened (transport errors and "wait"
 answered from the ledger (`replayed`: a retried end whose first try the server had acted on), checks the ledger
 holds every acknowledged episode exactly once and nothing else, and reads the server's resident memory (VmRSS, and
 its peak VmHWM) from /proc before and after. Exit code 1 if an end was not acknowledged or the ledger disagrees.
-With `--rounds N` the same server plays N such rounds one after the other, and each round's seconds and the RSS after
-it are reported: a server that keeps work or memory per finished episode (a prefix cache scanned whole, a table
-never pruned) shows it as rounds that grow (`slowest_round_vs_first`). Without `--lockstep` an episode calls as soon as
-its own begin is answered, so how 1,000 threads happen to interleave on the machine's cores decides what overlaps
-what, and rounds of the same work differ by ±30% here; `--lockstep` joins every step's threads before the next step
-starts, so each round asks the server the same thing in the same order.
+With `--rounds N` the same server plays N such rounds one after the other, and each round's seconds (from the
+release of its threads, all started and waiting, to the last one's end; with `--lockstep` the sum of its three
+bursts') and the RSS after it are reported: a server that keeps work or memory per finished episode (a prefix cache
+scanned whole, a table never pruned) shows it as rounds that grow (`slowest_round_vs_first`). Without `--lockstep`
+an episode calls as soon as its own begin is answered, so how 1,000 threads happen to interleave on the machine's
+cores decides what overlaps what; `--lockstep` joins every step's threads before the next step starts, so each round
+asks the server the same thing in the same order.
 """
 
 from __future__ import annotations
@@ -81,13 +82,11 @@ def run_episodes(url: str, count: int, max_tokens: int, lockstep: bool = False) 
     phases: dict[str, list[float]] = {"begin": [], "call": [], "end": []}  # seconds each step of each episode took
     steps = {"begin": lambda e: e.begin(clients[e.i // EPISODES_PER_CLIENT]), "call": lambda e: e.call(max_tokens),
              "end": lambda e: e.end(clients[e.i // EPISODES_PER_CLIENT])}
-    started = time.monotonic()
     if lockstep:
-        for phase, step in steps.items():
-            _burst(episodes, lambda e, phase=phase, step=step: e.run([(phase, step)], phases))
+        seconds = sum(_burst(episodes, lambda e, phase=phase, step=step: e.run([(phase, step)], phases))
+                      for phase, step in steps.items())
     else:
-        _burst(episodes, lambda e: e.run(list(steps.items()), phases))
-    seconds = time.monotonic() - started
+        seconds = _burst(episodes, lambda e: e.run(list(steps.items()), phases))
     for client in clients:
         client.close()
     outcomes = collections.Counter(e.outcome.split(":")[0] for e in episodes)
@@ -150,9 +149,12 @@ class _Episode:
         self.outcome = "acknowledged"
 
 
-def _burst(episodes: list[_Episode], work: Callable[[_Episode], None]) -> None:
-    """`work` on every episode, one thread each, all released together; returns when all are done."""
-    start = threading.Barrier(len(episodes))
+def _burst(episodes: list[_Episode], work: Callable[[_Episode], None]) -> float:
+    """`work` on every episode, one thread each, all released together; returns when all are done, with the seconds
+    from their release to the last one's end (starting 1,000 threads takes this machine seconds, and varies: not
+    the server's time)."""
+    released_at: list[float] = []
+    start = threading.Barrier(len(episodes), action=lambda: released_at.append(time.monotonic()))
 
     def released(episode: _Episode) -> None:
         start.wait()
@@ -163,6 +165,7 @@ def _burst(episodes: list[_Episode], work: Callable[[_Episode], None]) -> None:
         thread.start()
     for thread in threads:
         thread.join()
+    return time.monotonic() - released_at[0]
 
 
 def _spread(times: list[float]) -> dict[str, float]:
