@@ -216,13 +216,13 @@ def main(argv: list[str] | None = None) -> int:
             delay = args.delay / (speed or 1.0)  # a faster simulation runs the co-player's delay faster too
             proxy = serve_in_thread(delaying_proxy(static.url, delay), port)
             coplayer = (f"http://127.0.0.1:{port}/v1", "coplayer")
+            train = game_settings(args)["train"]
             report = {"model": "tiny" if args.smoke else model, "engine": args.engine, "game": args.game,
                       "max_rounds": args.max_rounds if args.game == "werewolves" else None,
                       "valid_action_bonus": args.valid_action_bonus if args.game == "werewolves" else None,
                       "speed": args.speed if speed else 1.0, "delay_s": args.delay, "steps": args.steps,
                       "concurrency": args.concurrency, "max_staleness": args.max_staleness,
-                      "batch_size": game_settings(args)["train"]["batch_size"],
-                      "ppo_epochs": game_settings(args)["train"].get("grpo", {}).get("ppo_epochs", 1),
+                      "batch_size": train["batch_size"], "ppo_epochs": train.get("grpo", {}).get("ppo_epochs", 1),
                       "off": run_side(model, coplayer, args, False, scratch),
                       "on": run_side(model, coplayer, args, True, scratch)}
         finally:
