@@ -375,7 +375,7 @@ class LedgerThread:
     async def record_episode(self, **episode: Any) -> None:
         """Commit one episode; returns once it is durable. Episodes that arrive while a commit is under way wait for
         it, then go together in the next one (`Ledger.record_episodes`: one transaction, one fsync): a burst of
-        1,000 ends makes a few dozen fsyncs instead of 1,000, and a lone end commits at once, as before."""
+        ends shares a few fsyncs instead of one each, and a lone end commits at once, as before."""
         recorded = asyncio.get_running_loop().create_future()
         self._queued.append((episode, recorded))
         if self._committing is None or self._committing.done():
