@@ -118,8 +118,8 @@ def process_usage(pid: int) -> tuple[float, int]:
 
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14 and 15)
-    rss = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-               if line.startswith("VmRSS:"))  # fmt: skip
+    rss = next((int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                if line.startswith("VmRSS:")), 0)  # none: the process has exited, not yet reaped (a zombie)
     return cpu, rss
 
 
