@@ -11,7 +11,10 @@ Checks, in order (each one's failure is reported and the next still runs):
    built here and no hub is needed) in a temporary directory;
 3. the torch engine on the device: tokens/s at batch 1 and 32, and its peak memory against `marl plan`'s figure;
 4. a GRPO step (one process, fp32) and an FSDP step (bf16 mixed precision, one rank per visible GPU): seconds and
-   peak memory against the plan (the ranks' peak is read from the device's used memory while the step runs);
+   peak memory against the plan (the ranks' peak is read from the device's used memory while the step runs), and
+   what the allocator reserved after the step and after the trainer emptied its cache (`device_reserved_gb`,
+   `device_reserved_freed_gb`: what an engine waking on the same GPU finds taken; the torch engine has no sleep
+   mode, so there is no wake beside a rank to show without vLLM);
 5. with vLLM's CUDA build in .venv-vllm (`make vllm`): a boot, a weight sync through the weight-transfer engine
    (the disk path as fallback, reported), sleep and wake, tokens/s at batch 32.
 
@@ -133,9 +136,10 @@ def check_grpo(model_dir: Path, device: str, tokens: int) -> dict:
         started = time.perf_counter()
         trainer.step(_batch(2, vocab, tokens, tokens // 2))
         seconds = time.perf_counter() - started
+    released = trainer.release_memory()
     setting = TrainerSetting(micro_batch_tokens=tokens, trained_tokens=tokens // 2)
     plan = trainer_rank(architecture_of(str(model_dir)), setting)[1].total
-    return {"step_s": seconds, **_against(plan, memory.in_process)}
+    return {"step_s": seconds, **_against(plan, memory.in_process), **released}
 
 
 def check_fsdp(model_dir: Path, device: str, tokens: int) -> dict:
@@ -155,6 +159,7 @@ def check_fsdp(model_dir: Path, device: str, tokens: int) -> dict:
             started = time.perf_counter()
             trainer.step(_batch(2, vocab, tokens, tokens // 2))
             seconds = time.perf_counter() - started
+        released = trainer.release_memory()  # what each rank reserved after the step, and after emptying its cache
     finally:
         trainer.close()
     setting = TrainerSetting(ranks=ranks, compute_bytes=2 if device == "cuda" else 4, micro_batch_tokens=tokens,
@@ -162,7 +167,7 @@ def check_fsdp(model_dir: Path, device: str, tokens: int) -> dict:
     plan = trainer_rank(architecture_of(str(model_dir)), setting)[1].total
     # GPU 0 holds rank 0 (its CUDA context too, which the plan counts); mem_get_info sees GPU 0 only.
     measured = memory.device_used - before
-    return {"ranks": ranks, "step_s": seconds, **_against(plan, measured)}
+    return {"ranks": ranks, "step_s": seconds, **_against(plan, measured), **released}
 
 
 def check_vllm(model_dir: Path, device: str) -> dict:

@@ -50,6 +50,10 @@ class SamplingParams:
     #: Whether anyone reads the tokens as they come. False (a non-streaming API call): the engine may hand back the
     #: whole generation as one chunk, which spares the server a wake-up per token (docs/scale.md).
     stream: bool = True
+    #: Calls that share this key (a lease's episode id) go to one replica of an engine of several, so that each call
+    #: finds the previous ones' prompt in that replica's prefix cache; None: any replica (servers.engines.
+    #: vllm_replicas).
+    affinity: str | None = None
 
 
 @dataclass
@@ -195,6 +199,15 @@ class Trainer(abc.ABC):
         None (the default) when the weights live in another process: the server then uses `export_weights`.
         """
         return None
+
+    def release_memory(self) -> dict[str, float]:
+        """Hand the device memory the step cached back to the driver (servers.trainers.device_memory), before the
+        server publishes the new weights and an engine that shares the device wakes. The default frees this
+        process's cache (a trainer in the server's process); a trainer with processes of its own has them free
+        theirs. Returns metrics (GB, on a GPU only): what the allocator reserved after the step and after freeing."""
+        from servers.trainers.device_memory import free_cached_memory, memory_metrics
+
+        return memory_metrics([free_cached_memory(getattr(self, "device", None))])
 
     @abc.abstractmethod
     def save(self, directory: Path) -> None:

@@ -151,6 +151,8 @@ class TrainLoop:
         metrics = await self._train(batch, trainer)
         if generation != lifecycle.generation:
             return  # stopped meanwhile: the next boot returns the claim to the pool
+        # the step's cached device memory back to the driver before an engine on the same GPU wakes to take weights
+        metrics.update(await asyncio.to_thread(trainer.release_memory))
         await self._publish(served, trainer)
         await asyncio.to_thread(release_freed_memory)
         if config.save_freq and step % config.save_freq == 0:

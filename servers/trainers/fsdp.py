@@ -41,6 +41,7 @@ from servers.engines.weight_transfer import TransferTarget, WeightTransferError
 from servers.interfaces import TrainBatch, Trainer
 from servers.placement import Placement
 from servers.samples import Sample
+from servers.trainers.device_memory import memory_metrics
 from servers.trainers.fsdp_ranks import RankFailure, RankGroup, RankLayout
 from servers.trainers.fsdp_worker import PassResult, RankSpec
 from servers.trainers.grpo import grpo_step
@@ -177,6 +178,11 @@ class FSDPTrainer(Trainer):
         failure = self.ranks.call("push", target)[0]
         if failure is not None:
             raise WeightTransferError(failure)
+
+    def release_memory(self) -> dict[str, float]:
+        """Every rank emptied its allocator's cache at the end of the step already (servers.trainers.fsdp_worker);
+        this reads what they held before and after, largest over the ranks (on a GPU; nothing on the CPU)."""
+        return memory_metrics(self.ranks.call("memory"))
 
     def export_weights(self, directory: Path) -> Path:
         """The policy as a Hugging Face model directory (config, safetensors, tokenizer), gathered by rank 0."""

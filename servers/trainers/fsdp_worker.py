@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 from marl.protocol import FSDPConfig, GRPOConfig, LoraSpec
 from servers.engines.weight_transfer import TransferTarget, WeightPusher
 from servers.samples import Sample
+from servers.trainers.device_memory import free_cached_memory
 from servers.trainers.fsdp_model import build_sharded_model, compute_dtype
 from servers.trainers.fsdp_push import push_sharded
 from servers.trainers.fsdp_state import load_checkpoint, save_checkpoint, write_hf_weights
@@ -160,7 +161,11 @@ def run_rank(place: RankPlace, spec: RankSpec, conn: Connection) -> None:
 
 
 def _serve(policy: ShardedPolicy, conn: Connection) -> None:
+    """Answer commands until "close". After each one the rank empties its allocator's cache before it answers, so
+    the memory a step or a gather peaked at is free before the server wakes an engine on this GPU
+    (servers.trainers.device_memory); "memory" answers the last command's reading (before and after the release)."""
     commands = policy.commands()
+    released = free_cached_memory(policy.device)
     while True:
         try:
             command, args = conn.recv()
@@ -168,7 +173,12 @@ def _serve(policy: ShardedPolicy, conn: Connection) -> None:
             return
         if command == "close":
             return
-        conn.send(("ok", commands[command](*args)))
+        if command == "memory":
+            conn.send(("ok", released))
+            continue
+        result = commands[command](*args)
+        released = free_cached_memory(policy.device)
+        conn.send(("ok", result))
 
 
 def _send_quietly(conn: Connection, message: tuple) -> None:
