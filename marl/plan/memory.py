@@ -31,11 +31,35 @@ backward still runs through every layer to reach the adapters below); no KL refe
 Sharded over n ranks (`trainer: fsdp`, servers/trainers/fsdp_lora.py): each rank keeps 1/n of the base, of the adapters
 and of their AdamW moments, and gathers parameters as the full sharded trainer does, without a base gradient.
 
+On a GPU, beside those tensors (each an estimate from the sources named, never measured on a GPU):
+
+    NCCL buffers       per communicator: channels x ring peers x (NCCL_BUFFSIZE 4 MiB for the Simple protocol +
+                       4.7 MiB LL128 + 0.5 MiB LL) = 32 x 2 x 9.2 MiB = 0.57 GiB; a rank of N > 1 holds its FSDP
+                       group's, and one more when its weights go to vLLM over nccl (rank 0's; counted on every rank)
+    head gradient      the output head's gradient, unsharded (V x H in the compute dtype), from the first logits
+                       chunk's backward until the root group's reduce-scatter at the backward's end (torch 2.13,
+                       FSDPParamGroup.post_backward: the root reduces once all its parameters have gradients)
+    root reduce        at that reduce-scatter, with the activations gone: the root's gathered parameters and
+                       gradients (compute dtype) and their reduce_dtype copy (fp32), a moment of its own
+    allocator residue  between steps, after the rank empties its cache (gc, torch.cuda.empty_cache(), synchronize,
+                       at the end of every command, before vLLM wakes): its expandable segments unmap every 20 MiB
+                       page that holds no live block, so what stays beyond the live tensors is the partly used
+                       pages at the ends of runs of live tensors; allowed as one page per decoder layer (the AdamW
+                       moments of a layer are allocated together, at the first step, amid its transients). Without
+                       the empty_cache a rank would keep about its step's peak reserved.
+
+A checkpoint (`dcp.async_save`, servers/trainers/fsdp_state.py) stages each rank's shards in host memory (torch
+2.13's default stager: a plain CPU copy, `StagingOptions(False, False, False, False)`): 12P/N per rank, 12P x
+(ranks on the box)/N per box; rank 0 meanwhile gathers the export (the full model in the compute dtype) into its
+host memory, one tensor at a time through every rank's GPU (each holds one full tensor, at most V x H, then).
+
 The vLLM engine on one of its `tp` GPUs, weights in `b` bytes (docs/backends.md):
 
     weights P·b/tp, activations of its profiling forward (max_num_batched_tokens through a layer, and the sampler's
     fp32 logits for max_num_seqs sequences), CUDA graphs (an allowance), the CUDA context (an allowance), and the
-    KV cache: what gpu_memory_utilization leaves of the GPU after the rest, or kv_cache_gb.
+    KV cache: what gpu_memory_utilization leaves of the GPU after the rest, or kv_cache_gb. With tp > 1 one NCCL
+    communicator among the rest (vLLM's profiling counts it in its budget); with weights over nccl one more, made
+    after the start and so beyond gpu_memory_utilization. Asleep, its CUDA context, graphs and NCCL buffers stay.
 """
 
 from __future__ import annotations
@@ -44,13 +68,28 @@ from dataclasses import dataclass, field
 
 from .architecture import Architecture
 
-__all__ = ["CUDA_CONTEXT_BYTES", "CUDA_GRAPHS_BYTES", "GB", "GIB", "Parts", "engine_vllm", "trainer_rank"]
+__all__ = ["ALLOCATOR_PAGE_BYTES", "CUDA_CONTEXT_BYTES", "CUDA_GRAPHS_BYTES", "GB", "GIB", "HOST_PROCESS_BYTES",
+           "NCCL_COMMUNICATOR_BYTES", "Parts", "engine_vllm", "trainer_rank"]
 
+MIB = 2**20
 GIB = 2**30
 #: What devices are sold and configured in (placement.gpu_memory_gb), and what plans print.
 GB = 1e9
-#: Per CUDA process: the context, cuBLAS workspaces, NCCL buffers. An allowance, not a measurement.
+#: Per CUDA process: the context and cuBLAS workspaces (NCCL's buffers are their own term). An allowance.
 CUDA_CONTEXT_BYTES = int(0.75 * GIB)
+#: NCCL's buffers per connection: NCCL_BUFFSIZE (default 4 MiB, the Simple protocol's), LL128's 120 x 640 x 8 steps
+#: x 8 bytes and LL's 8 x 512 x 8 steps x 16 bytes (NCCL's docs and device.h). An estimate, not a measurement.
+NCCL_BUFFSIZE = 4 * MIB
+NCCL_CONNECTION_BYTES = NCCL_BUFFSIZE + 120 * 640 * 8 * 8 + 8 * 512 * 8 * 16
+#: One communicator: up to 32 channels on an NVLink box, each a ring with a previous and a next peer (0.57 GiB).
+NCCL_CHANNELS = 32
+NCCL_COMMUNICATOR_BYTES = NCCL_CHANNELS * 2 * NCCL_CONNECTION_BYTES
+#: The large pool's page of an expandable segment (the ranks' allocator, servers/trainers/fsdp_worker.py): the
+#: granularity at which empty_cache can hand memory back.
+ALLOCATOR_PAGE_BYTES = 20 * MIB
+#: Host memory of one process that uses CUDA (the interpreter, torch's and CUDA's libraries, the context's host
+#: side): the server, each trainer rank, each vLLM process. An allowance, not a measurement.
+HOST_PROCESS_BYTES = 2 * GIB
 #: vLLM's captured CUDA graphs (it logs "Graph capturing finished ..., took 0.3-1.5 GiB"). An allowance.
 CUDA_GRAPHS_BYTES = 1 * GIB
 #: Tokens whose logits `token_logprobs_and_entropy` projects at once (servers/trainers/policy_model.py).
@@ -110,6 +149,29 @@ class TrainerSetting:
     on_gpu: bool = False
     #: LoRA policies: each one's adapter parameters (empty: the model's own weights are trained)
     adapters: tuple[int, ...] = ()
+    #: NCCL communicators the rank holds buffers of (its group's; rank 0's weight push over nccl)
+    nccl_communicators: int = 0
+
+
+def nccl_buffers(communicators: int) -> float:
+    """NCCL's buffers of `communicators` communicators (NCCL_COMMUNICATOR_BYTES each: see the constants)."""
+    return communicators * NCCL_COMMUNICATOR_BYTES
+
+
+def allocator_residue(arch: Architecture) -> float:
+    """What a rank's caching allocator keeps beyond its live tensors once it emptied its cache: one partly used
+    20 MiB page per decoder layer (module docstring, "allocator residue")."""
+    return arch.num_layers * ALLOCATOR_PAGE_BYTES
+
+
+def head_gradient(arch: Architecture, compute_bytes: int) -> float:
+    """The output head's unsharded gradient, held through the backward until the root's reduce-scatter."""
+    return arch.vocab_size * arch.hidden_size * compute_bytes
+
+
+def root_reduce(arch: Architecture, compute_bytes: int) -> float:
+    """At the root group's reduce-scatter: its gathered parameters and gradients, and their fp32 reduce copy."""
+    return arch.embedding_params() * (2 * compute_bytes + 4)
 
 
 def trainer_rank(arch: Architecture, s: TrainerSetting) -> tuple[Parts, Parts]:
@@ -117,21 +179,24 @@ def trainer_rank(arch: Architecture, s: TrainerSetting) -> tuple[Parts, Parts]:
     if s.adapters:
         return _lora_trainer(arch, s)
     p, n = arch.parameter_count(), s.ranks
-    resident = Parts().add("parameters (fp32 shard)" if s.sharded else "parameters (fp32)", 4 * p / n)
-    resident.add("AdamW moments (fp32)", 8 * p / n)
+    state = Parts().add("parameters (fp32 shard)" if s.sharded else "parameters (fp32)", 4 * p / n)
+    state.add("AdamW moments (fp32)", 8 * p / n)
     if s.kl_reference:
-        resident.add("KL reference", (s.compute_bytes if s.sharded else 4) * p / n)
+        state.add("KL reference", (s.compute_bytes if s.sharded else 4) * p / n)
     if s.on_gpu:
-        resident.add("CUDA context", CUDA_CONTEXT_BYTES)
+        state.add("CUDA context", CUDA_CONTEXT_BYTES).add("NCCL buffers", nccl_buffers(s.nccl_communicators))
     passes = Parts().add("activations", activations(arch, s.micro_batch_tokens, s.compute_bytes, s.checkpointing))
     trained = s.micro_batch_tokens if s.trained_tokens is None else s.trained_tokens
     passes.add("logits (one chunk)", logits_bytes(arch, trained, s.compute_bytes))
+    moments = [Parts().add("AdamW temporaries", 4 * p / n)]
     if s.sharded:
         gathered = (arch.embedding_params() + 2 * arch.layer_params()) * s.compute_bytes
         passes.add("gathered parameters", gathered + arch.layer_params() * (s.compute_bytes + 4))
-    optimizer_step = Parts().add("AdamW temporaries", 4 * p / n)
-    peak = Parts().extend(resident).add("gradients (fp32 shard)" if s.sharded else "gradients (fp32)", 4 * p / n)
-    peak.extend(passes if passes.total >= optimizer_step.total else optimizer_step)
+        passes.add("head gradient (unsharded)", head_gradient(arch, s.compute_bytes))
+        moments.append(Parts().add("root reduce-scatter", root_reduce(arch, s.compute_bytes)))
+    peak = Parts().extend(state).add("gradients (fp32 shard)" if s.sharded else "gradients (fp32)", 4 * p / n)
+    peak.extend(max([passes, *moments], key=lambda parts: parts.total))
+    resident = Parts().extend(state).add("allocator residue", allocator_residue(arch) if s.on_gpu else 0)
     return resident, peak
 
 
@@ -143,15 +208,16 @@ def _lora_trainer(arch: Architecture, s: TrainerSetting) -> tuple[Parts, Parts]:
     shard = " shard" if s.sharded else ""
     resident = Parts().add(f"parameters (fp32{shard}, frozen)", 4 * arch.parameter_count() / n)
     resident.add(f"{len(s.adapters)} adapters + AdamW moments (fp32{shard})", 12 * adapters)
-    resident.add("CUDA context", CUDA_CONTEXT_BYTES if s.on_gpu else 0)
+    if s.on_gpu:
+        resident.add("CUDA context", CUDA_CONTEXT_BYTES).add("NCCL buffers", nccl_buffers(s.nccl_communicators))
     passes = Parts().add("activations", activations(arch, s.micro_batch_tokens, s.compute_bytes, s.checkpointing))
     trained = s.micro_batch_tokens if s.trained_tokens is None else s.trained_tokens
     passes.add("logits (one chunk)", logits_bytes(arch, trained, s.compute_bytes))
     if s.sharded:  # the root and two layers gathered at a time, as the full sharded trainer; the base has no gradient
         passes.add("gathered parameters", (arch.embedding_params() + 2 * arch.layer_params()) * s.compute_bytes)
     peak = Parts().extend(resident).add(f"gradients (one adapter, fp32{shard})", 4 * largest)
-    return resident, peak.extend(passes if passes.total >= 4 * largest else Parts().add("AdamW temporaries",
-                                                                                         4 * largest))
+    peak.extend(passes if passes.total >= 4 * largest else Parts().add("AdamW temporaries", 4 * largest))
+    return resident.add("allocator residue", allocator_residue(arch) if s.on_gpu else 0), peak
 
 
 @dataclass(frozen=True)
@@ -164,6 +230,8 @@ class VLLMSetting:
     max_num_seqs: int = VLLM_MAX_NUM_SEQS
     max_num_batched_tokens: int = VLLM_MAX_NUM_BATCHED_TOKENS
     cuda_graphs: bool = True
+    #: weights arrive over NCCL (vllm.weight_sync nccl): a communicator made after the start, outside its budget
+    weight_transfer_nccl: bool = False
 
 
 def engine_vllm(arch: Architecture, s: VLLMSetting) -> tuple[Parts, float]:
@@ -175,14 +243,30 @@ def engine_vllm(arch: Architecture, s: VLLMSetting) -> tuple[Parts, float]:
     rest.add("activations (profiling forward)", s.max_num_batched_tokens * per_token * b
              + s.max_num_seqs * arch.vocab_size * 4 * 2)  # fmt: skip
     rest.add("CUDA graphs", CUDA_GRAPHS_BYTES if s.cuda_graphs else 0).add("CUDA context", CUDA_CONTEXT_BYTES)
+    rest.add("NCCL buffers (tensor parallel)", nccl_buffers(1) if tp > 1 else 0)  # profiled: inside its budget
     kv = s.kv_cache_bytes if s.kv_cache_bytes is not None else s.utilization * s.gpu_bytes - rest.total
-    return Parts().extend(rest).add("KV cache", max(kv, 0.0)), kv
+    parts = Parts().extend(rest).add("KV cache", max(kv, 0.0))
+    return parts.add("NCCL buffers (weight transfer)", nccl_buffers(1) if s.weight_transfer_nccl else 0), kv
 
 
 def engine_vllm_asleep(awake: Parts) -> float:
     """What a sleeping vLLM (level 1: weights offloaded to host memory, KV cache dropped) still holds on its GPU."""
-    keep = ("CUDA graphs", "CUDA context")
-    return sum(nbytes for what, nbytes in awake.items if what in keep)
+    return sum(nbytes for what, nbytes in awake.items if what.startswith(("CUDA", "NCCL")))
+
+
+def largest_tensor(arch: Architecture) -> int:
+    """Elements of the model's largest weight: the embeddings (or head), else an MLP or attention matrix."""
+    mlp = arch.moe_intermediate_size if arch.num_experts else arch.intermediate_size
+    return arch.hidden_size * max(arch.vocab_size, mlp, arch.q_width)
+
+
+def checkpoint_host(arch: Architecture, *, ranks_here: int, ranks: int, export_bytes: int) -> Parts:
+    """Host memory of one box while a sharded checkpoint is written: `dcp.async_save` stages the shards of its
+    `ranks_here` ranks (fp32 parameters and AdamW's two moments: 12P/N each), and rank 0 gathers the export (the
+    full model in `export_bytes` a value) into its own memory (module docstring)."""
+    p = arch.parameter_count()
+    parts = Parts().add(f"async_save staging ({ranks_here} ranks' shards)", 12 * p * ranks_here / ranks)
+    return parts.add("rank 0's export gather", p * export_bytes)
 
 
 def engine_torch(arch: Architecture, *, weight_bytes: int, sequences: int, tokens_per_sequence: int,

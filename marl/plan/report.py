@@ -34,6 +34,29 @@ def server_table(plan: ServerPlan) -> Table:
     return table
 
 
+#: What the rollouts row assumes of a trainer rank's CUDA caching allocator (memory.py, "allocator residue").
+RESERVED_FOOTNOTE = ("rollouts assume each trainer rank empties its CUDA cache (gc, empty_cache, synchronize) after"
+                     " every command, before vLLM wakes: only live shards + allocator residue stay")
+
+
+def _box_lines(server: ServerPlan) -> list[str]:
+    """The footnote on reserved memory, a checkpoint's moment, the weights' way, disk and host memory."""
+    lines = []
+    if any(load.step is not None for load in server.devices) and server.devices[0].device != "host":
+        lines.append(RESERVED_FOOTNOTE)
+    for load in server.devices:
+        if load.save is not None:
+            lines.append(f"checkpoint (vLLM awake): {load.device} {_gb(load.save.total)} GB (rollouts +"
+                         f" {_biggest(Parts(load.save.items[-1:]))})")
+    if server.weights is not None:
+        lines.append(f"weights: {server.weights}; disk per step: {_gb(server.disk_per_step.total)} GB"
+                     + (f"; a checkpoint every {server.save_every} steps: {_gb(server.disk_per_checkpoint.total)} GB"
+                        f" ({_biggest(server.disk_per_checkpoint)})" if server.disk_per_checkpoint.items else ""))
+    if server.host is not None:
+        lines.append(server.host.line())
+    return lines
+
+
 def print_plan(plan: TopologyPlan, console: Console) -> None:
     for server in plan.servers:
         if server.devices:
@@ -44,9 +67,8 @@ def print_plan(plan: TopologyPlan, console: Console) -> None:
             flag = "--" + key.replace(".", "-").replace("_", "-")
             console.print(f"  sized by the plan: servers.{server.server}.{key} = {value} (`marl run` passes it to the"
                           f" servers it starts; on a remote box give `marl serve` {flag} {value})")
-        if server.disk_per_step.items:
-            console.print(f"  disk per step: {_gb(server.disk_per_step.total)} GB ({_biggest(server.disk_per_step)});"
-                          f" per checkpoint {_gb(server.disk_per_checkpoint.total)} GB")
+        for line in _box_lines(server):
+            console.print(f"  {line}")
         console.print()
     if plan.skipped:
         console.print(f"not planned (no placement: their devices are not in the topology): {', '.join(plan.skipped)}")

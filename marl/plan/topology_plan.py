@@ -16,7 +16,7 @@ What does not fit becomes a `Problem` at the topology key to change (`servers.S.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from marl.protocol import VLLM_OWN_GPU_UTILIZATION
 from marl.topology.problems import Problem
 
 from .architecture import Architecture, UnknownModel, architecture_of
+from .box import HostLoad, host_load, weight_sync_way
 from .memory import (
     GB,
     GIB,
@@ -35,6 +36,7 @@ from .memory import (
     engine_torch,
     engine_vllm,
     engine_vllm_asleep,
+    largest_tensor,
     trainer_rank,
 )
 
@@ -56,10 +58,11 @@ class DeviceLoad:
     capacity: float
     rollouts: Parts
     step: Parts | None = None  # None: nothing trains here
+    save: Parts | None = None  # while a checkpoint is written (None: no sharded trainer saves here)
 
     @property
     def peak(self) -> float:
-        return max(self.rollouts.total, self.step.total if self.step is not None else 0.0)
+        return max(parts.total for parts in (self.rollouts, self.step, self.save) if parts is not None)
 
 
 @dataclass
@@ -71,6 +74,11 @@ class ServerPlan:
     disk_per_checkpoint: Parts = field(default_factory=Parts)
     notes: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    #: How the weights reach the engine after a step (ipc, nccl, disk, in process); None: nothing trains
+    weights: str | None = None
+    #: The box's host memory (a server on GPUs)
+    host: HostLoad | None = None
+    save_every: int = 0  # train.save_freq (0: no checkpoints)
     #: Settings the topology leaves out, as the plan sizes them (key under the server -> value); `marl run` passes
     #: them to the local servers it starts.
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -199,19 +207,19 @@ def adapter_params(server: Any, arch: Architecture) -> tuple[int, ...]:
 
 
 def _disk(plan: ServerPlan, server: Any, arch: Architecture, setting: TrainerSetting | None, *,
-          weights_through_disk: bool) -> None:  # fmt: skip
+          weights_through_disk: bool, weight_bytes: int) -> None:  # fmt: skip
+    """Per step: the weights exported for the engine when they travel by disk (in the engine's dtype); per
+    checkpoint (every train.save_freq steps): `disk_per_checkpoint`."""
     if setting is None:
         return
     p = arch.parameter_count()
     if weights_through_disk:
         plan.disk_per_step.add("weights for the engine", (max(setting.adapters) if setting.adapters else p)
-                               * setting.compute_bytes)  # fmt: skip
+                               * weight_bytes)  # fmt: skip
     if server.train.save_freq:
-        checkpoint = disk_per_checkpoint(arch, sharded=setting.sharded, export_bytes=setting.compute_bytes,
-                                         adapters=setting.adapters)  # fmt: skip
-        plan.disk_per_checkpoint = checkpoint
-        every = server.train.save_freq
-        plan.disk_per_step.add(f"checkpoint every {every} steps", checkpoint.total / every)
+        plan.save_every = server.train.save_freq
+        plan.disk_per_checkpoint = disk_per_checkpoint(arch, sharded=setting.sharded,
+                                                       export_bytes=setting.compute_bytes, adapters=setting.adapters)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -254,8 +262,13 @@ def _plan_on_host(name: str, server: Any, arch: Architecture, spec: Any) -> Serv
         if setting.ranks > 1:  # every rank peaks at once, on the same host
             step.add(f"trainer: ranks 1-{setting.ranks - 1}", (setting.ranks - 1) * peak.total)
     plan.devices.append(DeviceLoad("host", 0.0, rollouts, step))
-    _disk(plan, server, arch, setting, weights_through_disk=server.engine == "vllm" or (
-        setting is not None and setting.sharded))  # fmt: skip
+    if setting is not None:  # the CPU build of vLLM: disk unless set; the torch engine: as on a GPU
+        mode = getattr(server.vllm, "weight_sync", "auto") if server.vllm is not None else "auto"
+        plan.weights = (weight_sync_way(mode, on_cpu=True, engine_gpus=[], trainer_gpus=[]) if server.engine == "vllm"
+                        else "disk" if setting.sharded else "in process")  # fmt: skip
+    vllm_dtype = getattr(server.vllm, "dtype", None) if server.vllm is not None else None
+    _disk(plan, server, arch, setting, weights_through_disk=plan.weights == "disk",
+          weight_bytes=2 if server.engine == "vllm" and vllm_dtype in ("bfloat16", "float16", "half") else 4)
     if setting is not None:
         plan.notes.append(_trainer_note(arch, setting))
     if not plan.problems:
@@ -323,13 +336,18 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
     v = server.vllm
     replicas = (v.tensor_parallel_size * v.data_parallel_size) if v is not None else 1
     gpus = _gpus(server, setting, replicas)
+    way = _weights_way(server, uses_vllm, setting, gpus)
+    if setting is not None:  # its group's communicator (ranks > 1), and rank 0's to vLLM over nccl
+        setting = replace(setting, nccl_communicators=int(setting.ranks > 1) + int(way == "nccl"))
     plan = ServerPlan(name, f"{arch.name} ({arch.parameter_count() / 1e9:.1f}B), "
                       + ("vLLM" if uses_vllm else "torch engine") + f" on GPUs {_ids(gpus.engine)}"
-                      + (f", {setting.ranks} trainer ranks on GPUs {_ids(gpus.trainer)}" if setting else ""))
+                      + (f", {setting.ranks} trainer ranks on GPUs {_ids(gpus.trainer)}" if setting else ""),
+                      weights=way)  # fmt: skip
     resident, peak = trainer_rank(arch, setting) if setting is not None else (Parts(), Parts())
     if uses_vllm:
         beside = resident.total if gpus.shared and setting is not None else None
         vllm_setting, max_model_len = _vllm_setting(server, arch, gpu_bytes, beside)
+        vllm_setting = replace(vllm_setting, weight_transfer_nccl=way == "nccl")
         if v is None or (v.gpu_memory_utilization is None and v.kv_cache_gb is None):
             plan.defaults["vllm.gpu_memory_utilization"] = vllm_setting.utilization
         engine, kv = engine_vllm(arch, vllm_setting)
@@ -341,18 +359,58 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
     else:
         engine = _torch_engine(name, server, arch, spec, on_gpu=True)
         vllm_setting, sleeps, engine_in_step = None, False, engine.total
+    saves = setting is not None and setting.sharded and bool(server.train.save_freq)
     for group in _alike(sorted(set(gpus.engine) | set(gpus.trainer)), gpus):
         load = _gpu_load(group, gpu_bytes, gpus, engine, engine_in_step, resident, peak, sleeps)
+        if saves and group[0] in gpus.trainer:
+            load.save = _save_load(load, arch, setting)
         plan.devices.append(load)
         engine_refused = any(p.key.startswith(f"{key}.vllm.") for p in plan.problems)
         plan.problems += _gpu_problems(key, load, group[0] in gpus.shared, vllm_setting, resident, gpu_bytes,
                                        check_rollouts=not engine_refused)
-    _disk(plan, server, arch, setting, weights_through_disk=_weights_through_disk(server, uses_vllm, setting))
+    weight_bytes = vllm_setting.weight_bytes if vllm_setting is not None else 2
+    _disk(plan, server, arch, setting, weights_through_disk=way == "disk", weight_bytes=weight_bytes)
     if setting is not None:
         plan.notes.append(_trainer_note(arch, setting))
-        plan.notes.append(_host_note(arch, sleeps, replicas=max(1, len(gpus.engine) // (v.tensor_parallel_size if v
-                                                                                         else 1))))
+    _box(plan, key, server, arch, setting, gpus, sleeps=sleeps)
     return plan
+
+
+def _save_load(load: DeviceLoad, arch: Architecture, s: TrainerSetting) -> Parts:
+    """A trainer GPU while a checkpoint is written: as at rollouts (vLLM is awake: the checkpoint follows the weight
+    sync), plus the export's gather, one full tensor at a time in the compute dtype on every rank."""
+    gather = largest_tensor(arch) * s.compute_bytes
+    return Parts().extend(load.rollouts).add("export gather (one full tensor)", gather)
+
+
+def _box(plan: ServerPlan, key: str, server: Any, arch: Architecture, setting: TrainerSetting | None, gpus: _GPUs,
+         *, sleeps: bool) -> None:  # fmt: skip
+    """The box's host memory (marl/plan/box.py), its line and its problem."""
+    placement = getattr(server, "placement", None)
+    v = server.vllm
+    tp, dp = (v.tensor_parallel_size, v.data_parallel_size) if v is not None else (1, 1)
+    uses_vllm = server.engine == "vllm" or not server.is_local
+    ranks_here = len(gpus.trainer) if setting is not None else 0
+    # each data-parallel replica is a vLLM of its own: its API server, its engine core, and tp workers when tp > 1
+    engine_processes = dp * (2 + (tp if tp > 1 else 0)) if uses_vllm else 0
+    processes = int(server.is_local or server.trainable) + ranks_here + engine_processes
+    capacity = getattr(placement, "host_memory_gb", None)
+    load = host_load(arch, processes=processes, asleep_weights=len(gpus.engine) * _weights(arch, v) if sleeps else 0,
+                     ranks_here=ranks_here,
+                     ranks=setting.ranks if setting is not None else 1,
+                     export_bytes=setting.compute_bytes if setting is not None else 2,
+                     checkpoints=bool(setting is not None and setting.sharded and server.train.save_freq),
+                     capacity=capacity * GB if capacity else None)  # fmt: skip
+    plan.host = load
+    if (problem := load.problem(key)) is not None:
+        plan.problems.append(problem)
+
+
+def _weights(arch: Architecture, v: Any) -> float:
+    """One vLLM GPU's share of the weights, as its sleep mode offloads them."""
+    tp = v.tensor_parallel_size if v is not None else 1
+    dtype = getattr(v, "dtype", None) if v is not None else None
+    return arch.parameter_count() * (4 if dtype in ("float32", "float") else 2) / tp
 
 
 def _trainer_note(arch: Architecture, s: TrainerSetting) -> str:
@@ -366,13 +424,6 @@ def _trainer_note(arch: Architecture, s: TrainerSetting) -> str:
             f" checkpointing, {off:.1f} GB without; {loading}")
 
 
-def _host_note(arch: Architecture, sleeps: bool, replicas: int) -> str:
-    read = arch.parameter_count() * arch.weights_bytes_per_param / GB
-    offloaded = replicas * arch.parameter_count() * 2 / GB
-    asleep = f"; {replicas} vLLM replicas asleep keep their weights there ({offloaded:.1f} GB)" if sleeps else ""
-    return f"host memory: rank 0 reads the model ({read:.1f} GB){asleep}"
-
-
 def _ids(gpus: list[int]) -> str:
     """0-7 for a run of GPUs, 0,2,5 otherwise."""
     if len(gpus) > 2 and gpus == list(range(gpus[0], gpus[-1] + 1)):
@@ -380,13 +431,15 @@ def _ids(gpus: list[int]) -> str:
     return ",".join(map(str, gpus)) if gpus else "-"
 
 
-def _weights_through_disk(server: Any, uses_vllm: bool, setting: TrainerSetting | None) -> bool:
+def _weights_way(server: Any, uses_vllm: bool, setting: TrainerSetting | None, gpus: _GPUs) -> str | None:
+    """How the weights reach the engine after a step: vLLM's way (marl/plan/box.py), the torch engine's tensors in
+    the process (one-process trainer) or a directory (FSDP ranks); None: nothing trains."""
     if setting is None:
-        return False
-    if uses_vllm:
-        mode = getattr(server.vllm, "weight_sync", "auto") if server.vllm is not None else "auto"
-        return mode == "disk"  # auto on CUDA: vLLM's weight-transfer engine (ipc or nccl)
-    return setting.sharded  # the one-process trainer hands the torch engine its tensors
+        return None
+    if not uses_vllm:
+        return "disk" if setting.sharded else "in process"
+    mode = getattr(server.vllm, "weight_sync", "auto") if server.vllm is not None else "auto"
+    return weight_sync_way(mode, on_cpu=False, engine_gpus=gpus.engine, trainer_gpus=gpus.trainer)
 
 
 def _alike(gpu_ids: list[int], gpus: _GPUs) -> list[list[int]]:
@@ -426,6 +479,11 @@ def _gpu_problems(key: str, load: DeviceLoad, shared: bool, vllm: VLLMSetting | 
                                 f" of {gb:.0f} GB (most: {what}, {most / GB:.1f} GB): lower micro_batch_tokens, turn"
                                 " on gradient_checkpointing, or shard over more GPUs (fsdp ranks,"
                                 " placement.trainer_gpus)"))  # fmt: skip
+    if check_rollouts and load.save is not None and load.rollouts.total <= gpu_bytes < load.save.total:
+        problems.append(Problem(f"{key}.vllm.gpu_memory_utilization" if shared else f"{key}.train.save_freq",
+                                f"{load.device}: writing a checkpoint needs {load.save.total / GB:.1f} GB of {gb:.0f}"
+                                " GB (vLLM awake, and the export's gather of one full tensor): leave vLLM less of"
+                                " the GPU, or save less often"))  # fmt: skip
     if check_rollouts and load.rollouts.total > gpu_bytes:
         problems.append(Problem(f"{key}.placement", f"{load.device}: holds {load.rollouts.total / GB:.1f} GB during"
                                 f" rollouts, more than its {gb:.0f} GB: give the engine and the trainer separate"

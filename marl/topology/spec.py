@@ -149,6 +149,10 @@ class PlacementSpec(_Spec):
 
     gpu_memory_gb: float | None = Field(None, gt=0, description="Memory of one GPU in GB, for `marl plan` (default"
                                         " for a local server: what torch.cuda reports).")
+    host_memory_gb: float | None = Field(None, gt=0, description="Host memory of the server's machine in GB, for"
+                                         " `marl plan`: checked against what the box holds beside its GPUs"
+                                         " (sleeping vLLMs' weights, checkpoint staging); unset: printed, not"
+                                         " checked.")
     engine_gpus: GPUIndices | None = Field(None, description="GPUs of the inference engine: one for the torch"
                                            " engine; vllm.tensor_parallel_size x data_parallel_size for vLLM"
                                            " (default: [0]).")

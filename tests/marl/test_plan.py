@@ -13,7 +13,15 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from marl.plan import KNOWN_ARCHITECTURES, Architecture, UnknownModel, architecture_of, plan_topology
-from marl.plan.memory import GB, TrainerSetting, VLLMSetting, engine_vllm, trainer_rank
+from marl.plan.memory import (
+    GB,
+    NCCL_COMMUNICATOR_BYTES,
+    TrainerSetting,
+    VLLMSetting,
+    checkpoint_host,
+    engine_vllm,
+    trainer_rank,
+)
 from marl.topology import Topology, TopologyError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,7 +72,10 @@ def test_trainer_rank_of_a_7b_on_8_gpus_by_hand():
     assert parts["logits (one chunk)"] == 1024 * 152064 * (2 + 12)
     layer = 3584 * 3584 * 2 + 2 * 3584 * 512 + 3584 + 2 * 512 + 3 * 3584 * 18944 + 2 * 3584
     assert parts["gathered parameters"] == (2 * 152064 * 3584 + 2 * layer) * 2 + layer * (2 + 4)
-    assert resident.total == pytest.approx(12 * p / 8 + 0.75 * 2**30)
+    # between steps: the shards, the CUDA context, no NCCL communicator (the setting names none) and the allocator's
+    # residue after empty_cache: one 20 MiB page per decoder layer
+    assert resident.total == pytest.approx(12 * p / 8 + 0.75 * 2**30 + 28 * 20 * 2**20)
+    assert parts["head gradient (unsharded)"] == 152064 * 3584 * 2  # V x H in bf16, held through the backward
     unsharded = trainer_rank(QWEN_7B, TrainerSetting(ranks=1, micro_batch_tokens=32768, checkpointing=True))[1]
     assert unsharded.total > 120e9 > 80e9 > peak.total  # the fp32 one-process trainer could never fit one GPU
 
@@ -176,7 +187,8 @@ def test_vllms_share_beside_a_trainer_rank_is_sized_by_the_plan_and_passed_by_ma
             "env": {"class": "envs.signalling:Signalling"}, "run": {"games": 1}}  # fmt: skip
     topology = Topology.from_dict(data, check_env=False)
     plan = plan_topology(topology.spec)
-    resident = 12 * 7_615_616_512 / 2 + 0.75 * 2**30  # two ranks' fp32 parameter and AdamW shards, CUDA context
+    # two ranks' fp32 parameter and AdamW shards, CUDA context, their group's NCCL buffers, the allocator's residue
+    resident = 12 * 7_615_616_512 / 2 + 0.75 * 2**30 + NCCL_COMMUNICATOR_BYTES + 28 * 20 * 2**20
     assert plan.problems == [] and plan.servers[0].defaults == {
         "vllm.gpu_memory_utilization": utilization_beside(resident, 80e9)}
     check_memory_plan(topology, "t.yaml", Console(file=None, quiet=True))
@@ -232,3 +244,121 @@ def test_the_plan_of_a_lora_topology_counts_its_adapters():
     assert step["trainer: 2 adapters + AdamW moments (fp32)"] == 24 * adapter
     assert step["engine: LoRA adapters"] == 2 * adapter * 4
     assert team.disk_per_checkpoint.total == 24 * adapter
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What a real box holds beyond the tensors: NCCL, the head's gradient, the allocator, checkpoints, host memory
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def test_nccl_buffers_head_gradient_and_root_reduce_by_hand():
+    # 32 channels x 2 ring peers x (Simple 4 MiB + LL128 120 x 640 x 8 x 8 + LL 8 x 512 x 8 x 16 bytes)
+    assert NCCL_COMMUNICATOR_BYTES == 32 * 2 * (4 * 2**20 + 4_915_200 + 524_288) == 616_562_688
+    setting = TrainerSetting(ranks=8, compute_bytes=2, micro_batch_tokens=32768, checkpointing=True, sharded=True,
+                             on_gpu=True, nccl_communicators=2)  # fmt: skip
+    resident, peak = trainer_rank(QWEN_7B, setting)
+    assert dict(resident.items)["NCCL buffers"] == 2 * 616_562_688 == dict(peak.items)["NCCL buffers"]
+    assert dict(resident.items)["allocator residue"] == 28 * 20 * 2**20  # between steps only
+    assert "allocator residue" not in dict(peak.items)
+    # a short micro-batch: the root's reduce-scatter (its gathered parameters and gradients in bf16, their fp32
+    # copy) outweighs the pass: embeddings + untied head, 2 x 152064 x 3584, x (2 + 2 + 4) bytes
+    short_batch = TrainerSetting(ranks=8, compute_bytes=2, micro_batch_tokens=256, checkpointing=True, sharded=True,
+                                 on_gpu=True)  # fmt: skip
+    short = dict(trainer_rank(QWEN_7B, short_batch)[1].items)
+    assert short["root reduce-scatter"] == 2 * 152064 * 3584 * 8
+    assert "head gradient (unsharded)" not in short
+
+
+def test_checkpoint_staging_of_a_box_by_hand():
+    seven = checkpoint_host(QWEN_7B, ranks_here=8, ranks=8, export_bytes=2)
+    parts = dict(seven.items)
+    assert parts["async_save staging (8 ranks' shards)"] == 12 * 7_615_616_512  # 91.4 GB: fp32 + AdamW, all ranks
+    assert parts["rank 0's export gather"] == 2 * 7_615_616_512  # the bf16 export on rank 0's host
+    fourteen = checkpoint_host(QWEN_14B, ranks_here=8, ranks=8, export_bytes=2)
+    assert dict(fourteen.items)["async_save staging (8 ranks' shards)"] / GB == pytest.approx(177.24, abs=0.01)
+    two_nodes = checkpoint_host(QWEN_14B, ranks_here=8, ranks=16, export_bytes=2)  # half the ranks on this box
+    assert dict(two_nodes.items)["async_save staging (8 ranks' shards)"] == 6 * 14_770_033_664
+
+
+def test_a_checkpoint_is_planned_with_vllm_awake_on_the_shared_gpus():
+    wolves = _plan().servers[0]
+    gpus = wolves.devices[0]
+    assert gpus.save is not None
+    assert gpus.save.total == pytest.approx(gpus.rollouts.total + 152064 * 3584 * 2)  # + one full bf16 head
+    assert gpus.peak == gpus.save.total
+    host = wolves.host
+    assert host is not None and host.capacity is None
+    assert dict(host.moments["a checkpoint"].items)["async_save staging (8 ranks' shards)"] == 12 * 7_615_616_512
+    # the step: 8 sleeping replicas' bf16 weights on the host
+    assert dict(host.moments["a training step"].items)["sleeping vLLM's weights"] == 8 * 2 * 7_615_616_512
+
+
+def test_host_memory_is_checked_only_when_stated_and_refused_at_its_key():
+    assert _plan("servers.wolves_7b.placement.host_memory_gb=2000").problems == []
+    problems = _plan("servers.wolves_7b.placement.host_memory_gb=100").problems
+    assert [p.key for p in problems] == ["servers.wolves_7b.placement.host_memory_gb"]
+    assert "GB of host memory at a training step" in problems[0].message
+
+
+WAYS = [  # (engine GPUs, trainer GPUs, tensor x data parallel, setting) -> the way
+    ([0], [0], (1, 1), "auto", "ipc"),
+    (list(range(8)), list(range(8)), (1, 8), "auto", "ipc"),  # colocated, any tensor x data parallel size
+    ([0, 1, 2, 3], list(range(8)), (2, 2), "auto", "ipc"),
+    ([0, 1], [2, 3, 4, 5, 6, 7], (1, 2), "auto", "nccl"),  # disjoint
+    ([0, 1], [1, 2], (1, 2), "auto", "disk"),  # a partial overlap
+    (list(range(8)), [0, 1, 2, 3], (1, 8), "auto", "disk"),
+    ([0], [0], (1, 1), "disk", "disk"),  # an explicit setting wins
+    ([0], [1], (1, 1), "disk", "disk"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("engine", "trainer", "parallel", "mode", "way"), WAYS)
+def test_the_weights_way_per_placement(engine, trainer, parallel, mode, way):
+    from marl.plan.box import weight_sync_way
+
+    assert weight_sync_way(mode, on_cpu=False, engine_gpus=engine, trainer_gpus=trainer) == way
+    assert weight_sync_way("auto", on_cpu=True, engine_gpus=engine, trainer_gpus=trainer) == "disk"
+    tp, dp = parallel
+    data = {"name": "t", "servers": {"a": {
+                "model": "Qwen/Qwen2.5-0.5B-Instruct", "device": "cuda", "engine": "vllm", "trainable": True,
+                "placement": {"gpu_memory_gb": 80, "engine_gpus": engine, "trainer_gpus": trainer},
+                "vllm": {"tensor_parallel_size": tp, "data_parallel_size": dp, "max_model_len": 4096,
+                         "weight_sync": mode},
+                "train": {"batch_size": 1, "num_repeat": 2, "trainer": "fsdp", "fsdp": {"micro_batch_tokens": 4096}}}},
+            "roles": {"speaker": {"server": "a"}, "listener": {"server": "a"}},
+            "env": {"class": "envs.signalling:Signalling"}, "run": {"games": 1}}  # fmt: skip
+    plan = plan_topology(Topology.from_dict(data, check_env=False).spec).servers[0]
+    assert plan.weights == way
+    exported = dict(plan.disk_per_step.items).get("weights for the engine", 0)
+    assert exported == (2 * 494_032_768 if way == "disk" else 0)  # the bf16 safetensors, only by disk
+
+
+@pytest.mark.parametrize(("engine", "trainer", "parallel", "mode", "way"), WAYS)
+def test_the_plan_chooses_the_way_the_server_does(engine, trainer, parallel, mode, way, monkeypatch):
+    """The plan's mirror of the rule against the server's own, built as `marl serve` builds it (with the trainer's
+    NCCL library found, as the plan assumes on CUDA)."""
+    from types import SimpleNamespace
+
+    from marl.plan.box import weight_sync_way
+    from servers.engines.vllm_process import VLLMLaunch, VLLMSettings
+    from servers.entrypoint import vllm_placement
+    from servers.placement import Placement
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    options = SimpleNamespace(placement=Placement(engine_gpus=engine, trainer_gpus=trainer), device="cuda",
+                              static=False)  # fmt: skip
+    tp, dp = parallel
+    launch = VLLMLaunch(model_dir=Path("model"), max_model_len=4096, device="cuda", **vllm_placement(options),
+                        settings=VLLMSettings(tensor_parallel_size=tp, data_parallel_size=dp, weight_sync=mode),
+                        nccl_library="libnccl.so.2")  # fmt: skip
+    assert launch.weight_sync == weight_sync_way(mode, on_cpu=False, engine_gpus=engine, trainer_gpus=trainer)
+
+
+def test_marl_plan_says_what_it_assumes_of_reserved_memory_and_how_weights_travel():
+    out = subprocess.run([sys.executable, "-m", "marl", "plan", str(WEREWOLVES)], capture_output=True, text=True,
+                         cwd=REPO, timeout=120, env={**__import__("os").environ, "COLUMNS": "300"})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "rollouts assume each trainer rank empties its CUDA cache" in out.stdout
+    assert out.stdout.count("weights: ipc; disk per step: 0.0 GB") == 2
+    assert "host memory:" in out.stdout and "placement.host_memory_gb not stated" in out.stdout
+    assert "checkpoint (vLLM awake)" in out.stdout
