@@ -72,6 +72,9 @@ CLIENT_KEEP_ALIVE_S = 60
 DEFAULT_MAX_BODY_MB = 16.0
 #: Longest id a client may choose (client_id, task_id, game_id, an agent tag).
 MAX_ID_LENGTH = 512
+#: The model aliases `marl serve --model` builds into its cache (servers/models.py `KNOWN_MODELS`), named here so that
+#: `marl topology show` can check a local server's model without importing servers/.
+MODEL_ALIASES = ("smollm2-135m",)
 #: Query parameter of end and commit: `?include_pool=true` asks for the pool's progress in the reply (`pool`), which
 #: costs the server three ledger reads; without it `pool` is None. (A query parameter, not a body field: the body's
 #: digest is what makes a repeated end answerable, and asking for the pool must not make a repeat a different end.)
@@ -332,6 +335,12 @@ class GRPOConfig(_Strict):
     ppo_epochs: Int = Field(1, ge=1, description="Passes over each batch.")
     gradient_checkpointing: Bool = Field(False, description="Recompute each layer's activations in the backward pass:"
                                          " far less memory on long conversations, about a third more compute.")
+    recompute_logprobs: Literal["auto"] | Bool = Field(
+        "auto", description="Take the PPO ratio against the trainer's own logprobs of the weights the step starts"
+        " from (one no-grad forward over the batch before the first pass) instead of the engine's recorded ones,"
+        " which stay in the samples (their gap is `logprob_diff_*`). auto: on when the engine's numerics may differ"
+        " from the trainer's (vLLM, or another dtype than the trainer's, or both not float32), resolved once when the"
+        " server boots; a trainer built outside a server takes auto as off. servers/trainers/grpo.py, step 2.")
 
 
 class FSDPConfig(GRPOConfig):
@@ -664,7 +673,7 @@ class ChatCompletionRequest(_Request):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     max_tokens: Int | None = Field(None, ge=1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from marl import protocol as p
@@ -31,6 +32,8 @@ class EngineCall:
     def __init__(self, service: ChatService, session: CallSession, prompt_ids: list[int], params: SamplingParams,
                  agent: str):
         self.service, self.session = service, session
+        if params.affinity is None:  # a lease's calls share one replica's prefix cache (SamplingParams.affinity)
+            params = replace(params, affinity=getattr(session, "episode_id", None))
         self.prompt_ids, self.params, self.agent = prompt_ids, params, agent
         model = service.model
         self.engine, self.formatter, self.model_name = model.engine, model.formatter, model.served_name

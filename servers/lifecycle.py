@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from marl.protocol import ConfigResponse, EngineState, ErrorCode, TrainConfig
+from marl.protocol import ConfigResponse, EngineState, ErrorCode, GRPOConfig, TrainConfig
 from servers import heap
 from servers.chat_format import ChatFormatter
 from servers.checkpoint_dirs import CheckpointDir
@@ -142,6 +142,7 @@ class EngineLifecycle:
         try:
             formatter = await asyncio.to_thread(ChatFormatter, engine.tokenizer, engine.eos_token_ids)
             trainer = await asyncio.to_thread(self.trainer_factory, model_dir, self.config)
+            resolve_recompute_logprobs(engine, trainer)
             latest = self.checkpoints.latest()
             if latest is not None:
                 await asyncio.to_thread(trainer.load, latest)
@@ -181,6 +182,32 @@ class EngineLifecycle:
         engine, trainer = self.engine, self.trainer
         self.engine = self.trainer = self.formatter = None
         await _close(engine, trainer)
+
+
+#: The one `numerics` (an engine's and a trainer's: what their logprobs are computed in) under which the engine's
+#: recorded logprobs are the trainer's up to ~1e-6: the same torch forward in fp32 (docs/backends.md).
+SAME_FP32_NUMERICS = "torch.float32"
+
+
+def recompute_wanted(engine_numerics: str | None, trainer_numerics: str | None) -> bool:
+    """What `recompute_logprobs: auto` means for this engine and trainer: on unless both compute in fp32 torch. An
+    engine that says nothing (vLLM: kernels of its own) may differ; two dtypes differ; and in bf16 the engine's
+    decode with a KV cache rounds otherwise than the trainer's whole-sequence forward, even in one dtype."""
+    return not (engine_numerics == trainer_numerics == SAME_FP32_NUMERICS)
+
+
+def resolve_recompute_logprobs(engine: InferenceEngine, trainer: Trainer) -> None:
+    """Give the trainer its GRPO section (`trainer.config`, read at every step) with `recompute_logprobs: auto` made a
+    bool, once per boot, where both backends are known (`numerics` of each). An explicit true or false stays as it
+    is; a trainer with no GRPO section (a stand-in) is left alone."""
+    config = getattr(trainer, "config", None)
+    if not isinstance(config, GRPOConfig) or config.recompute_logprobs != "auto":
+        return
+    engine_numerics, trainer_numerics = getattr(engine, "numerics", None), getattr(trainer, "numerics", None)
+    on = recompute_wanted(engine_numerics, trainer_numerics)
+    trainer.config = config.model_copy(update={"recompute_logprobs": on})
+    log.info("recompute_logprobs auto: %s (engine %s, trainer %s)", "on" if on else "off",
+             engine_numerics or "unknown", trainer_numerics or "unknown")
 
 
 async def _close(engine: InferenceEngine | None, trainer: Trainer | None) -> None:

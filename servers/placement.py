@@ -55,6 +55,11 @@ class Placement:
         """Do the engine and the trainer use a GPU in common? (by default both take GPU 0)"""
         return bool(set(self.engine_gpus or (0,)) & set(self.trainer_gpus or (0,)))
 
+    def node_trainer_gpus(self) -> tuple[int, ...]:
+        """The trainer's GPUs on the server's machine (node 0, ranks 0..n-1 in this order), as `shares_gpu` counts
+        them: GPU 0 by default."""
+        return self.trainer_gpus or (0,)
+
     def engine_device(self, device: str | None) -> str | None:
         """The in-process engine's torch device: `cuda:<first engine GPU>` when GPUs are placed and the device is
         CUDA (or left to default), else `device` as given."""

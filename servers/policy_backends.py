@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from marl.protocol import LoraSpec, TrainConfig
+from marl.protocol import GRPOConfig, LoraSpec, TrainConfig
 from servers.interfaces import GenerationChunk, InferenceEngine, PolicyTrainer, SamplingParams, TrainBatch, Trainer
 
 Backend = TypeVar("Backend", InferenceEngine, PolicyTrainer)
@@ -81,6 +81,7 @@ class AdapterEngine(InferenceEngine):
         self._engine, self.policy, self.spec = engine, policy, spec
         self.tokenizer, self.context_length = engine.tokenizer, engine.context_length
         self.eos_token_ids, self.takes_tensors = engine.eos_token_ids, engine.takes_tensors
+        self.numerics = getattr(engine, "numerics", None)  # what its logprobs are computed in (servers.lifecycle)
 
     @property
     def stats(self) -> Any:
@@ -111,6 +112,21 @@ class PolicyTrainerView(Trainer):
     @property
     def step_count(self) -> int:  # type: ignore[override]
         return self._trainer.step_count(self.policy)
+
+    @property
+    def config(self) -> GRPOConfig:
+        """This policy's GRPO section as the shared trainer trains it; set, it trains by the new one from its next
+        step on (the server resolves `recompute_logprobs: auto` so: servers.lifecycle)."""
+        return self._trainer.config(self.policy)
+
+    @config.setter
+    def config(self, config: GRPOConfig) -> None:
+        self._trainer.set_config(self.policy, config)
+
+    @property
+    def numerics(self) -> str | None:
+        """What the shared trainer computes logprobs in."""
+        return getattr(self._trainer, "numerics", None)
 
     @property
     def progress(self) -> tuple[int, int] | None:  # type: ignore[override]

@@ -154,6 +154,10 @@ class TrainLoop:
         # the step's cached device memory back to the driver before an engine on the same GPU wakes to take weights
         metrics.update(await asyncio.to_thread(trainer.release_memory))
         await self._publish(served, trainer)
+        if overlap and generation == lifecycle.generation:
+            # Still ROLLING: the calls that start from now on run on the new weights and record their version. Set
+            # here, not after the checkpoint, which may take seconds while calls keep starting on the new weights.
+            lifecycle.policy_version = step
         await asyncio.to_thread(release_freed_memory)
         if config.save_freq and step % config.save_freq == 0:
             await asyncio.to_thread(lifecycle.checkpoints.save, trainer, step, config.keep_checkpoints)
@@ -163,9 +167,7 @@ class TrainLoop:
             return
         counters.train_steps += 1
         self._record.append(step, {**metrics, **self._rollout_idle()})
-        if overlap:
-            lifecycle.policy_version = step  # still ROLLING: the calls that start from now on record it
-        else:
+        if not overlap:
             lifecycle.serve_version(step)
         log.info("step %d done: %s", step, json.dumps({k: round(v, 4) for k, v in metrics.items()}))
         self._wakeup.wake()  # ROLLING again

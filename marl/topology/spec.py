@@ -117,9 +117,11 @@ class VLLMSpec(_Spec):
         " whose placement.engine_gpus and trainer_gpus overlap (both default to GPU 0); off when they are disjoint.")
     weight_sync: Literal[VLLM_WEIGHT_SYNC_MODES] = Field(
         "auto", description="How the trainer's weights reach vLLM after each step: disk (a safetensors directory"
-        " that vLLM reloads), ipc (CUDA IPC handles, when vLLM shares the trainer's GPU), nccl (a broadcast, when vLLM"
-        " has GPUs of its own), both through vLLM's weight-transfer engine with the disk as the fallback. auto: the"
-        " disk on the CPU, ipc or nccl on CUDA by placement. Not yet run on a GPU.")
+        " that vLLM reloads), ipc (CUDA IPC handles: each trainer rank hands its gathered copy to the vLLM worker on"
+        " its GPU), nccl (a broadcast from the trainer, with the trainer's NCCL library named for vLLM), both through"
+        " vLLM's weight-transfer engine with the disk as the fallback. auto: the disk on the CPU; on CUDA ipc when"
+        " every engine GPU is a trainer GPU (any tensor x data parallel size), nccl when they are disjoint and the"
+        " trainer's NCCL library is found, else the disk (`marl plan` prints which). Not yet run on a GPU.")
 
     @field_validator("extra_args")
     @classmethod

@@ -186,6 +186,12 @@ class TorchEngine(AdapterServing, InferenceEngine):
             self._worker.join()
 
     @property
+    def numerics(self) -> str:
+        """What its logprobs are computed in: transformers' forward in `dtype` ("torch.float32"), said as a trainer's
+        `numerics` says it; the server compares the two to resolve `recompute_logprobs: auto` (servers.lifecycle)."""
+        return str(self.dtype)
+
+    @property
     def running_requests(self) -> int:
         """Requests in the running batch (being decoded)."""
         batch = self._batch

@@ -9,8 +9,9 @@ continuous batching and automatic prefix caching replace the torch engine's.
 - Weights come as a directory (`takes_tensors = False`): `load_weights_from` keeps a copy of it (hard links when
   possible), then pauses vLLM until its running requests are done, reloads in place, empties the prefix cache and
   resumes. A generation therefore never mixes two policies, and requests that arrive meanwhile wait.
-- Or, on CUDA, the trainer pushes its tensors through vLLM's weight-transfer engine (`push_weights`: ipc when vLLM
-  shares the trainer's GPU, nccl when it has its own; `VLLMLaunch.weight_sync`), between the same pause and resume.
+- Or, on CUDA, the trainer pushes its tensors through vLLM's weight-transfer engine (`push_weights`: ipc when every
+  vLLM GPU is a trainer GPU, each rank to the worker on its GPU; nccl when vLLM's GPUs are its own;
+  `VLLMLaunch.weight_sync`, servers.engines.vllm_push), between the same pause and resume.
   A push that fails is logged and counted (`VLLMStats.weight_transfer_failures`), and this engine syncs through the
   directory from then on. Weights that came that way leave no copy to restart vLLM with: a vLLM that dies after
   one is not restarted (the engine is down; a new start resumes from the last checkpoint).
@@ -24,6 +25,10 @@ continuous batching and automatic prefix caching replace the torch engine's.
   fail (an engine error: 5xx), new ones wait, and it is restarted once with the latest weights and adapters; if that
   fails, or it dies again, the engine is down and every call fails at once with the reason (until the engine is
   stopped and started again).
+- `vllm.data_parallel_size: N` runs N such subprocesses (servers.engines.vllm_replicas): a lease's calls go to one
+  (`SamplingParams.affinity`: its prefix cache), every load to all; each restarts alone; down once all are. While a
+  weight sync has vLLM paused (or asleep), new generations wait at a gate in marl, and one refused as paused anyway
+  (a 503, `vllm_http.paused_refusal`) is sent again shortly after: with `overlap`, calls run through weight syncs.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from servers.engines.vllm_http import (
 from servers.engines.vllm_lora import LoraSlots, VLLMAdapters, link_or_copy, write_peft_adapter, zero_adapter
 from servers.engines.vllm_process import VLLMLaunch, VLLMProcess, VLLMSettings
 from servers.engines.vllm_push import TransferSync
-from servers.engines.vllm_supervisor import VLLMSupervisor
+from servers.engines.vllm_replicas import Replica, VLLMReplicas
 from servers.engines.weight_transfer import TransferTarget
 from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams
 from servers.models import load_tokenizer
@@ -62,6 +67,7 @@ from servers.models import load_tokenizer
 __all__ = ["VLLMEngine", "VLLMStats", "vllm_engine_factory"]
 
 log = logging.getLogger(__name__)
+
 
 
 @dataclass
@@ -75,7 +81,8 @@ class VLLMStats:
     weight_transfers: int = 0  # of weight_loads, those pushed through vLLM's weight-transfer engine
     weight_transfer_failures: int = 0  # pushes that failed (each then went through the disk)
     last_weight_sync_s: float | None = None
-    restarts: int = 0
+    restarts: int = 0  # of every replica
+    paused_retries: int = 0  # generations vLLM refused as paused, sent again
 
 
 class VLLMEngine(InferenceEngine):
@@ -86,7 +93,9 @@ class VLLMEngine(InferenceEngine):
     def __init__(self, model_dir: str | Path, *, device: str | None = None, settings: VLLMSettings | None = None,
                  shares_gpu: bool = False, python: Path | None = None, work_dir: Path | None = None,
                  start_timeout_s: float = 600.0, max_restarts: int = 1,
-                 cuda_visible_devices: str | None = None, lora: LoraSlots | None = None) -> None:  # fmt: skip
+                 cuda_visible_devices: str | None = None, lora: LoraSlots | None = None,
+                 engine_gpus: tuple[int, ...] | None = None,
+                 trainer_gpus: tuple[int, ...] | None = None) -> None:  # fmt: skip
         from transformers import AutoConfig
 
         self.model_dir = Path(model_dir)
@@ -97,12 +106,11 @@ class VLLMEngine(InferenceEngine):
         self.eos_token_ids = eos_token_ids(_generation_config(self.model_dir), config, self.tokenizer)
         self.vocab_size = int(config.vocab_size)
         self.stats = VLLMStats()
-        #: Generations sent to vLLM and not finished yet.
-        self.running_requests = 0
         self._launch = VLLMLaunch(self.model_dir, self.context_length, device=device or _default_device(),
                                   settings=settings, shares_gpu=shares_gpu, python=python,
-                                  cuda_visible_devices=cuda_visible_devices, lora=lora)  # fmt: skip
-        self._asleep = False  # put to sleep for a training step; the next weight load wakes it
+                                  cuda_visible_devices=cuda_visible_devices, lora=lora,
+                                  engine_gpus=engine_gpus, trainer_gpus=trainer_gpus)  # fmt: skip
+        self._asleep = False  # put to sleep for a training step (the gate closed); the next weight load wakes it
         self._own_work_dir = work_dir is None  # a temporary one is removed on close
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="marl-vllm-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -114,28 +122,38 @@ class VLLMEngine(InferenceEngine):
         self._pushed = False  # the latest weights were pushed (no copy: a restart cannot bring them back)
         self._transfer = TransferSync(self._launch, self.stats)
         self._clients = LoopClients()
-        self._vllm = VLLMSupervisor(self._launch, self.work_dir / "vllm.log", replay=self._replay,
-                                    unrestorable=self._unrestorable, stats=self.stats,
-                                    start_timeout_s=start_timeout_s, max_restarts=max_restarts)
+        self._replicas = VLLMReplicas(self._launch, self.work_dir, replay=self._replay,
+                                      unrestorable=self._unrestorable, stats=self.stats,
+                                      start_timeout_s=start_timeout_s, max_restarts=max_restarts)
         try:
-            self._vllm.start()
+            self._replicas.start()
         except BaseException:
             self.close()  # its temporary work directory too
             raise
 
     @property
     def pid(self) -> int:
-        """The vLLM server process (its engine core is a child in the same session)."""
-        return self._vllm.process.pid
+        """The (first replica's) vLLM server process (its engine core is a child in the same session)."""
+        return self._replicas.replicas[0].process.pid
 
     @property
     def url(self) -> str:
-        """The vLLM server's base URL (127.0.0.1, a new port after a restart): its /metrics, for operators."""
-        return self._vllm.process.url
+        """The (first replica's) vLLM server's base URL (127.0.0.1, a new port after a restart): its /metrics."""
+        return self._replicas.replicas[0].process.url
+
+    @property
+    def replica_urls(self) -> list[str]:
+        """Every replica's base URL, in order."""
+        return [replica.process.url for replica in self._replicas.replicas]
 
     @property
     def log_path(self) -> Path:
-        return self._vllm.process.log_path
+        return self._replicas.replicas[0].process.log_path
+
+    @property
+    def running_requests(self) -> int:
+        """Generations sent to vLLM and not finished yet."""
+        return self._replicas.running
 
     # ---------------------------------------------------------------- InferenceEngine
 
@@ -146,34 +164,35 @@ class VLLMEngine(InferenceEngine):
         ValueError for a bad prompt; RuntimeError when vLLM fails the request, dies under it or is down.
         """
         prompt = _checked_prompt(prompt_ids, params, self.vocab_size, self.context_length)
-        await self._vllm.wait_ready()
-        process = self._vllm.process
         body = completion_body(prompt, params, max_tokens=min(params.max_tokens, self.context_length - len(prompt)),
                                stop_token_ids=sorted(self.eos_token_ids))
         if (model := self._adapters.model_of(params.adapter)) is not None:
             body["model"] = model  # vLLM names a LoRA adapter as a model
-        self.running_requests += 1
-        try:
-            completion = stream_completion if params.stream else whole_completion
-            async for chunk in completion(self._clients.get(), process.url, body, self._count_prompt):
-                yield chunk
-        except httpx.HTTPError as exc:
-            raise RuntimeError(self._vllm.lost(process, exc)) from exc
-        finally:
-            self.running_requests -= 1
+        completion = stream_completion if params.stream else whole_completion
+        client = self._clients.get()
+        async for chunk in self._replicas.send(
+                params.affinity, lambda url: completion(client, url, body, self._count_prompt)):
+            yield chunk
 
     def load_weights_from(self, directory: Path) -> None:
         """Serve the HF safetensors in `directory` from now on; returns once they serve (see the module docstring)."""
         if not sorted(Path(directory).glob("*.safetensors")):
             raise FileNotFoundError(f"no *.safetensors weights in {directory}")
-        with self._sync() as process:
+        with self._sync() as replicas:
             started = time.perf_counter()
-            self._weights = _keep_copy(Path(directory), self.work_dir / f"weights-{self.stats.weight_loads + 1}",
-                                       self._weights)
+            target = self.work_dir / f"weights-{self.stats.weight_loads + 1}"
+            self._weights = weights = _keep_copy(Path(directory), target, self._weights)
+
+            def reload(replica: Replica) -> None:
+                try:
+                    (sync_weights_waking if replica.asleep else sync_weights)(replica.process.url, weights)
+                finally:
+                    replica.asleep = False  # awake, or failed: the failed step stops the engine
+
             try:
-                (sync_weights_waking if self._asleep else sync_weights)(process.url, self._weights)
+                self._replicas.each(replicas, reload)
             finally:
-                self._asleep = False  # awake, or failed: the failed step stops the engine
+                self._awake()
             self._pushed = False
             self.stats.weight_loads += 1
             self.stats.last_weight_sync_s = time.perf_counter() - started
@@ -185,12 +204,14 @@ class VLLMEngine(InferenceEngine):
         disk from then on): the caller then exports a directory for `load_weights_from`."""
         if self.transfer_off is not None:
             return False
-        with self._sync(RuntimeError) as process:
+        with self._sync(RuntimeError) as replicas:
             started = time.perf_counter()
-            pushed = self._transfer.sync(process, push, asleep=self._asleep)
+            pushed = self._transfer.sync([replica.process for replica in replicas], push, asleep=self._asleep)
             self._pushed = pushed  # failed: the disk sync that follows leaves a copy (and fixes a restart meanwhile)
             if pushed:
-                self._asleep = False
+                for replica in replicas:
+                    replica.asleep = False
+                self._awake()
                 self.stats.weight_loads += 1
                 self.stats.last_weight_sync_s = time.perf_counter() - started
             return pushed
@@ -204,9 +225,16 @@ class VLLMEngine(InferenceEngine):
         """With sleep mode, free vLLM's GPU memory for the trainer's step (`load_weights_from` brings it back)."""
         if not self._launch.sleeps_between_steps:
             return
-        with self._sync() as process:
-            sleep_for_training(process.url)
-            self._asleep = True
+        with self._sync() as replicas:
+            if not self._asleep:  # the gate stays closed until a weight load wakes vLLM
+                self._asleep = True
+                self._replicas.gate.close()
+
+            def sleep(replica: Replica) -> None:
+                sleep_for_training(replica.process.url)
+                replica.asleep = True
+
+            self._replicas.each(replicas, sleep)
 
     # ---------------------------------------------------------------- LoRA adapters (servers.engines.vllm_lora)
 
@@ -223,17 +251,17 @@ class VLLMEngine(InferenceEngine):
         adapters keep generating meanwhile, none of their cached prefixes is dropped."""
         if not self.serves_adapters:
             raise NotImplementedError("this vLLM engine was started without LoRA (no policies, no adapter)")
-        with self._sync() as process:
-            self._adapters.load(process.url, name, Path(directory))
+        with self._sync(pauses=False) as replicas:  # an adapter load does not pause vLLM
+            self._adapters.load([replica.process.url for replica in replicas], name, Path(directory))
             self.stats.adapter_loads += 1
 
     def unload_adapter(self, name: str) -> None:
-        with self._sync() as process:
-            self._adapters.unload(process.url, name)
+        with self._sync(pauses=False) as replicas:
+            self._adapters.unload([replica.process.url for replica in replicas], name)
 
     def close(self) -> None:
         """Stop vLLM (idempotent); calls still running or waiting fail."""
-        self._vllm.close()
+        self._replicas.close()
         if self._own_work_dir:
             shutil.rmtree(self.work_dir, ignore_errors=True)
         elif self._weights is not None:
@@ -242,25 +270,29 @@ class VLLMEngine(InferenceEngine):
     # ---------------------------------------------------------------- requests
 
     @contextlib.contextmanager
-    def _sync(self, *errors: type[Exception]) -> Iterator[VLLMProcess]:
-        """One change of what vLLM serves at a time, on a vLLM that is up; its HTTP failures (and `errors`) say
-        whether vLLM died under it."""
-        with self._vllm.lock:
-            if self._vllm.down is not None:
-                raise RuntimeError(self._vllm.down)
-            process = self._vllm.process
+    def _sync(self, *errors: type[Exception], pauses: bool = True) -> Iterator[list[Replica]]:
+        """One change of what vLLM serves at a time, on the replicas that are up (no restart meanwhile); with
+        `pauses` (it pauses vLLM), new generations wait at the gate until it is done. Its HTTP failures (and
+        `errors`) say whether a vLLM died under it."""
+        with self._replicas.changing() as replicas, \
+                (self._replicas.gate.closed() if pauses else contextlib.nullcontext()):
             try:
-                yield process
+                yield replicas
             except (httpx.HTTPError, *errors) as exc:
-                raise RuntimeError(self._vllm.lost(process, exc)) from exc
+                raise RuntimeError(self._replicas.lost(exc)) from exc
+
+    def _awake(self) -> None:
+        """A weight load woke vLLM (or failed to): generations pass the gate again."""
+        if self._asleep:
+            self._asleep = False
+            self._replicas.gate.open()
 
     def _count_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.stats.prefilled_tokens += prompt_tokens - cached_tokens
         self.stats.cached_tokens += cached_tokens
 
     def _replay(self, process: VLLMProcess) -> None:
-        """What a (re)started vLLM must serve: the latest weights loaded (if any) and every adapter."""
-        self._asleep = False
+        """What a (re)started vLLM replica must serve: the latest weights loaded (if any) and every adapter."""
         if self._weights is not None:
             sync_weights(process.url, self._weights)
         self._adapters.load_all(process.url)
@@ -317,15 +349,18 @@ def _default_device() -> str:
 
 def vllm_engine_factory(device: str | None = None, *, settings: VLLMSettings | None = None, shares_gpu: bool = False,
                         python: Path | None = None, work_dir: Path | None = None, max_restarts: int = 1,
-                        cuda_visible_devices: str | None = None, lora: LoraSlots | None = None):  # fmt: skip
+                        cuda_visible_devices: str | None = None, lora: LoraSlots | None = None,
+                        engine_gpus: tuple[int, ...] | None = None,
+                        trainer_gpus: tuple[int, ...] | None = None):  # fmt: skip
     """An `EngineFactory` (`model_dir -> InferenceEngine`) for `servers.entrypoint.build_server`: `marl serve --engine
     vllm`. `shares_gpu`: a trainer uses vLLM's GPU too (see `VLLMLaunch`); `work_dir` holds vLLM's log and the copy
     of the latest weights (default: a temporary directory); `cuda_visible_devices`: vLLM's GPUs (servers.placement);
-    `lora`: the adapters to make room for (`lora_slots`: a server of LoRA policies)."""
+    `lora`: the adapters to make room for (`lora_slots`: a server of LoRA policies); `engine_gpus`, `trainer_gpus`:
+    the placement's, which pick the weight sync (`VLLMLaunch`)."""
 
     def build(model_dir: Path) -> VLLMEngine:
         return VLLMEngine(model_dir, device=device, settings=settings, shares_gpu=shares_gpu, python=python,
                           work_dir=work_dir, max_restarts=max_restarts, cuda_visible_devices=cuda_visible_devices,
-                          lora=lora)
+                          lora=lora, engine_gpus=engine_gpus, trainer_gpus=trainer_gpus)
 
     return build

@@ -10,6 +10,8 @@
   cache reset, resume); with sleep mode (CUDA only), sleep before the training step, then wake the weights, reload,
   wake the KV cache. Through vLLM's weight-transfer engine the same calls surround the trainer's push instead of the
   reload (`before_transfer`, `after_transfer`; the push itself: servers.engines.weight_transfer).
+- A paused vLLM that refuses a new generation (503 `engine_paused`, vLLM 0.33) is told apart once, in
+  `paused_refusal`, and raised as `VLLMPaused` for the engine to send it again.
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import httpx
 
 from servers.interfaces import GenerationChunk, SamplingParams
 
-__all__ = ["LoopClients", "after_transfer", "before_transfer", "completion_body", "generate_one_token",
-           "sleep_for_training", "stream_completion", "sync_weights", "sync_weights_waking", "transfer_abandoned",
-           "whole_completion"]
+__all__ = ["PAUSED_ERROR", "LoopClients", "VLLMPaused", "after_transfer", "before_transfer", "completion_body",
+           "generate_one_token", "paused_refusal", "reset_prefix_cache", "sleep_for_training", "stream_completion",
+           "sync_weights", "sync_weights_waking", "transfer_abandoned", "whole_completion"]
 
 #: (prompt tokens, of which served from vLLM's prefix cache), once per finished generation.
 UsageSink = Callable[[int, int], None]
@@ -110,7 +112,30 @@ async def whole_completion(client: httpx.AsyncClient, url: str, body: dict[str, 
     yield chunk
 
 
+class VLLMPaused(RuntimeError):
+    """vLLM refused a new generation because it is paused (`paused_refusal`): worth sending again once it resumes."""
+
+
+#: What vLLM 0.33 names the refusal of a new request while it is paused (503; docs/backends.md, "vLLM: requests
+#: during a weight sync"). The CPU build 0.32 queues such requests instead and never sends it.
+PAUSED_ERROR = "engine_paused"
+
+
+def paused_refusal(status: int, content: bytes) -> bool:
+    """Whether vLLM's answer is the refusal of a paused engine: a 503 whose OpenAI-shaped error body (`{"error":
+    {"message", "type", "param", "code"}}`) names `PAUSED_ERROR` as its type or code. The one place that decides."""
+    if status != 503:
+        return False
+    try:
+        error = json.loads(content).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and PAUSED_ERROR in (error.get("type"), error.get("code"))
+
+
 def _refused(status: int, content: bytes) -> None:
+    if paused_refusal(status, content):
+        raise VLLMPaused(f"vLLM is paused: {content.decode(errors='replace')[:200]}")
     error = ValueError if 400 <= status < 500 else RuntimeError
     raise error(f"vLLM answered {status}: {content.decode(errors='replace')[:1000]}")
 
@@ -161,6 +186,11 @@ def sync_weights(url: str, weights_dir: Path, timeout_s: float = 600.0) -> None:
                 http.post("/resume")
             raise
         _checked(http.post("/resume"))
+
+
+def reset_prefix_cache(url: str, timeout_s: float = 60.0) -> None:
+    """Empty vLLM's prefix cache (benches compare routings from a cold cache)."""
+    _checked(httpx.post(f"{url}/reset_prefix_cache", timeout=timeout_s))
 
 
 def sleep_for_training(url: str, timeout_s: float = 600.0) -> None:

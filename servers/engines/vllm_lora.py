@@ -108,15 +108,17 @@ class VLLMAdapters:
     def __contains__(self, name: str) -> bool:
         return name in self._copies
 
-    def load(self, url: str, name: str, directory: Path) -> None:
-        """Serve the adapter in `directory` as `name` (new, or replacing the one of that name)."""
+    def load(self, urls: Iterable[str], name: str, directory: Path) -> None:
+        """Serve the adapter in `directory` as `name` (new, or replacing the one of that name) on the vLLMs at `urls`
+        (an engine's replicas)."""
         if name == BASE_STAND_IN:
             raise ValueError(f"{BASE_STAND_IN!r} is the name of marl's stand-in for the base model")
         self._loads += 1
         copy = self.root / f"{name}-{self._loads}"
         shutil.copytree(directory, copy, copy_function=link_or_copy)
         try:
-            _load(url, name, copy)
+            for url in urls:
+                _load(url, name, copy)
         except BaseException:
             shutil.rmtree(copy, ignore_errors=True)
             raise
@@ -124,12 +126,13 @@ class VLLMAdapters:
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
 
-    def unload(self, url: str, name: str) -> None:
-        """Stop serving `name` (KeyError if it is not served)."""
+    def unload(self, urls: Iterable[str], name: str) -> None:
+        """Stop serving `name` on the vLLMs at `urls` (KeyError if it is not served)."""
         if name == BASE_STAND_IN:
             raise KeyError(name)
         copy = self._copies.pop(name)
-        _post(url, "/v1/unload_lora_adapter", {"lora_name": name})
+        for url in urls:
+            _post(url, "/v1/unload_lora_adapter", {"lora_name": name})
         shutil.rmtree(copy, ignore_errors=True)
 
     def load_all(self, url: str) -> None:

@@ -19,15 +19,18 @@ the base environment leaks into vLLM's.
 from __future__ import annotations
 
 import contextlib
+import functools
+import glob
 import json
 import os
 import re
 import signal
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -40,9 +43,10 @@ from marl.protocol import (
     VLLM_WEIGHT_SYNC_MODES,
 )
 from servers.engines.vllm_lora import RUNTIME_LORA_ENV, LoraSlots
+from servers.placement import visible_devices
 
 __all__ = ["VLLM_DTYPES", "VLLM_PYTHON_ENV", "VLLMLaunch", "VLLMProcess", "VLLMSettings", "VLLMSettingsError",
-           "vllm_python"]
+           "auto_weight_sync", "trainer_nccl_library", "vllm_python"]
 
 #: Path of the python that has vLLM installed (default: `.venv-vllm/bin/python` in the repository).
 VLLM_PYTHON_ENV = "MARL_VLLM_PYTHON"
@@ -124,9 +128,6 @@ class VLLMSettings:
         if self.weight_sync not in VLLM_WEIGHT_SYNC_MODES:
             found.append(("weight_sync", f"must be one of {', '.join(VLLM_WEIGHT_SYNC_MODES)}, got"
                                          f" {self.weight_sync!r}"))
-        elif self.weight_sync == "ipc" and self.tensor_parallel_size * self.data_parallel_size > 1:
-            found.append(("weight_sync", "ipc shares the trainer's tensors on one GPU, and vLLM spans"
-                                         f" {self.tensor_parallel_size * self.data_parallel_size}: use nccl or auto"))
         return found
 
 
@@ -156,12 +157,56 @@ def managed_flag_problems(extra_args: Sequence[object]) -> list[str]:
     return problems
 
 
+@functools.cache
+def trainer_nccl_library() -> str | None:
+    """The NCCL library the trainer's torch loads: the nvidia-nccl wheel's `libnccl.so.2` in this (the base)
+    environment, found where torch looks for it (`torch/__init__.py`, `_get_cuda_dep_paths`: `nvidia/nccl/lib`, or
+    `nvidia/cu<major>/lib` since CUDA 13, on sys.path); None on a CPU torch or when torch links NCCL otherwise.
+    vLLM's PyNccl loads the library `VLLM_NCCL_SO_PATH` names, and NCCL refuses a peer of another version."""
+    import torch
+
+    if torch.version.cuda is None:
+        return None
+    major = torch.version.cuda.split(".")[0]
+    for path in sys.path:
+        for folder in ("nccl", f"cu{major}"):
+            if found := sorted(glob.glob(os.path.join(path, "nvidia", folder, "lib", "libnccl.so.*[0-9]"))):
+                return found[0]
+    return None
+
+
+def auto_weight_sync(*, cuda: bool, engine_gpus: Collection[int], trainer_gpus: Collection[int],
+                     nccl_library: bool) -> str:
+    """What `weight_sync: auto` means for a vLLM on `engine_gpus` beside a trainer on `trainer_gpus` (both numbered
+    as `marl serve` sees its GPUs; the trainer's on the server's machine, none for a static server):
+
+    - not `cuda` (the CPU build, whose transfer routes answer 500): "disk";
+    - every engine GPU also a trainer GPU (colocated), any tensor x data parallel size: "ipc", each vLLM worker fed
+      CUDA IPC handles by the trainer rank on its GPU (NCCL would refuse two ranks of one group on one GPU);
+    - no engine GPU a trainer GPU: "nccl" when the trainer's NCCL library was found (`nccl_library`: vLLM must load
+      it, `trainer_nccl_library`), else "disk";
+    - some but not all engine GPUs shared (partial overlap): "disk" (a worker without a rank on its GPU cannot be
+      fed by IPC, and one that shares a trainer rank's GPU cannot join its NCCL group).
+
+    `marl plan` mirrors this rule (marl/ never imports servers/); a test compares the two."""
+    if not cuda:
+        return "disk"
+    engine, trainer = set(engine_gpus), set(trainer_gpus)
+    if engine <= trainer:
+        return "ipc"
+    if not engine & trainer:
+        return "nccl" if nccl_library else "disk"
+    return "disk"
+
+
 @dataclass(frozen=True)
 class VLLMLaunch:
     """Everything a vLLM start needs; restarts reuse it as is.
 
     `max_model_len` is what vLLM serves (the engine caps the setting to the model's context); `shares_gpu` says that
     the server's trainer uses vLLM's GPU too (a trainable server: today rank 0 and vLLM both take GPU 0).
+    `engine_gpus` and `trainer_gpus` (numbered as `marl serve` sees them; the trainer's on this machine) pick the
+    weight sync (`auto_weight_sync`) and tell an ipc push which trainer rank sits on each vLLM worker's GPU.
     """
 
     model_dir: Path
@@ -172,11 +217,42 @@ class VLLMLaunch:
     python: Path | None = None  # default: vllm_python()
     cuda_visible_devices: str | None = None  # the server's engine GPUs (servers.placement); None: what it sees
     lora: LoraSlots | None = None  # serve LoRA adapters (a server of policies, or a static server with an adapter)
+    engine_gpus: tuple[int, ...] | None = None  # None: the first tensor x data parallel size GPUs vLLM sees
+    trainer_gpus: tuple[int, ...] | None = None  # None: GPU 0 when `shares_gpu`, else none
+    nccl_library: str | None = field(default_factory=trainer_nccl_library)  # vLLM's VLLM_NCCL_SO_PATH for nccl
 
     def __post_init__(self) -> None:
+        for name in ("engine_gpus", "trainer_gpus"):
+            if (gpus := getattr(self, name)) is not None:
+                object.__setattr__(self, name, tuple(gpus))
         if self.settings.sleep_between_steps and self.on_cpu:
             raise VLLMSettingsError([("sleep_between_steps", "sleep mode is CUDA-only (the CPU build has no"
                                                              " --enable-sleep-mode): set it to auto or false")])
+        if problem := self._weight_sync_problem():
+            raise VLLMSettingsError([("weight_sync", problem)])
+
+    def _weight_sync_problem(self) -> str | None:
+        """Why an explicit ipc or nccl cannot work on CUDA (the CPU build's routes answer 500 whatever is asked)."""
+        mode = self.settings.weight_sync
+        if self.on_cpu or mode not in ("ipc", "nccl"):
+            return None
+        if mode == "nccl" and self.nccl_library is None:
+            return ("nccl needs the trainer's NCCL library for vLLM (VLLM_NCCL_SO_PATH: NCCL refuses a peer of another"
+                    " version), and none was found beside the base environment's torch (no nvidia-nccl wheel's"
+                    " libnccl.so.2): set weight_sync to auto or disk")
+        engine, trainer = self.gpu_layout
+        if mode == "ipc" and not set(engine) <= set(trainer):
+            return (f"ipc needs every vLLM GPU to be a trainer GPU (each worker is fed by the trainer rank on its GPU);"
+                    f" vLLM's are {list(engine)}, the trainer's {list(trainer)}: set weight_sync to auto, nccl or disk")
+        return None
+
+    @property
+    def gpu_layout(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(engine GPUs, the trainer's GPUs on this machine), the defaults filled in."""
+        workers = self.settings.tensor_parallel_size * self.settings.data_parallel_size
+        engine = self.engine_gpus if self.engine_gpus is not None else tuple(range(workers))
+        trainer = self.trainer_gpus if self.trainer_gpus is not None else ((0,) if self.shares_gpu else ())
+        return engine, trainer
 
     @property
     def on_cpu(self) -> bool:
@@ -196,16 +272,51 @@ class VLLMLaunch:
 
     @property
     def weight_sync(self) -> str:
-        """How weights reach vLLM (docs/backends.md, "vLLM: the weight-transfer engine"): as set, else (auto) the disk
-        on the CPU build (its transfer routes answer 500), ipc when vLLM shares the trainer's GPU and fits on it (NCCL
-        refuses two ranks on one GPU), nccl when vLLM has GPUs of its own."""
+        """How weights reach vLLM (docs/backends.md, "vLLM: the weight-transfer engine"): as set, else (auto)
+        `auto_weight_sync`'s pick for this device and placement."""
         if self.settings.weight_sync != "auto":
             return self.settings.weight_sync
+        engine, trainer = self.gpu_layout
+        return auto_weight_sync(cuda=not self.on_cpu, engine_gpus=engine, trainer_gpus=trainer,
+                                nccl_library=self.nccl_library is not None)
+
+    @property
+    def disk_reason(self) -> str | None:
+        """Why the weights go through the disk (None when they are pushed)."""
+        if self.weight_sync != "disk":
+            return None
+        if self.settings.weight_sync == "disk":
+            return "weight_sync is disk"
         if self.on_cpu:
-            return "disk"
-        if self.shares_gpu:
-            return "ipc" if self.settings.tensor_parallel_size * self.settings.data_parallel_size == 1 else "disk"
-        return "nccl"
+            return "the CPU build has no weight-transfer engine"
+        engine, trainer = self.gpu_layout
+        if set(engine) & set(trainer):
+            return (f"vLLM's GPUs {list(engine)} are partly the trainer's {list(trainer)}: ipc needs all of them to be"
+                    " trainer GPUs, nccl none")
+        return ("vLLM has GPUs of its own, but the trainer's NCCL library was not found (no nvidia-nccl wheel's"
+                " libnccl.so.2 beside its torch) to give vLLM as VLLM_NCCL_SO_PATH")
+
+    @property
+    def replicas(self) -> int:
+        """How many vLLM processes serve the model: `data_parallel_size`, each a vLLM of its own (data parallel
+        size 1) on `tensor_parallel_size` GPUs; marl routes each lease to one (servers.engines.vllm_replicas)."""
+        return self.settings.data_parallel_size
+
+    def replica(self, index: int) -> VLLMLaunch:
+        """The launch of replica `index`: on CUDA it sees engine GPUs `[index * TP, (index + 1) * TP)` (of
+        `cuda_visible_devices`, else of what this server sees, mapped as servers.placement maps them)."""
+        if self.replicas == 1 or self.on_cpu:
+            return self
+        tp = self.settings.tensor_parallel_size
+        wanted = range(index * tp, (index + 1) * tp)
+        if self.cuda_visible_devices is None:
+            return replace(self, cuda_visible_devices=visible_devices(wanted))
+        engine_gpus = [gpu.strip() for gpu in self.cuda_visible_devices.split(",") if gpu.strip()]
+        if len(engine_gpus) < self.replicas * tp:
+            raise VLLMSettingsError([("data_parallel_size", f"{self.replicas} replicas x tensor_parallel_size {tp}"
+                                                            f" need {self.replicas * tp} GPUs, vLLM has"
+                                                            f" {self.cuda_visible_devices!r}")])
+        return replace(self, cuda_visible_devices=",".join(engine_gpus[gpu] for gpu in wanted))
 
     @property
     def dtype(self) -> str:
@@ -237,7 +348,7 @@ class VLLMLaunch:
         settings = self.settings
         args = ["--dtype", self.dtype,
                 "--tensor-parallel-size", str(settings.tensor_parallel_size),
-                "--data-parallel-size", str(settings.data_parallel_size)]
+                "--data-parallel-size", "1"]  # data_parallel_size is the replicas: vLLM processes of their own
         if self.on_cpu:
             # eager (no compile step on a CPU); 32-token KV blocks (16 fails on this build, the default 128 wastes
             # prefix reuse)
@@ -274,6 +385,8 @@ class VLLMLaunch:
         env["VLLM_SERVER_DEV_MODE"] = "1"  # the pause / collective_rpc / reset_prefix_cache / sleep / transfer routes
         if self.weight_sync == "ipc":  # IPC handles cross HTTP pickled; vLLM unpickles them only with this set
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        if self.weight_sync == "nccl" and self.nccl_library is not None:  # its PyNccl loads the trainer's NCCL
+            env["VLLM_NCCL_SO_PATH"] = self.nccl_library
         env["PYTHONPATH"] = str(_ENGINES_DIR)  # only the worker extension, never the base environment's packages
         if self.lora is not None:
             env[RUNTIME_LORA_ENV] = "True"  # /v1/load_lora_adapter: a policy's adapter is replaced after each step

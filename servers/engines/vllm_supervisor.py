@@ -1,18 +1,18 @@
 """Keeps one vLLM subprocess serving for a `VLLMEngine`: starts it, watches it, restarts it, says why it is down.
 
 A watcher thread starts vLLM and then waits on it (vLLM gets SIGTERM when that thread ends: servers.engines.
-vllm_process). When vLLM dies, the requests running on it fail (an engine error), new ones wait (`wait_ready`), and
+vllm_process). When vLLM dies, the requests running on it fail (an engine error), new ones wait (`serving`), and
 it is started again, at most `max_restarts` times, with what it served (`replay`: the engine's latest weights and
 adapters). When it cannot be (`unrestorable` says why, e.g. weights that left no copy), or the restart fails, the
 engine is down: every call fails at once with `down`, the reason, until the engine is stopped and started again.
+An engine of several replicas has a supervisor per replica (servers.engines.vllm_replicas): each restarts its own
+vLLM, at most `max_restarts` times, and counts its restarts into the engine's `stats.restarts` too.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,22 +26,23 @@ log = logging.getLogger("servers.engines.vllm_engine")
 
 
 class VLLMSupervisor:
-    """The vLLM process of one engine (see the module docstring). `lock` serializes every change of what vLLM serves
-    with the restarts; `stats.restarts` counts the restarts."""
+    """The vLLM process of one engine or replica (see the module docstring). `lock` serializes every change of what
+    vLLM serves with the restarts; `restarts` counts this one's restarts, `stats.restarts` the engine's."""
 
     def __init__(self, launch: VLLMLaunch, log_path: Path, *, replay: Callable[[VLLMProcess], None],
                  unrestorable: Callable[[], str | None], stats: Any, start_timeout_s: float,
-                 max_restarts: int) -> None:  # fmt: skip
+                 max_restarts: int, replica: int = 0) -> None:  # fmt: skip
         self._launch, self._log_path, self._replay, self._unrestorable = launch, log_path, replay, unrestorable
         self._stats, self.start_timeout_s, self._max_restarts = stats, start_timeout_s, max_restarts
         self.lock = threading.Lock()
         self.process: VLLMProcess | None = None
         self.down: str | None = None  # why the engine no longer serves (every call fails with it)
+        self.restarts = 0
         self._ready = threading.Event()  # set while vLLM serves
         self._closing = threading.Event()
         self._booted = threading.Event()
         self._boot_error: BaseException | None = None
-        self._watcher = threading.Thread(target=self._run, name="marl-vllm-watcher", daemon=True)
+        self._watcher = threading.Thread(target=self._run, name=f"marl-vllm-watcher-{replica}", daemon=True)
 
     def start(self) -> None:
         """Start vLLM and return once it serves; raises why it could not."""
@@ -51,17 +52,10 @@ class VLLMSupervisor:
             self.close()
             raise self._boot_error
 
-    async def wait_ready(self) -> None:
-        """Wait while vLLM restarts (not during a weight sync: vLLM itself holds requests then)."""
-        deadline = time.monotonic() + self.start_timeout_s
-        while not self._ready.is_set():
-            if self.down is not None:
-                raise RuntimeError(self.down)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM did not come back within {self.start_timeout_s:.0f} s")
-            await asyncio.sleep(0.05)
-        if self.down is not None:
-            raise RuntimeError(self.down)
+    @property
+    def serving(self) -> bool:
+        """vLLM is up (not starting, restarting or down)."""
+        return self._ready.is_set() and self.down is None
 
     def lost(self, process: VLLMProcess, error: Exception) -> str:
         """What a request or sync that failed with `error` on `process` tells its caller."""
@@ -126,10 +120,11 @@ class VLLMSupervisor:
                 self.down = (f"the vLLM subprocess exited with code {code}, and {reason}: start the engine again"
                              f" (it resumes from the last checkpoint) (log: {dead.log_path})")
                 return False
-            if self._stats.restarts >= self._max_restarts:
-                self.down = (f"the vLLM subprocess exited with code {code} after {self._stats.restarts} restart(s):"
+            if self.restarts >= self._max_restarts:
+                self.down = (f"the vLLM subprocess exited with code {code} after {self.restarts} restart(s):"
                              f" the engine is down until it is stopped and started again (log: {dead.log_path})")
                 return False
+            self.restarts += 1
             self._stats.restarts += 1
             try:
                 self._start()
@@ -138,5 +133,5 @@ class VLLMSupervisor:
                 log.error("%s", self.down)
                 return False
             self._ready.set()
-        log.warning("vLLM restarted (%d of %d restarts used)", self._stats.restarts, self._max_restarts)
+        log.warning("vLLM restarted (%d of %d restarts used)", self.restarts, self._max_restarts)
         return True

@@ -6,18 +6,25 @@ weights over its RL routes (`vllm/entrypoints/rl/online/api_router.py`, mounted 
 bucket of tensors (names, dtype names, shapes: the parameters' metadata) and `/finish_weight_update`. Its worker-side
 engines are `vllm/distributed/weight_transfer/ipc_engine.py` and `nccl_engine.py`; their trainer-side halves import
 vLLM, which marl's base environment cannot (its pins conflict: docs/backends.md). What they need from a trainer is
-small, so it is rewritten here with torch alone, wire-compatible:
+small, so it is rewritten here with torch alone, wire-compatible. vLLM may run as several data-parallel replicas
+(one process each, `Replica`); one `TransferTarget` describes them all, and `replica_posts` says which trainer rank
+sends which replica its bodies:
 
-- **ipc** (vLLM on the trainer's GPU): each tensor is shared with `torch.multiprocessing.reductions.reduce_tensor`;
-  the update carries `ipc_handles_pickled`, base64 of the pickled list of `{gpu uuid: rebuild_cuda_tensor args}`
-  (as vLLM's `HTTPVLLMWeightSyncClient` sends it; vLLM unpickles it only with VLLM_ALLOW_INSECURE_SERIALIZATION=1),
-  and vLLM's worker rebuilds the tensors in place, zero-copy.
-- **nccl** (vLLM on GPUs of its own): vLLM's worker joins an NCCL group from a unique id minted by the trainer
-  (`nccl_unique_id_b64`, the rendezvous vLLM offers to trainers that cannot import it: `nccl_common.py`) at ranks
-  1..N; the trainer is rank 0 through torch's own NCCL bindings (`torch.cuda.nccl`), answers the one-element float32
-  all-reduce vLLM's communicator runs after `ncclCommInitRank` (`PyNcclCommunicator._init_comm`), then broadcasts
-  each tensor of a bucket while its `/update_weights` runs (the worker allocates each from the metadata and
-  receives it, in order). Unpacked (`packed: false`): vLLM's packed wire format is not reimplemented.
+- **ipc** (every vLLM worker on a trainer GPU: colocated, any tensor x data parallel size): each rank on a worker's
+  GPU shares *its own* gathered copy of each tensor (`torch.multiprocessing.reductions.reduce_tensor`); the
+  handles are exchanged between ranks (small metadata), and the rank on a replica's first worker GPU posts the
+  update: `ipc_handles_pickled`, base64 of the pickled list of `{gpu uuid: rebuild_cuda_tensor args}` holding every
+  worker GPU's handle (as vLLM's `HTTPVLLMWeightSyncClient` sends it; vLLM unpickles it only with
+  VLLM_ALLOW_INSECURE_SERIALIZATION=1), and each worker rebuilds its GPU's tensors in place, zero-copy. The buckets
+  are allocated with expandable segments off (`ordinary_allocations`).
+- **nccl** (vLLM on GPUs of its own): every replica's workers join one NCCL group from a unique id minted by the
+  trainer (`nccl_unique_id_b64`, the rendezvous vLLM offers to trainers that cannot import it: `nccl_common.py`),
+  replica r at ranks `rank_offset(r)`..; the trainer is rank 0 through torch's own NCCL bindings
+  (`torch.cuda.nccl`), answers the one-element float32 all-reduce vLLM's communicator runs after `ncclCommInitRank`
+  (`PyNcclCommunicator._init_comm`), then broadcasts each tensor of a bucket while every replica's
+  `/update_weights` runs (the workers allocate each from the metadata and receive it, in order). Unpacked
+  (`packed: false`): vLLM's packed wire format is not reimplemented. vLLM must load the trainer's NCCL library
+  (`VLLM_NCCL_SO_PATH`: servers.engines.vllm_process).
 
 Buckets hold whole decoder layers (`layer_buckets`): vLLM's layerwise reload keeps the tensors it received until
 every weight of their layer arrived, so a bucket's tensors (for ipc, views of the trainer's memory) may be dropped
@@ -25,17 +32,21 @@ once its update answered. Gathered tensors are cast to vLLM's dtype as they come
 a bucket (and a layer) of full tensors.
 
 None of this has run on a GPU (no GPU was available to the project): the CPU tests check the routes and their bodies,
-the buckets against the model's state dict, the broadcast over gloo into a receiving process, and the fallback.
+`replica_posts` for several layouts, the buckets against the model's state dict, two gloo FSDP ranks posting
+stand-in handles to two recording replicas, the broadcast over gloo into one and two receiving processes, the
+allocator switch (recorded, not run), and the fallback.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
+import os
 import pickle
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -44,8 +55,9 @@ from typing import Any, Protocol
 import httpx
 import torch
 
-__all__ = ["TRANSFER_BACKENDS", "TransferRoutes", "TransferTarget", "WeightPusher", "WeightTransferError",
-           "layer_buckets", "unique_tensors", "update_metadata"]
+__all__ = ["TRANSFER_BACKENDS", "Replica", "ReplicaPost", "TransferRoutes", "TransferTarget", "WeightPusher",
+           "WeightTransferError", "attempt", "first_failure", "layer_buckets", "ordinary_allocations", "replica_posts",
+           "unique_tensors", "update_metadata"]
 
 log = logging.getLogger(__name__)
 
@@ -62,22 +74,85 @@ class WeightTransferError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class Replica:
+    """One vLLM process the weights go to: its server, its session (a restarted vLLM is a new one and needs the init
+    again) and its GPUs as `marl serve` numbers them, one per worker in worker order (tensor-parallel rank)."""
+
+    url: str  # 127.0.0.1: every rank that posts runs on the server's machine
+    session: str
+    gpus: tuple[int, ...] = (0,)
+
+    @property
+    def workers(self) -> int:
+        return len(self.gpus)
+
+
+@dataclass(frozen=True)
 class TransferTarget:
-    """Where and how to push weights: plain data, handed to the trainer (an FSDP trainer's rank 0 process)."""
+    """Where and how to push weights: plain data, handed to the trainer (every FSDP rank gets it).
+
+    `replicas` are vLLM's data-parallel replicas, in replica order. `trainer_gpus` are the trainer's GPUs on the
+    server's machine (node 0), numbered as the replicas' `gpus`: rank i of the trainer runs on `trainer_gpus[i]`
+    (the one-process trainer is rank 0), which is how an ipc push finds the rank on each worker's GPU."""
 
     backend: str  # "ipc" or "nccl"
-    url: str  # the vLLM server (127.0.0.1: the trainer's rank 0 runs on the server's machine)
-    session: str  # one per vLLM process: a restarted vLLM needs the init again
-    workers: int = 1  # vLLM's workers (tensor x data parallel): NCCL ranks 1..workers
+    replicas: tuple[Replica, ...]
+    trainer_gpus: tuple[int, ...] = (0,)
     dtype: str | None = "bfloat16"  # what the weights travel as (vLLM's dtype); None: as the trainer holds them
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = 600.0
     version: str | None = None  # vLLM's weight version after the sync (`/finish_weight_update`)
     channel: str = "nccl"  # nccl; "gloo" runs the same broadcast over gloo for the CPU tests (vLLM only speaks NCCL)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "replicas", tuple(self.replicas))
+        object.__setattr__(self, "trainer_gpus", tuple(self.trainer_gpus))
+
     def travel_dtype(self) -> torch.dtype | None:
         return None if self.dtype in (None, "auto") else getattr(torch, {"float": "float32", "half": "float16"}.get(
             self.dtype, self.dtype))
+
+    @property
+    def world_size(self) -> int:
+        """The nccl group: the trainer's rank 0, then every replica's workers (replica r from `rank_offset(r)`)."""
+        return 1 + sum(replica.workers for replica in self.replicas)
+
+    def rank_offset(self, replica: int) -> int:
+        """Where replica `replica`'s workers start in the nccl group: vLLM's worker joins at rank_offset + its rank
+        in its own process (`vllm/distributed/weight_transfer/nccl_common.py`, `worker_init_process_group`)."""
+        return 1 + sum(r.workers for r in self.replicas[:replica])
+
+
+@dataclass(frozen=True)
+class ReplicaPost:
+    """Who sends one replica its `/update_weights` bodies: `poster` (a trainer rank) posts to `url`; for ipc the
+    body holds, per tensor, the handles of `ranks` (one per worker, in worker order), each its own GPU's copy."""
+
+    replica: int
+    url: str
+    poster: int
+    ranks: tuple[int, ...] = ()
+
+
+def replica_posts(target: TransferTarget, world_size: int) -> tuple[ReplicaPost, ...]:
+    """Which rank posts which body to which replica (pure: every rank computes the same).
+
+    nccl: rank 0 posts to every replica and broadcasts each tensor to all of their workers at once. ipc: each
+    worker's GPU must be a trainer GPU of the server's machine (vLLM colocated with the trainer); the rank on that
+    GPU shares its own gathered copy, and the rank on the replica's first worker GPU posts. WeightTransferError when
+    a worker's GPU has no trainer rank (the same on every rank)."""
+    if target.backend == "nccl":
+        return tuple(ReplicaPost(i, r.url, 0) for i, r in enumerate(target.replicas))
+    rank_of = {gpu: rank for rank, gpu in enumerate(target.trainer_gpus) if rank < world_size}
+    posts = []
+    for index, replica in enumerate(target.replicas):
+        if missing := [gpu for gpu in replica.gpus if gpu not in rank_of]:
+            raise WeightTransferError(
+                f"ipc: replica {index}'s GPUs {list(missing)} host no trainer rank (trainer GPUs"
+                f" {list(target.trainer_gpus)}, {world_size} ranks): each vLLM worker needs a rank on its GPU")
+        ranks = tuple(rank_of[gpu] for gpu in replica.gpus)
+        posts.append(ReplicaPost(index, replica.url, ranks[0], ranks))
+    return tuple(posts)
 
 
 class TransferRoutes:
@@ -251,9 +326,69 @@ def share_cuda_tensor(tensor: torch.Tensor) -> dict[str, tuple]:
     return {str(torch.cuda.get_device_properties(tensor.device).uuid): args}
 
 
+def set_allocator_settings(settings: str) -> None:
+    """The CUDA caching allocator's settings, changed at run time (`PYTORCH_CUDA_ALLOC_CONF`'s syntax). torch 2.13's
+    `torch.cuda.memory._set_allocator_settings` is a deprecated wrapper of this call."""
+    torch._C._accelerator_setAllocatorSettings(settings)
+
+
+def _expandable_segments() -> bool:
+    conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+@contextlib.contextmanager
+def ordinary_allocations() -> Iterator[None]:
+    """Expandable segments off while the buckets shared over CUDA IPC are allocated, back on after; a no-op without
+    CUDA or when they are off already. FSDP ranks run with them on (servers.trainers.fsdp_worker, RANK_ALLOCATOR),
+    and a tensor in an expandable segment crosses CUDA IPC through PyTorch's expandable-segment sharing path, which
+    vLLM's torch would have to rebuild: buckets in ordinary (cudaMalloc) segments take the plain cudaIpc path. The
+    cache is emptied first, so that no bucket reuses a free block of an expandable segment, and after, so that the
+    buckets' segments are not kept."""
+    if not torch.cuda.is_available() or not _expandable_segments():
+        yield
+        return
+    torch.cuda.empty_cache()
+    set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        torch.cuda.empty_cache()
+        set_allocator_settings("expandable_segments:True")
+
+
+#: Every rank's value, in rank order: a collective under FSDP (`dist.all_gather_object`), [value] in one process.
+Exchange = Callable[[Any], list[Any]]
+
+
+def _alone(value: Any) -> list[Any]:
+    return [value]
+
+
+def first_failure(failures: Iterable[str | None]) -> str | None:
+    """The first rank's failure: what every rank reports when any failed."""
+    return next((failure for failure in failures if failure is not None), None)
+
+
+def attempt(call: Callable[..., Any], *args: Any) -> str | None:
+    """`call(*args)`'s failure as a string (`Type: message`), or None: a failure that crosses ranks as data."""
+    try:
+        call(*args)
+    except Exception as exc:  # noqa: BLE001 - reported, and the push falls back to the disk
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def merged_handles(shared: list[list[dict[str, tuple]] | None], ranks: tuple[int, ...]) -> list[dict[str, tuple]]:
+    """One replica's handles, per tensor: the union of `ranks`' `{gpu uuid: args}` (each its own GPU's copy), so
+    that each of the replica's workers finds its GPU's."""
+    return [{uuid: args for rank in ranks for uuid, args in shared[rank][i].items()}
+            for i in range(len(shared[ranks[0]]))]  # fmt: skip
+
+
 class WeightPusher:
-    """Pushes a trainer's weights into vLLM (see the module docstring); lives as long as the trainer, one per
-    process that holds the full tensors (the one-process trainer, an FSDP trainer's rank 0).
+    """Pushes a trainer's weights into vLLM's replicas (see the module docstring); lives as long as the trainer, one
+    per process that gathers the full tensors (the one-process trainer, every FSDP rank).
 
     `device`: the trainer's GPU (nccl). `share` turns a tensor into an IPC handle (default: `share_cuda_tensor`);
     the CPU tests pass their own.
@@ -263,81 +398,146 @@ class WeightPusher:
                  share: Callable[[torch.Tensor], dict[str, tuple]] | None = None) -> None:
         self._device = None if device is None else torch.device(device)
         self._share = share or share_cuda_tensor
-        self._opened: tuple[str, ...] | None = None  # the vLLM process (and backend) the init was done with
+        self._opened: dict[str, tuple[Any, ...]] = {}  # replica url -> the vLLM process (and backend) of its init
+        self._routes: dict[str, TransferRoutes] = {}  # by replica url
         self._channel: Channel | None = None
-        self._routes: TransferRoutes | None = None
-
-    def begin(self, target: TransferTarget) -> None:
-        """The init (once per vLLM process) and `/start_weight_update`: what can fail before anything is gathered."""
-        if target.backend not in TRANSFER_BACKENDS:
-            raise WeightTransferError(f"unknown weight-transfer backend {target.backend!r}")
-        if self._opened != (target.url, target.session, target.backend, target.channel):
-            self._open(target)
-        self._routes.start()
-
-    def send(self, target: TransferTarget, named: NamedTensors) -> None:
-        """Every tensor of `named`, bucket by bucket, then `/finish_weight_update`. `begin` came first."""
-        send_bucket = self._send_ipc if target.backend == "ipc" else self._send_nccl
-        for bucket in layer_buckets(travelling(named, target.travel_dtype()), target.bucket_bytes):
-            send_bucket(bucket)
-            del bucket  # the update answered: vLLM has every layer of it
-        self._routes.finish(target.version)
 
     def push(self, target: TransferTarget, named: NamedTensors) -> None:
-        """`begin` then `send`: the one-process trainer's whole sync."""
-        self.begin(target)
-        self.send(target, named)
-
-    def _open(self, target: TransferTarget) -> None:
-        self._opened = None  # until the init succeeds
-        if self._routes is not None:
-            self._routes.close()
-        self._routes = TransferRoutes(target.url, target.timeout_s)
+        """The one-process trainer's whole sync (rank 0 of 1): `begin`, then `send_ipc` or `send_nccl`."""
+        posts = replica_posts(target, 1)
+        self.begin(target, posts)
         if target.backend == "ipc":
-            self._routes.init({"packed": False})
+            self.send_ipc(target, posts, named)
         else:
-            self._channel = self._join(target)
-        self._opened = (target.url, target.session, target.backend, target.channel)
+            self.send_nccl(target, posts, named)
 
-    def _join(self, target: TransferTarget) -> Channel:
-        """Open the NCCL group: vLLM's workers join inside `/init_weight_transfer_engine` while this rank does."""
-        channel: Channel = GlooChannel(target.timeout_s) if target.channel == "gloo" else NcclChannel(self._device)
-        world_size = 1 + target.workers
-        init_info = {"rank_offset": 1, "world_size": world_size, "packed": False, **channel.rendezvous()}
-        failed: list[BaseException] = []
-        joined = threading.Thread(target=_connect, args=(channel, world_size, failed), daemon=True,
-                                  name="marl-weight-transfer-join")
-        joined.start()
-        self._routes.init(init_info)  # answers once the workers joined; an error here leaves the join thread
-        joined.join(target.timeout_s)  # waiting for peers that never come (daemon: it cannot keep the server up)
-        if joined.is_alive() or failed:
-            raise WeightTransferError(f"the trainer could not join vLLM's NCCL group: {failed or 'timed out'}")
-        return channel
+    def begin(self, target: TransferTarget, mine: Sequence[ReplicaPost]) -> None:
+        """The init (once per vLLM process; nccl: one group for every replica) and `/start_weight_update` of the
+        replicas this process posts to: what can fail before anything is gathered."""
+        if target.backend not in TRANSFER_BACKENDS:
+            raise WeightTransferError(f"unknown weight-transfer backend {target.backend!r}")
+        stale = [post for post in mine if self._opened.get(post.url) != _session(target, post.replica)]
+        if stale and target.backend == "nccl":
+            self._open_group(target, mine)  # one group: a restarted replica means a new one for all
+        elif stale:
+            for post in stale:
+                self._open(target, post.url).init({"packed": False})
+                self._opened[post.url] = _session(target, post.replica)
+        for post in mine:
+            self._routes[post.url].start()
 
-    def _send_ipc(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        handles = [self._share(tensor) for _, tensor in bucket]
-        pickled = base64.b64encode(pickle.dumps(handles)).decode()
-        self._routes.update({**update_metadata(bucket), "ipc_handles_pickled": pickled})
+    def send_ipc(self, target: TransferTarget, posts: Sequence[ReplicaPost], named: NamedTensors,
+                 exchange: Exchange = _alone, rank: int = 0) -> None:
+        """Every tensor of `named`, bucket by bucket, each replica's body posted by its poster with the handles of
+        the ranks on its workers' GPUs, then `/finish_weight_update`. Under FSDP every rank calls it (`exchange` is
+        its collective): each bucket's handles are exchanged, posted, and the posts' outcomes exchanged, so the
+        buckets live until every replica answered, and a failure stops the sharing on every rank at the same bucket
+        while the iteration (the gathers) goes on. WeightTransferError, the same on every rank, when any failed."""
+        sharing = rank in {r for post in posts for r in post.ranks}
+        mine = [post for post in posts if post.poster == rank]
+        failure: str | None = None
+        with ordinary_allocations():
+            for bucket in layer_buckets(travelling(named, target.travel_dtype()), target.bucket_bytes):
+                if failure is None:
+                    failure = self._ipc_bucket(bucket, posts, mine, exchange, sharing)
+                del bucket  # every replica answered: vLLM has every layer of it
+        if failure is None:
+            failure = first_failure(exchange(attempt(self._finish, target, mine)))
+        if failure is not None:
+            raise WeightTransferError(failure)
+
+    def send_nccl(self, target: TransferTarget, mine: Sequence[ReplicaPost], named: NamedTensors) -> None:
+        """Rank 0: every tensor broadcast to all replicas' workers at once, each bucket's `/update_weights` posted to
+        every replica meanwhile, then `/finish_weight_update`."""
+        for bucket in layer_buckets(travelling(named, target.travel_dtype()), target.bucket_bytes):
+            self._nccl_bucket(bucket, mine)
+            del bucket
+        self._finish(target, mine)
+
+    def _ipc_bucket(self, bucket: list[tuple[str, torch.Tensor]], posts: Sequence[ReplicaPost],
+                    mine: list[ReplicaPost], exchange: Exchange, sharing: bool) -> str | None:
+        handles: list[dict[str, tuple]] | None = None
+        failure = None
+        if sharing:
+            try:
+                handles = [self._share(tensor) for _, tensor in bucket]
+            except Exception as exc:  # noqa: BLE001 - exchanged below: every rank stops sharing
+                failure = f"{type(exc).__name__}: {exc}"
+        shared = exchange((handles, failure))
+        if failure := first_failure(failed for _, failed in shared):
+            return failure
+        handles_of = [rank_handles for rank_handles, _ in shared]
+        metadata = update_metadata(bucket)
+
+        def post() -> None:
+            for each in mine:
+                pickled = base64.b64encode(pickle.dumps(merged_handles(handles_of, each.ranks))).decode()
+                self._routes[each.url].update({**metadata, "ipc_handles_pickled": pickled})
+
+        failure = first_failure(exchange(attempt(post)))  # also the barrier: the bucket lives until all answered
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()  # the handles of earlier buckets vLLM has let go of
+        return failure
 
-    def _send_nccl(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """`/update_weights` (the workers receive) runs while this rank broadcasts: both meet in each broadcast."""
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="marl-weight-update")
+    def _nccl_bucket(self, bucket: list[tuple[str, torch.Tensor]], mine: Sequence[ReplicaPost]) -> None:
+        """Every replica's `/update_weights` (its workers receive) runs while this rank broadcasts: all meet in each
+        broadcast."""
+        pool = ThreadPoolExecutor(max_workers=max(1, len(mine)), thread_name_prefix="marl-weight-update")
         try:
-            answered = pool.submit(self._routes.update, update_metadata(bucket))
+            metadata = update_metadata(bucket)
+            answers = [pool.submit(self._routes[post.url].update, metadata) for post in mine]
 
-            def check() -> None:  # vLLM refused (before receiving): stop instead of broadcasting to nobody
-                if answered.done():
-                    answered.result()
+            def check() -> None:  # a replica refused (before receiving): stop instead of broadcasting to nobody
+                for answered in answers:
+                    if answered.done():
+                        answered.result()
 
             for _, tensor in bucket:
                 check()
                 self._channel.broadcast(tensor)
             self._channel.wait(check)
-            answered.result()
+            for answered in answers:
+                answered.result()
         finally:
-            pool.shutdown(wait=False)  # after a failed broadcast the update may never answer: do not wait for it
+            pool.shutdown(wait=False)  # after a failed broadcast an update may never answer: do not wait for it
+
+    def _finish(self, target: TransferTarget, mine: Sequence[ReplicaPost]) -> None:
+        for post in mine:
+            self._routes[post.url].finish(target.version)
+
+    def _open(self, target: TransferTarget, url: str) -> TransferRoutes:
+        self._opened.pop(url, None)  # until its init succeeds
+        if (old := self._routes.pop(url, None)) is not None:
+            old.close()
+        self._routes[url] = TransferRoutes(url, target.timeout_s)
+        return self._routes[url]
+
+    def _open_group(self, target: TransferTarget, mine: Sequence[ReplicaPost]) -> None:
+        """Open one NCCL group with every replica's workers: each replica's init (its workers join inside it) runs
+        concurrently with this rank's join; NCCL forms the group only once all world_size ranks are in."""
+        channel: Channel = GlooChannel(target.timeout_s) if target.channel == "gloo" else NcclChannel(self._device)
+        routes = {post.replica: self._open(target, post.url) for post in mine}
+        failed: list[BaseException] = []
+        joined = threading.Thread(target=_connect, args=(channel, target.world_size, failed), daemon=True,
+                                  name="marl-weight-transfer-join")
+        joined.start()
+        with ThreadPoolExecutor(max_workers=len(mine), thread_name_prefix="marl-weight-init") as pool:
+            inits = [pool.submit(routes[post.replica].init, {
+                "rank_offset": target.rank_offset(post.replica), "world_size": target.world_size, "packed": False,
+                **channel.rendezvous()}) for post in mine]  # fmt: skip
+            for init in inits:
+                init.result()  # answers once its workers joined; an error leaves the others' threads waiting
+        joined.join(target.timeout_s)  # for peers that never come (daemon: it cannot keep the server up)
+        if joined.is_alive() or failed:
+            raise WeightTransferError(f"the trainer could not join vLLM's NCCL group: {failed or 'timed out'}")
+        self._channel = channel
+        self._opened.update({post.url: _session(target, post.replica) for post in mine})
+
+
+def _session(target: TransferTarget, replica: int) -> tuple[Any, ...]:
+    """What an init is good for: this vLLM process, backend and channel (nccl: and the whole group's make-up)."""
+    key = (target.replicas[replica].url, target.replicas[replica].session, target.backend, target.channel)
+    return key + ((tuple((r.url, r.session) for r in target.replicas),) if target.backend == "nccl" else ())
 
 
 def _connect(channel: Channel, world_size: int, failed: list[BaseException]) -> None:

@@ -42,14 +42,17 @@ from servers.interfaces import TrainBatch, Trainer
 from servers.placement import Placement
 from servers.samples import Sample
 from servers.trainers.device_memory import memory_metrics
+from servers.trainers.fsdp_model import compute_dtype
 from servers.trainers.fsdp_ranks import RankFailure, RankGroup, RankLayout
 from servers.trainers.fsdp_worker import PassResult, RankSpec
 from servers.trainers.grpo import grpo_step
 from servers.trainers.micro_batches import check_token_ids, pack_micro_batches
+from servers.trainers.policy_model import resolve_dtype
 from servers.trainers.step_metrics import PassTotals, add_pass_stats
 from servers.trainers.trainer_state import copy_tokenizer, restore_rng_states, rng_states
 
-__all__ = ["FSDPConfig", "FSDPTrainer", "RankFailure", "plan_micro_batches", "start_ranks", "train_on_ranks"]
+__all__ = ["FSDPConfig", "FSDPTrainer", "RankFailure", "plan_micro_batches", "rank_numerics", "start_ranks",
+           "train_on_ranks"]
 
 
 def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int) -> list[list[list[int] | None]]:
@@ -69,6 +72,13 @@ def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int) -> list[
     ]
     width = max(len(plan) for plan in plans)
     return [plan + [None] * (width - len(plan)) for plan in plans]
+
+
+def rank_numerics(config: FSDPConfig, device: str | torch.device | None, dtype: torch.dtype | str | None) -> str:
+    """What the ranks compute logprobs in (their `compute_dtype`), said as an engine's `numerics` says it: the
+    server compares the two to resolve `recompute_logprobs: auto` (servers.lifecycle)."""
+    device_type = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
+    return str(compute_dtype(config.mixed_precision, device_type, resolve_dtype(dtype)))
 
 
 def rank_layout(ranks: int, placement: Placement, authkey: bytes | None) -> RankLayout:
@@ -148,6 +158,7 @@ class FSDPTrainer(Trainer):
         self.model_dir = Path(model_dir)
         self.config = config  # read at every step: a caller may swap it between steps (not `ranks`)
         self._with_ref = config.kl_coef > 0  # the ranks hold the frozen reference iff asked for at start
+        self.numerics = rank_numerics(config, device, dtype)  # bf16 on CUDA by default (`mixed_precision`)
         self.ranks = start_ranks(self.model_dir, config, device=device, dtype=dtype, threads_per_rank=threads_per_rank,
                                  timeout_s=timeout_s, placement=placement, authkey=authkey)  # fmt: skip
         self.vocab_size = int(self.ranks.started[0]["vocab_size"])

@@ -29,7 +29,7 @@ from marl.protocol import FSDPConfig, GRPOConfig, LoraSpec
 from servers.interfaces import TrainBatch
 from servers.placement import Placement
 from servers.samples import Sample
-from servers.trainers.fsdp import start_ranks, train_on_ranks
+from servers.trainers.fsdp import rank_numerics, start_ranks, train_on_ranks
 from servers.trainers.grpo import grpo_step
 from servers.trainers.lora_grpo import ADAPTER_DIR, PolicyStates, check_adapter_fits
 from servers.trainers.policy_model import resolve_dtype
@@ -84,7 +84,9 @@ class FSDPLoraTrainer(PolicyStates):
         self.serve_dtype = resolve_dtype(serve_dtype) if serve_dtype is not None else None
         self._lock = threading.RLock()  # one call at a time: the policies share the ranks
         self._states = {name: _Policy(spec, config) for name, (spec, config) in policies.items()}
-        self.ranks = start_ranks(self.model_dir, rank_settings({n: c for n, (_, c) in policies.items()}),
+        settings = rank_settings({n: c for n, (_, c) in policies.items()})
+        self.numerics = rank_numerics(settings, device, dtype)  # as `FSDPTrainer.numerics`
+        self.ranks = start_ranks(self.model_dir, settings,
                                  device=device, dtype=dtype, threads_per_rank=threads_per_rank, timeout_s=timeout_s,
                                  placement=placement, authkey=authkey, lora=dict(policies), seed=seed)  # fmt: skip
         self.vocab_size = int(self.ranks.started[0]["vocab_size"])

@@ -50,8 +50,8 @@ from servers.trainers.device_memory import free_cached_memory
 from servers.trainers.fsdp_model import build_sharded_model, compute_dtype
 from servers.trainers.fsdp_push import push_sharded
 from servers.trainers.fsdp_state import load_checkpoint, save_checkpoint, write_hf_weights
-from servers.trainers.grpo import StartLogprobs, apply_optimizer_hparams, micro_batch_loss
-from servers.trainers.micro_batches import collate
+from servers.trainers.grpo import StartLogprobs, apply_optimizer_hparams, micro_batch_loss, recomputes
+from servers.trainers.micro_batches import MicroBatch, collate
 from servers.trainers.policy_model import resolve_dtype, set_gradient_checkpointing
 from servers.trainers.step_metrics import add_pass_stats
 
@@ -210,7 +210,8 @@ def train_passes(model: torch.nn.Module, ref: Any, optimizer: torch.optim.Optimi
     set_gradient_checkpointing(model, config.gradient_checkpointing)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     passes: list[PassResult] = []
-    starts = StartLogprobs(config.ppo_epochs)  # pi_start's logprobs, from the first pass (grpo.py, step 2)
+    # pi_start's logprobs, from the first pass or recomputed before it (grpo.py, step 2)
+    starts = StartLogprobs(config.ppo_epochs, recompute=recomputes(config))
     for epoch in range(config.ppo_epochs):
         optimizer.zero_grad(set_to_none=True)
         stats = accumulate(model, ref, plan, num_samples, config, report=report, done=epoch * len(plan),
@@ -232,12 +233,17 @@ def accumulate(model: torch.nn.Module, ref: Any, plan: RankPlan, num_samples: in
                report: Progress | None, done: int, total: int, starts: StartLogprobs | None = None,
                start_version: int | None = None) -> dict[str, float]:  # fmt: skip
     """Forward + backward of this rank's share of L; every backward adds its gradients, summed over ranks, to this
-    rank's shard of `.grad`."""
+    rank's shard of `.grad`. Recomputing pi_start's logprobs, the first pass runs a no-grad forward over the plan
+    first: as many on every rank (padding passes included), as each forward is a collective."""
     embeddings = model.get_input_embeddings()
-    stats: dict[str, float] = {}
     starts = starts or StartLogprobs(1)
+
+    def collated(items: list[tuple[Sample, float]] | None) -> MicroBatch:
+        return collate(items or _PADDING, embeddings.weight.device, embeddings.num_embeddings, start_version)
+
+    stats = starts.recompute(model, map(collated, plan))  # its metrics kept even on a rank of padding passes only
     for index, items in enumerate(plan):
-        mb = collate(items or _PADDING, embeddings.weight.device, embeddings.num_embeddings, start_version)
+        mb = collated(items)
         loss, mb_stats, start = micro_batch_loss(model, ref, mb, config, num_samples, start_logp=starts.get(index))
         starts.keep(index, start)
         if items is None:
@@ -273,7 +279,7 @@ class ShardedPolicy:
         self.optimizer = self._new_optimizer(spec.config)
         # Checkpoint shards are written on a thread: its collectives need a group of their own (gloo: CPU state).
         self.checkpoint_group = dist.new_group(backend="gloo")
-        self._pusher = WeightPusher(self.device) if rank == 0 else None  # rank 0 sends pushed weights to vLLM
+        self._pusher = WeightPusher(self.device)  # every rank: for ipc, each on a vLLM worker's GPU shares its copy
 
     def commands(self) -> dict[str, Callable[..., Any]]:
         """What the server may send this rank, by name."""
@@ -292,7 +298,8 @@ class ShardedPolicy:
         return accumulate(self.policy, self.ref, plan, num_samples, config, report=self._report, done=done, total=total)
 
     def push(self, target: TransferTarget) -> str | None:
-        """The policy into vLLM's weight-transfer engine (servers.trainers.fsdp_push); why it failed, or None."""
+        """The policy into vLLM's weight-transfer engine, every replica of it (servers.trainers.fsdp_push); why it
+        failed (the same on every rank), or None."""
         return push_sharded(self.policy, self.aliases, self.compute_dtype, target, self._pusher)
 
     def export(self, directory: str) -> None:

@@ -49,8 +49,9 @@ from servers.trainers.grpo import (
     grpo_step,
     micro_batch_loss,
     optimizer_passes,
+    recomputes,
 )
-from servers.trainers.micro_batches import collate, pack_micro_batches
+from servers.trainers.micro_batches import MicroBatch, collate, pack_micro_batches
 from servers.trainers.policy_model import load_policy_model, resolve_dtype, set_gradient_checkpointing
 from servers.trainers.step_metrics import add_pass_stats
 from servers.trainers.trainer_state import read_trainer_state, restore_rng_states, rng_states, write_trainer_state
@@ -253,6 +254,7 @@ class LoraGRPOTrainer(PolicyStates):
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype)
         self.serve_dtype = resolve_dtype(serve_dtype) if serve_dtype is not None else self.dtype
+        self.numerics = str(self.dtype)  # as `GRPOTrainer.numerics`: what its logprobs are computed in
         self.policies = tuple(policies)
         self._lock = threading.RLock()
         base = load_policy_model(self.model_dir, self.dtype, self.device)
@@ -299,12 +301,15 @@ class LoraGRPOTrainer(PolicyStates):
         micro_batches = pack_micro_batches([len(s.token_ids) for s, _ in items], cfg.micro_batch_tokens)
         state.progress = (0, cfg.ppo_epochs * len(micro_batches))
 
-        starts = StartLogprobs(cfg.ppo_epochs)
+        starts = StartLogprobs(cfg.ppo_epochs, recompute=recomputes(cfg))
 
-        def run_pass() -> dict[str, float]:  # forward + backward of L over every micro-batch
-            stats: dict[str, float] = {}
+        def collated(indices: list[int]) -> MicroBatch:
+            return collate([items[i] for i in indices], self.device, self.vocab_size, state.step_count)
+
+        def run_pass() -> dict[str, float]:  # forward + backward of L over every micro-batch (pi_start's first)
+            stats = starts.recompute(self.model, map(collated, micro_batches))
             for index, indices in enumerate(micro_batches):
-                mb = collate([items[i] for i in indices], self.device, self.vocab_size, state.step_count)
+                mb = collated(indices)
                 loss, mb_stats, start = micro_batch_loss(self.model, ref, mb, cfg, num_samples=len(items),  # type: ignore[arg-type]
                                                          start_logp=starts.get(index))  # fmt: skip
                 starts.keep(index, start)

@@ -25,7 +25,8 @@ __all__ = ["IDLE_PASS_METRICS", "PassTotals", "add_pass_stats", "batch_metrics",
 IDLE_PASS_METRICS = dict.fromkeys(
     ("trained", "optimizer_steps", "micro_batches", "loss", "pg_loss", "pg_clipfrac", "kl", "entropy",
      "logprob_diff_mean", "logprob_diff_max", "grad_norm", "skipped_nonfinite", "offpolicy_frac",
-     "importance_weight_mean", "importance_weight_max", "importance_capfrac"),
+     "importance_weight_mean", "importance_weight_max", "importance_capfrac", "recomputed_logprobs",
+     "recompute_seconds"),
     0.0,
 )  # fmt: skip
 
@@ -97,7 +98,8 @@ class PassTotals:
             "pg_clipfrac": sums["clipped"] / tokens,  # tokens whose gradient the clip removed
             "kl": sums["kl_old"] / tokens,  # approx KL(old || new), k3, token mean
             "entropy": sums["entropy"] / tokens,
-            # Engine-vs-trainer gap: |logp_new - logp_old| on the first pass, before any update, on-policy tokens.
+            # Engine-vs-trainer gap: |logp_start - mu| (the first pass's logprobs, or the recompute pass's) before
+            # any update, on-policy tokens.
             "logprob_diff_mean": sums["logprob_diff_sum"] / on_policy if on_policy else 0.0,
             "logprob_diff_max": sums["logprob_diff_max"],
             "grad_norm": sum(self.grad_norms) / passes,  # before clipping, mean over passes
@@ -107,6 +109,9 @@ class PassTotals:
             "importance_weight_mean": sums["importance_weight_sum"] / stale if stale else 0.0,
             "importance_weight_max": sums["importance_weight_max"],
             "importance_capfrac": sums["importance_capped"] / stale if stale else 0.0,
+            # pi_start's logprobs taken by the trainer before the first pass (grpo.py, step 2), and how long it took
+            "recomputed_logprobs": float("recompute_seconds_max" in sums),
+            "recompute_seconds": sums.get("recompute_seconds_max", 0.0),
         }
         assert out.keys() == IDLE_PASS_METRICS.keys()
         if with_ref:

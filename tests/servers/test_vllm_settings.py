@@ -52,7 +52,8 @@ def test_every_setting_reaches_the_command_line():
     argv = vllm_argv(launch)
     expected = {"--model": "/models/m", "--host": "127.0.0.1", "--port": "8123", "--max-model-len": "4096",
                 "--gpu-memory-utilization": "0.3", "--kv-cache-memory-bytes": str(int(2.5 * 2**30)),
-                "--tensor-parallel-size": "2", "--data-parallel-size": "4", "--dtype": "float16",
+                "--tensor-parallel-size": "2", "--dtype": "float16",
+                "--data-parallel-size": "1",  # data_parallel_size 4 is 4 vLLM processes (servers.engines.vllm_replicas)
                 "--max-num-seqs": "64"}
     assert {flag: option(argv, flag) for flag in expected} == expected
     assert "--enable-sleep-mode" in argv

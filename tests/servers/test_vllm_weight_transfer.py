@@ -26,8 +26,16 @@ import pytest
 import torch
 
 from marl.protocol import VLLM_WEIGHT_SYNC_MODES, FSDPConfig, TrainConfig
-from servers.engines.vllm_process import VLLMLaunch, VLLMSettings, VLLMSettingsError, vllm_python
+from servers.engines.vllm_process import (
+    VLLMLaunch,
+    VLLMSettings,
+    VLLMSettingsError,
+    auto_weight_sync,
+    trainer_nccl_library,
+    vllm_python,
+)
 from servers.engines.weight_transfer import (
+    Replica,
     TransferTarget,
     WeightPusher,
     WeightTransferError,
@@ -40,6 +48,7 @@ from servers.engines.weight_transfer import (
 from servers.tiny_model import build_tiny_model
 
 PYTHON = Path(sys.executable)  # any existing python: the command line is only built
+NCCL = "/site-packages/nvidia/nccl/lib/libnccl.so.2"  # a trainer's NCCL library, as found (only passed on)
 TRANSFER_ROUTES = ["/init_weight_transfer_engine", "/start_weight_update", "/update_weights", "/finish_weight_update"]
 
 
@@ -70,26 +79,89 @@ def transfer_config(launch: VLLMLaunch) -> dict | None:
     return json.loads(cmd[cmd.index(flag) + 1]) if flag in cmd else None
 
 
-@pytest.mark.parametrize(("device", "shares_gpu", "settings", "mode"), [
-    ("cuda", True, {}, "ipc"),  # auto: vLLM on the trainer's GPU
-    ("cuda", False, {}, "nccl"),  # auto: vLLM on GPUs of its own
-    ("cpu", True, {}, "disk"),  # auto: the CPU build has no weight-transfer engine
-    ("cuda", True, {"tensor_parallel_size": 2}, "disk"),  # shares a GPU, spans two: neither ipc nor nccl fits
-    ("cuda", False, {"weight_sync": "disk"}, "disk"),
-    ("cpu", False, {"weight_sync": "nccl"}, "nccl"),  # as asked: its routes answer 500 and the disk takes over
+@pytest.mark.parametrize(("device", "shares_gpu", "settings", "gpus", "mode"), [
+    ("cuda", True, {}, {}, "ipc"),  # auto: vLLM on the trainer's GPU
+    ("cuda", False, {}, {}, "nccl"),  # auto: vLLM on GPUs of its own
+    ("cpu", True, {}, {}, "disk"),  # auto: the CPU build has no weight-transfer engine
+    ("cuda", True, {"tensor_parallel_size": 2}, {}, "disk"),  # GPUs 0-1 beside a trainer on GPU 0: partial overlap
+    ("cuda", True, {"tensor_parallel_size": 2, "data_parallel_size": 4},  # colocated on all 8: ipc at TP x DP 8
+     {"engine_gpus": range(8), "trainer_gpus": range(8)}, "ipc"),
+    ("cuda", True, {"data_parallel_size": 2}, {"engine_gpus": (2, 3), "trainer_gpus": range(8)}, "ipc"),
+    ("cuda", False, {"tensor_parallel_size": 2}, {"engine_gpus": (0, 1), "trainer_gpus": (2, 3)}, "nccl"),
+    ("cuda", False, {}, {"nccl_library": None}, "disk"),  # GPUs of its own, but no NCCL of the trainer's to give it
+    ("cuda", True, {"tensor_parallel_size": 2}, {"engine_gpus": (0, 1), "trainer_gpus": (1, 2)}, "disk"),
+    ("cuda", False, {"weight_sync": "disk"}, {}, "disk"),
+    ("cpu", False, {"weight_sync": "nccl"}, {"nccl_library": None}, "nccl"),  # as asked: vLLM's routes answer 500
+    ("cpu", True, {"weight_sync": "ipc", "data_parallel_size": 2}, {}, "ipc"),  # and the disk takes over
 ])
-def test_weight_sync_picks_the_backend_and_puts_it_on_the_command_line(device, shares_gpu, settings, mode):
+def test_weight_sync_picks_the_backend_and_puts_it_on_the_command_line(device, shares_gpu, settings, gpus, mode):
+    gpus = {"nccl_library": NCCL, **gpus}
     launch = VLLMLaunch(Path("/models/m"), 4096, device=device, settings=VLLMSettings(**settings),
-                        shares_gpu=shares_gpu, python=PYTHON)
+                        shares_gpu=shares_gpu, python=PYTHON, **gpus)
     assert launch.weight_sync == mode
     assert transfer_config(launch) == (None if mode == "disk" else {"backend": mode})
-    insecure = launch.environment().get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    env = launch.environment()
+    insecure = env.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
     assert insecure == ("1" if mode == "ipc" else None)  # pickled IPC handles over HTTP need it, nothing else does
+    # vLLM's PyNccl loads the trainer's NCCL (NCCL refuses a peer of another version), for nccl only
+    assert env.get("VLLM_NCCL_SO_PATH") == (gpus["nccl_library"] if mode == "nccl" else None)
+    assert (launch.disk_reason is None) == (mode != "disk")
+
+
+@pytest.mark.parametrize(("cuda", "engine", "trainer", "found", "mode"), [
+    (False, [0], [0], True, "disk"),
+    (True, [0], [0], False, "ipc"),
+    (True, [0, 1], [0, 1, 2, 3], False, "ipc"),  # TP 2 (or DP 2) inside the trainer's GPUs
+    (True, list(range(8)), list(range(8)), True, "ipc"),  # TP x DP = 8 on the trainer's 8
+    (True, [4, 5, 6, 7], [0, 1, 2, 3], True, "nccl"),
+    (True, [4, 5, 6, 7], [0, 1, 2, 3], False, "disk"),
+    (True, [0], [], True, "nccl"),  # a static server: no trainer
+    (True, [3, 4], [0, 1, 2, 3], True, "disk"),  # partial overlap
+])
+def test_the_auto_rule(cuda, engine, trainer, found, mode):
+    assert auto_weight_sync(cuda=cuda, engine_gpus=engine, trainer_gpus=trainer, nccl_library=found) == mode
+
+
+def test_the_disk_says_why():
+    def reason(**kwargs) -> str | None:
+        kwargs = {"device": "cuda", "nccl_library": NCCL, **kwargs}
+        return VLLMLaunch(Path("/models/m"), 4096, python=PYTHON, **kwargs).disk_reason
+
+    assert reason(device="cpu") == "the CPU build has no weight-transfer engine"
+    assert reason(settings=VLLMSettings(weight_sync="disk")) == "weight_sync is disk"
+    assert "partly the trainer's" in reason(engine_gpus=(0, 1), trainer_gpus=(1, 2))
+    assert "NCCL library was not found" in reason(engine_gpus=(1,), trainer_gpus=(0,), nccl_library=None)
+    assert reason(engine_gpus=(1,), trainer_gpus=(0,)) is None
+
+
+@pytest.mark.parametrize(("settings", "gpus", "words"), [
+    ({"weight_sync": "nccl"}, {"nccl_library": None}, "vllm.weight_sync: nccl needs the trainer's NCCL library"),
+    ({"weight_sync": "ipc", "tensor_parallel_size": 2}, {"engine_gpus": (0, 1), "trainer_gpus": (0,)},
+     r"vllm.weight_sync: ipc needs every vLLM GPU to be a trainer GPU.*\[0, 1\], the trainer's \[0\]"),
+])
+def test_an_explicit_backend_that_cannot_work_is_refused_at_start(settings, gpus, words):
+    with pytest.raises(VLLMSettingsError, match=words):
+        VLLMLaunch(Path("/models/m"), 4096, device="cuda", settings=VLLMSettings(**settings), python=PYTHON,
+                   shares_gpu=True, **{"nccl_library": NCCL, **gpus})
+
+
+def test_the_trainers_nccl_library_is_the_nvidia_wheels_beside_its_torch(tmp_path, monkeypatch):
+    trainer_nccl_library.cache_clear()
+    try:
+        assert trainer_nccl_library() is None  # this CPU torch has no NCCL
+        trainer_nccl_library.cache_clear()
+        library = tmp_path / "nvidia" / "nccl" / "lib" / "libnccl.so.2"
+        library.parent.mkdir(parents=True)
+        library.write_bytes(b"")
+        monkeypatch.setattr(torch.version, "cuda", "12.9")
+        monkeypatch.setattr(sys, "path", [str(tmp_path / "elsewhere"), str(tmp_path)])
+        assert trainer_nccl_library() == str(library)
+    finally:
+        trainer_nccl_library.cache_clear()
 
 
 @pytest.mark.parametrize(("values", "words"), [
     ({"weight_sync": "rdma"}, "must be one of auto, disk, ipc, nccl"),
-    ({"weight_sync": "ipc", "data_parallel_size": 2}, "ipc shares the trainer's tensors on one GPU"),
     ({"extra_args": ["--weight-transfer-config={}"]}, "set weight_sync instead"),
 ])
 def test_bad_weight_sync_settings_are_refused(values, words):
@@ -153,7 +225,7 @@ def fake_ipc_handle(tensor: torch.Tensor) -> dict[str, tuple]:
 
 def test_an_ipc_push_inits_once_then_starts_updates_each_bucket_and_finishes(recording, model_dir):
     vllm, state = recording(), policy_state(model_dir)
-    target = TransferTarget(backend="ipc", url=vllm.url, session="pid-1", bucket_bytes=1, version="7")
+    target = TransferTarget(backend="ipc", replicas=[Replica(vllm.url, "pid-1")], bucket_bytes=1, version="7")
     pusher = WeightPusher(share=fake_ipc_handle)
     pusher.push(target, unique_tensors(state.items()))
 
@@ -174,14 +246,14 @@ def test_an_ipc_push_inits_once_then_starts_updates_each_bucket_and_finishes(rec
 
     pusher.push(target, unique_tensors(state.items()))  # the same vLLM: no second init
     assert vllm.paths().count("/init_weight_transfer_engine") == 1
-    pusher.push(TransferTarget(backend="ipc", url=vllm.url, session="pid-2"), unique_tensors(state.items()))
+    pusher.push(TransferTarget(backend="ipc", replicas=[Replica(vllm.url, "pid-2")]), unique_tensors(state.items()))
     assert vllm.paths().count("/init_weight_transfer_engine") == 2  # a restarted vLLM: init again
 
 
 @pytest.mark.parametrize("failing", TRANSFER_ROUTES)
 def test_a_refused_route_raises_and_stops_the_push(recording, model_dir, failing):
     vllm, state = recording(failing=(failing,)), policy_state(model_dir)
-    target = TransferTarget(backend="ipc", url=vllm.url, session="s", bucket_bytes=1)
+    target = TransferTarget(backend="ipc", replicas=[Replica(vllm.url, "s")], bucket_bytes=1)
     with pytest.raises(WeightTransferError, match=f"vLLM {failing} answered 500"):
         WeightPusher(share=fake_ipc_handle).push(target, unique_tensors(state.items()))
     assert vllm.paths()[-1] == failing and vllm.paths() == [p for p in vllm.paths() if p in TRANSFER_ROUTES]
@@ -232,19 +304,29 @@ def receiving_vllm(port_out: mp.SimpleQueue, received_path: str) -> None:
 
 
 @pytest.fixture
-def receiver(tmp_path) -> Iterator[tuple[str, Path]]:
+def receivers(tmp_path) -> Iterator[list[tuple[str, Path]]]:
+    """Two receiving processes (two replicas of one worker each): (url, where it saves what it received)."""
     context = mp.get_context("spawn")
-    port_out, received = context.SimpleQueue(), tmp_path / "received.pt"
-    process = context.Process(target=receiving_vllm, args=(port_out, str(received)), daemon=True)
-    process.start()
-    yield f"http://127.0.0.1:{port_out.get()}", received
-    process.kill()
-    process.join(10)
+    started = []
+    for index in range(2):
+        port_out, received = context.SimpleQueue(), tmp_path / f"received-{index}.pt"
+        process = context.Process(target=receiving_vllm, args=(port_out, str(received)), daemon=True)
+        process.start()
+        started.append((process, port_out, received))
+    yield [(f"http://127.0.0.1:{port_out.get()}", received) for _, port_out, received in started]
+    for process, _, _ in started:
+        process.kill()
+        process.join(10)
+
+
+@pytest.fixture
+def receiver(receivers) -> tuple[str, Path]:
+    return receivers[0]
 
 
 def gloo_target(url: str) -> TransferTarget:
     """vLLM's nccl backend with its broadcast run over gloo; buckets of about a decoder layer of the tiny model."""
-    return TransferTarget(backend="nccl", channel="gloo", url=url, session="s", workers=1, dtype="bfloat16",
+    return TransferTarget(backend="nccl", channel="gloo", replicas=[Replica(url, "s")], dtype="bfloat16",
                           bucket_bytes=40_000, timeout_s=60)
 
 
@@ -264,6 +346,17 @@ def test_an_nccl_push_broadcasts_every_bucket_into_the_receiving_process(receive
     assert_received(received, state)
 
 
+def test_an_nccl_push_to_two_replicas_forms_one_group_and_every_broadcast_reaches_both(receivers, model_dir):
+    state = policy_state(model_dir)
+    (url_a, received_a), (url_b, received_b) = receivers
+    target = TransferTarget(backend="nccl", channel="gloo", replicas=[Replica(url_a, "a"), Replica(url_b, "b")],
+                            dtype="bfloat16", bucket_bytes=40_000, timeout_s=60)
+    assert (target.world_size, target.rank_offset(0), target.rank_offset(1)) == (3, 1, 2)
+    WeightPusher().push(target, unique_tensors(state.items()))  # the group forms only if both inits ran at once
+    assert_received(received_a, state)
+    assert_received(received_b, state)
+
+
 def test_fsdp_ranks_gather_and_rank_0_pushes_and_a_refused_push_leaves_the_ranks_whole(receiver, recording,
                                                                                         model_dir, tmp_path):
     from servers.trainers.fsdp import FSDPTrainer
@@ -273,7 +366,7 @@ def test_fsdp_ranks_gather_and_rank_0_pushes_and_a_refused_push_leaves_the_ranks
     try:
         refusing = recording(failing=("/start_weight_update",))
         with pytest.raises(WeightTransferError, match="start_weight_update answered 500"):
-            trainer.push_weights(TransferTarget(backend="ipc", url=refusing.url, session="s"))
+            trainer.push_weights(TransferTarget(backend="ipc", replicas=[Replica(refusing.url, "s")]))
         trainer.push_weights(gloo_target(url))  # the same ranks, still whole
         assert_received(received, policy_state(model_dir))
         trainer.export_weights(tmp_path / "export")  # and still serving commands
