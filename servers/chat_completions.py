@@ -31,7 +31,7 @@ from marl.protocol import EngineState, ErrorCode
 from servers import tool_choice
 from servers.chat_format import ChatFormatter, PromptError, PromptTooLong, StreamDecoder, parse_tool_calls
 from servers.engine_call import EngineCall
-from servers.errors import Refusal
+from servers.errors import Refusal, excerpt
 from servers.interfaces import InferenceEngine, SamplingParams
 from servers.samples import CallRecord
 from servers.telemetry import Telemetry
@@ -128,7 +128,7 @@ class ChatService:
 
     def check_model(self, model: str) -> None:
         if model not in (self.model.served_name, self.model.model):
-            raise Refusal(404, ErrorCode.MODEL_NOT_FOUND, f"model '{model}' is not served here; this server"
+            raise Refusal(404, ErrorCode.MODEL_NOT_FOUND, f"model {excerpt(model)} is not served here; this server"
                           f" serves '{self.model.served_name}' (see GET /v1/models)", param="model")
 
     def ready_engine(self) -> tuple[InferenceEngine, ChatFormatter]:
@@ -295,8 +295,8 @@ def _prompt(formatter: ChatFormatter, body: p.ChatCompletionRequest, choice: Too
     prefill = ""
     if choice.forced:
         if formatter.tool_call_format is None:
-            raise Refusal(400, ErrorCode.UNSUPPORTED_VALUE, f"tool_choice {body.tool_choice!r} is not supported for"
-                          " this model: its chat template writes no <tool_call> blocks, so a tool call cannot be"
-                          " forced; use 'auto'", param="tool_choice")
+            raise Refusal(400, ErrorCode.UNSUPPORTED_VALUE, f"tool_choice {excerpt(body.tool_choice)} is not"
+                          " supported for this model: its chat template writes no <tool_call> blocks, so a tool"
+                          " call cannot be forced; use 'auto'", param="tool_choice")
         prefill = formatter.tool_call_format.forced_prefix(choice)
     return prefill, formatter.prompt_ids(body, history, context_length, prefill)

@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -34,7 +34,8 @@ class CompletionRequest(p._Request):
     model_config = ConfigDict(extra="ignore")  # other OpenAI parameters are accepted and ignored, as vLLM does
 
     model: str
-    prompt: str | list[p.Int] = Field(description="Text, or token ids taken as they are.")
+    prompt: str | Annotated[list[p.Int], Field(fail_fast=True)] = Field(
+        description="Text, or token ids taken as they are.")
     max_tokens: p.Int | None = Field(None, ge=1)
     temperature: p.Real = Field(1.0, ge=0, le=2)
     top_p: p.Real = Field(1.0, gt=0, le=1)
@@ -62,6 +63,8 @@ async def create_completion(chat: ChatService, body: CompletionRequest, session:
         except PromptTooLong as exc:
             raise _too_long(exc.tokens, context) from exc
     else:
+        if len(body.prompt) >= context:  # before each id is looked at
+            raise _too_long(len(body.prompt), context)
         prompt_ids = _checked_ids(body.prompt, len(formatter.tokenizer))
     room = context - len(prompt_ids)
     max_tokens = body.max_tokens or min(DEFAULT_MAX_TOKENS, room)

@@ -25,6 +25,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -159,7 +160,7 @@ class EpisodeRecorder:
         lease.sealed = True
         try:
             await self._drained(lease)
-            samples = merge_calls(episode_id, list(lease.calls), body.reward, body.agent_rewards)
+            samples = merge_calls(episode_id, _finite_calls(lease), body.reward, body.agent_rewards)
             recorded = await self._written(write(lease, body, samples, digest))
         except BaseException as exc:
             lease.sealed = False  # nothing was recorded: the lease goes on, and the client may retry
@@ -253,6 +254,17 @@ class EpisodeRecorder:
         return Refusal(409, ErrorCode.EPISODE_ABORTED, f"prepared episode {episode_id} was aborted (by its client, or"
                        " by this server when its deadline passed undecided): it will never enter the pool",
                        state=self._lifecycle.state)
+
+
+def _finite_calls(lease: Lease) -> list:
+    """The lease's calls whose logprobs are all finite. A NaN or inf logprob (an adapter that diverged) cannot be
+    trained on, so such a call is never recorded as a sample (its tokens still reach later calls' prompts, as
+    context). A sum is finite exactly when every term is (logprobs are far from overflowing it)."""
+    calls = [call for call in lease.calls if math.isfinite(sum(call.logprobs, 0.0))]
+    if len(calls) < len(lease.calls):
+        log.warning("episode %s: %d call(s) with non-finite logprobs are left out of its samples", lease.episode_id,
+                    len(lease.calls) - len(calls))
+    return calls
 
 
 def _fail(outcome: asyncio.Future, exc: BaseException) -> None:

@@ -7,8 +7,10 @@ refusal becomes an HTTP response (route handlers and the ASGI guards in front of
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -49,3 +51,20 @@ def refusal_response(refusal: Refusal, headers: Mapping[str, str] | None = None)
         headers["Retry-After"] = f"{refusal.retry_after_s:g}"
     return JSONResponse(ErrorResponse(error=refusal.info()).model_dump(mode="json"), status_code=refusal.status,
                         headers=headers or None)
+
+
+def _short_repr() -> reprlib.Repr:
+    short = reprlib.Repr()
+    short.maxlevel, short.maxstring, short.maxother, short.maxlong = 3, 60, 40, 40
+    short.maxlist = short.maxtuple = short.maxdict = short.maxset = 6
+    return short
+
+
+_SHORT = _short_repr()
+
+
+def excerpt(value: Any, limit: int = 80) -> str:
+    """A short repr of a value a client sent, for an error message: at most `limit` characters, built without the
+    repr of the whole value (4 million integers took seconds to repr, and made a 3 MB error)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -12,6 +12,10 @@ request's `model` picks the frozen policy. Its name holds `FROZEN_SEPARATOR` (`s
 does, so it never shadows a live policy's adapter. Version 0 (a fresh adapter: B = 0) serves the base alone
 (`adapter: null`): the same tokens, and no slot.
 
+A load reads the adapter's files itself, off the event loop and within a time bound, and refuses (400, naming the
+file) a malformed directory, a file that is no regular file, and weights that are not finite
+(`servers.adapter_files`): one bad adapter never reaches the engine that serves every policy.
+
 Frozen policies live in the engine: when the engine restarts (stop, then start) they are gone, and the list says
 so; the league loads them again.
 """
@@ -26,14 +30,13 @@ from pathlib import Path
 
 from marl import protocol as p
 from marl.protocol import FROZEN_KEY_PREFIX, EngineState, ErrorCode
+from servers.adapter_files import AdapterProblem, read_adapter_within
 from servers.chat_completions import CallSession, ChatService, Unleased
 from servers.chat_format import ChatFormatter
-from servers.errors import Refusal
+from servers.errors import Refusal, excerpt
 from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams
 from servers.policy_backends import Shared
 from servers.telemetry import Telemetry
-
-_ADAPTER_CONFIG = "adapter_config.json"
 
 
 class FrozenEngine(InferenceEngine):
@@ -137,8 +140,8 @@ class FrozenPolicies:
         """The service of frozen policy `model` (404 `model_not_found` once unloaded)."""
         frozen = self.live().get(model)
         if frozen is None:
-            raise Refusal(404, ErrorCode.MODEL_NOT_FOUND, f"model '{model}' is not served here: the frozen policies"
-                          f" are {', '.join(self.live()) or 'none'} (see GET /v1/models)", param="model")
+            raise Refusal(404, ErrorCode.MODEL_NOT_FOUND, f"model {excerpt(model)} is not served here: the frozen"
+                          f" policies are {', '.join(self.live()) or 'none'} (see GET /v1/models)", param="model")
         return frozen.service
 
     def _ready(self) -> tuple[InferenceEngine, ChatFormatter]:
@@ -150,14 +153,20 @@ class FrozenPolicies:
 
     @staticmethod
     async def _load_adapter(engine: InferenceEngine, name: str, directory: Path) -> None:
-        if not (directory / _ADAPTER_CONFIG).is_file():
-            raise Refusal(400, ErrorCode.INVALID_REQUEST, f"{directory} holds no PEFT adapter ({_ADAPTER_CONFIG}):"
-                          " give a policy checkpoint's adapter/ directory, on this server's filesystem",
-                          param="adapter")
+        """Read and check the adapter's files off the event loop, within a time bound (servers.adapter_files), then
+        load it: the tensors read, or (an engine in another process) the directory, now known to be sound."""
         try:
-            await asyncio.to_thread(engine.load_adapter_from, name, directory)
-        except (ValueError, OSError) as exc:
-            raise Refusal(400, ErrorCode.INVALID_REQUEST, f"adapter {directory}: {exc}", param="adapter") from exc
+            tensors, spec = await read_adapter_within(directory)
+        except AdapterProblem as exc:  # it names the file
+            raise Refusal(400, ErrorCode.INVALID_REQUEST, f"adapter {exc}", param="adapter") from exc
+        try:
+            if engine.takes_tensors:
+                await asyncio.to_thread(engine.load_adapter, name, tensors, spec)
+            else:
+                await asyncio.to_thread(engine.load_adapter_from, name, directory)
+        except (ValueError, OSError) as exc:  # tensors that do not fit the model
+            raise Refusal(400, ErrorCode.INVALID_REQUEST, f"adapter {str(directory)[-200:]}: {str(exc)[:500]}",
+                          param="adapter") from exc
 
 
 def _no_admission(api_key: str | None) -> CallSession:

@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
@@ -113,13 +114,34 @@ class _PreParsedRoute(APIRoute):
         async def handle(request: Request) -> Response:
             scope = request.scope
             if PARSED_JSON in scope and self.body_field is not None and not self._embed_body_fields:
-                value, problems = await asyncio.to_thread(self.body_field.validate, scope[PARSED_JSON], loc=("body",))
+                value, problems = await asyncio.to_thread(_validated, self.body_field, scope[PARSED_JSON])
                 if problems:
                     raise RequestValidationError(problems)
                 scope[PARSED_JSON] = value
             return await handler(_PreParsedRequest(scope, request.receive))
 
         return handle
+
+
+#: A body that fails validation in more places than this is refused without listing them: turning 262,144 pydantic
+#: errors into Python took 3 s (one call, the GIL held).
+MAX_LISTED_PROBLEMS = 64
+
+
+def _validated(field: Any, value: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """FastAPI's `ModelField.validate` (the validated body, or its problems), which lists the problems only when they
+    are few (MAX_LISTED_PROBLEMS)."""
+    adapter = getattr(field, "_type_adapter", None)
+    if adapter is None:  # another FastAPI: its own way
+        return field.validate(value, loc=("body",))
+    try:
+        return adapter.validate_python(value, from_attributes=True), []
+    except ValidationError as exc:
+        count = exc.error_count()
+        if count > MAX_LISTED_PROBLEMS:
+            return None, [{"type": "too_many_errors", "loc": ("body",), "msg": f"{count} values fail validation"
+                           f" (more than {MAX_LISTED_PROBLEMS}: not listed)"}]
+        return None, [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
 
 
 def _open_routes(server: SwarmServer) -> APIRouter:
@@ -374,15 +396,23 @@ async def _refused(_: Request, exc: Refusal) -> JSONResponse:
 
 async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
     problems = []
-    for err in exc.errors():
+    for err in exc.errors()[:_SHOWN_PROBLEMS]:
         where = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
         if err.get("type") == "json_invalid":
             problems.append(f"the request body is not valid JSON ({err.get('ctx', {}).get('error', 'parse error')})")
         else:
             problems.append(f"{where}: {err.get('msg')}")
+    if len(exc.errors()) > _SHOWN_PROBLEMS:
+        problems.append(f"and {len(exc.errors()) - _SHOWN_PROBLEMS} more")
     first_param = ".".join(str(x) for x in exc.errors()[0].get("loc", ())[1:]) if exc.errors() else None
-    return refusal_response(Refusal(400, ErrorCode.INVALID_REQUEST, "invalid request: " + "; ".join(problems),
-                                    param=first_param or None))
+    message = "invalid request: " + "; ".join(problems)
+    message = message if len(message) <= 1000 else message[:997] + "..."  # a message may quote what was sent
+    return refusal_response(Refusal(400, ErrorCode.INVALID_REQUEST, message, param=(first_param or None) and
+                                    first_param[:200]))
+
+
+#: Problems of an invalid body named in the error message (the rest are counted).
+_SHOWN_PROBLEMS = 5
 
 
 _HTTP_ERROR_CODES = {404: ErrorCode.ROUTE_NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from marl.protocol import ChatCompletionRequest, FunctionCall, ToolCall
+from servers.errors import excerpt
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -61,14 +62,15 @@ def resolve(request: ChatCompletionRequest) -> ToolChoice:
             (value.get("function") or {}).get("name"), str):
         choice = ToolChoice("function", value["function"]["name"])
     else:
-        raise ToolChoiceError(f"tool_choice {value!r} is not one of 'auto', 'none', 'required' or"
+        raise ToolChoiceError(f"tool_choice {excerpt(value)} is not one of 'auto', 'none', 'required' or"
                               " {'type': 'function', 'function': {'name': ...}}")
     if not names:
-        raise ToolChoiceError(f"tool_choice asks for a tool call ({value!r}) but the request lists no tools")
+        raise ToolChoiceError(f"tool_choice asks for a tool call ({excerpt(value)}) but the request lists no tools")
     if not all(isinstance(name, str) and name for name in names):
-        raise ToolChoiceError(f"tool_choice asks for a tool call ({value!r}) but a tool has no function name")
+        raise ToolChoiceError(f"tool_choice asks for a tool call ({excerpt(value)}) but a tool has no function name")
     if choice.name is not None and choice.name not in names:
-        raise ToolChoiceError(f"tool_choice names {choice.name!r}, which is not one of the request's tools {names}")
+        raise ToolChoiceError(f"tool_choice names {excerpt(choice.name)}, which is not one of the request's tools"
+                              f" {excerpt(names)}")
     return choice
 
 

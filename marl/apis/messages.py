@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -65,9 +65,9 @@ class MessagesRequest(p._Request):
 
     model: str
     max_tokens: p.Int = Field(ge=1)
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, fail_fast=True)
     system: str | list[Block] | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(fail_fast=True)] | None = None
     tool_choice: ToolChoice | None = None
     stop_sequences: list[str] | None = Field(None, max_length=16)
     temperature: p.Real = Field(1.0, ge=0, le=2)
@@ -105,7 +105,7 @@ def _chat_messages(message: Message) -> list[dict[str, Any]]:
         return [{"role": message.role, "content": message.content}]
     for block in message.content:
         if block.type not in ("text", "tool_use", "tool_result", "thinking", "redacted_thinking"):
-            raise ValueError(f"content blocks of type {block.type!r} are not supported (text, tool_use and"
+            raise ValueError(f"content blocks of type {block.type[:40]!r} are not supported (text, tool_use and"
                              " tool_result are)")
     text = _text(message.content)
     if message.role == "assistant":

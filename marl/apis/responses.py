@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,7 +40,7 @@ class ResponsesRequest(p._Request):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    input: str | list[Item]
+    input: str | Annotated[list[Item], Field(fail_fast=True)]  # fail fast: the first bad item is the answer
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
@@ -81,7 +81,7 @@ def _add_item(messages: list[dict[str, Any]], item: Item) -> None:
     elif item.type == "function_call_output":
         messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
     elif item.type != "reasoning":
-        raise ValueError(f"input items of type {item.type!r} are not supported (message, function_call and"
+        raise ValueError(f"input items of type {item.type[:40]!r} are not supported (message, function_call and"
                          " function_call_output are)")
 
 

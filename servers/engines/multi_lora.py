@@ -5,19 +5,19 @@ scaling s = alpha / r (PEFT's `LoraLayer`, dropout off at inference). With n ada
 keeps them stacked, the scaling folded into B and ranks below the largest one zero-padded (exact: the padding adds
 zero products):
 
-    A: [n, r_max, in]    B: [out, n, r_max]    (B[:, k] = s_k B_k)
+    A: [n, r_max, in]    B: [n, out, r_max]    (B[k] = s_k B_k)
 
-A forward over rows with adapters k_1..k_rows (0: the bare base) computes, for row i,
+A forward over rows with adapters k_1..k_rows (0: the bare base) computes W x + b for every row, then, for each
+adapter k present in the batch, only over the rows that use it:
 
-    h_i = A_flat x_i              A_flat = A.view(n * r_max, in): every adapter's down-projection at once
-    h_i = h_i * onehot(k_i)       zero except the r_max entries of adapter k_i (all zero for a base row)
-    y_i = W x_i + b + B_flat h_i  B_flat = B.view(out, n * r_max)
+    y[rows_k] += (x[rows_k] A[k]^T) B[k]^T
 
-Computing every adapter's A x and masking it costs n * r_max extra columns per row, but it is two plain matmuls
-that read each adapter once per forward, whatever the rows: for a few adapters of small rank at decode time
-(weight-bound) that is less memory traffic than gathering a copy of A and B per row for batched matmuls, and far
-fewer kernels than one matmul per adapter present. A base row's delta is an exact zero, so its output is
-bit-identical to the unadapted model's; a forward whose rows are all base skips the adapters altogether.
+Rows are selected, never masked: a row reads no other adapter's weights, so nothing in another adapter (a NaN, an
+inf, a 1e30 that overflows) reaches it (multiplying by a 0/1 mask would: 0 x NaN = NaN). A base row gets no delta
+at all, so its output is bit-identical to the unadapted model's, and an adapted row's output does not depend on
+which adapters the other rows use. It costs a gather, two small matmuls and a scatter per adapter present per
+layer (one pair of matmuls when every row uses one adapter); a forward whose rows are all base skips the adapters
+altogether. vLLM's punica kernels (the vLLM engine) also index each row's adapter rather than mask.
 
 Each adapted `nn.Linear` keeps its place and parameters, and only its `forward` is wrapped (base forward, then the
 delta): the model's parameter names (what `load_weights` and a trainer's state dict use) stay as they are, and so
@@ -44,33 +44,30 @@ _PEFT_NAME = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])
 
 
 class _Slots:
-    """One adapted Linear's stacked adapters (A: [n, r_max, in], B: [out, n, r_max]; slot k - 1 is adapter k)."""
+    """One adapted Linear's stacked adapters (A: [n, r_max, in], B: [n, out, r_max]; slot k - 1 is adapter k)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         weight = linear.weight
         self.a = weight.new_zeros((0, 0, linear.in_features))
-        self.b = weight.new_zeros((linear.out_features, 0, 0))
-        self.a_t, self.b_t = self.a.view(-1, self.a.shape[-1]).t(), self.b.view(self.b.shape[0], -1).t()
+        self.b = weight.new_zeros((0, linear.out_features, 0))
 
     def resize(self, n: int, rank: int) -> None:
         """Room for `n` adapters of rank `rank` (zero-padded; kept adapters keep their values)."""
         if (self.a.shape[0], self.a.shape[1]) == (n, rank):
             return
-        a, b = self.a.new_zeros((n, rank, self.a.shape[2])), self.b.new_zeros((self.b.shape[0], n, rank))
+        a, b = self.a.new_zeros((n, rank, self.a.shape[2])), self.b.new_zeros((n, self.b.shape[1], rank))
         keep_n, keep_r = min(n, self.a.shape[0]), min(rank, self.a.shape[1])
         a[:keep_n, :keep_r] = self.a[:keep_n, :keep_r]
-        b[:, :keep_n, :keep_r] = self.b[:, :keep_n, :keep_r]
+        b[:keep_n, :, :keep_r] = self.b[:keep_n, :, :keep_r]
         self.a, self.b = a, b
-        self.a_t = a.view(-1, a.shape[-1]).t()  # [in, n * r_max]
-        self.b_t = b.view(b.shape[0], -1).t()  # [n * r_max, out]
 
     def put(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Write one adapter (None: it does not adapt this layer; its slot becomes zero)."""
         self.a[slot].zero_()
-        self.b[:, slot].zero_()
+        self.b[slot].zero_()
         if a is not None and b is not None:
             self.a[slot, : a.shape[0]] = a
-            self.b[:, slot, : b.shape[1]] = b
+            self.b[slot, :, : b.shape[1]] = b
 
 
 class PreparedAdapter:
@@ -97,7 +94,9 @@ class MultiLora:
         self._free: list[int] = []  # indices of removed adapters, reused by the next new ones
         self._count = 0  # n: slots in the stacks (adapters loaded + free slots)
         self._rank = 0  # r_max
-        self._mask: torch.Tensor | None = None  # [rows, n * r_max] for the forward running now; None: all base
+        #: For the forward running now: its row count and (slot, its rows; None: every row) of each adapter present;
+        #: None: every row is base.
+        self._groups: tuple[int, list[tuple[int, torch.Tensor | None]]] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -120,7 +119,8 @@ class MultiLora:
         self.install(self.prepare(name, tensors, spec))
 
     def prepare(self, name: str, tensors: Mapping[str, Any], spec: LoraSpec) -> PreparedAdapter:
-        """Check `tensors` (PEFT's names) against the model and `spec`; ValueError naming the first bad key."""
+        """Check `tensors` (PEFT's names) against the model and `spec`; ValueError naming the first bad key (a wrong
+        shape, a dtype that is not floating point, a NaN or inf: such an adapter is never served)."""
         targets = set(spec.target_modules)
         missing = targets - {path.rsplit(".", 1)[-1] for path in self._linears}
         if missing:
@@ -134,6 +134,8 @@ class MultiLora:
             part = match["part"]
             expected = (spec.rank, linear.in_features) if part == "A" else (linear.out_features, spec.rank)
             tensor = torch.as_tensor(tensor)
+            if not tensor.is_floating_point():
+                raise ValueError(f"adapter {name!r}: {key!r} holds {tensor.dtype} values, not floating point")
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"adapter {name!r}: {key!r} has shape {tuple(tensor.shape)}, expected {expected}")
             parts.setdefault(match["module"], {})[part] = tensor
@@ -146,6 +148,10 @@ class MultiLora:
             weight = self._linears[module].weight
             a = ab["A"].to(device=weight.device, dtype=weight.dtype)
             b = (ab["B"].double() * spec.scaling).to(device=weight.device, dtype=weight.dtype)
+            for part, values in (("A", a), ("B", b)):  # in the model's dtype: a 1e30 is inf in float16
+                if not bool(torch.isfinite(values).all()):
+                    raise ValueError(f"adapter {name!r}: base_model.model.{module}.lora_{part}.weight holds"
+                                     f" non-finite values (NaN or inf) in {weight.dtype} (scaled by alpha / r)")
             layers[module] = (a, b)
         return PreparedAdapter(name, spec.rank, layers)
 
@@ -178,26 +184,35 @@ class MultiLora:
     def rows(self, adapters: Sequence[str | None]) -> Iterator[None]:
         """Within the block, row i of every forward uses adapter `adapters[i]` (None: the base model)."""
         indices = [self.index_of(name) for name in adapters]
-        self._mask = self._row_mask(indices) if any(indices) else None
+        self._groups = (len(indices), self._row_groups(indices)) if any(indices) else None
         try:
             yield
         finally:
-            self._mask = None
+            self._groups = None
 
-    def _row_mask(self, indices: list[int]) -> torch.Tensor:
-        """[rows, n * r_max]: ones over the r_max entries of each row's adapter (none for a base row)."""
-        some = next(iter(self._slots.values())).a
-        slot = torch.tensor(indices, device=some.device) - 1  # -1: the base, matches no slot
-        mine = slot[:, None] == torch.arange(self._count, device=some.device)[None]
-        return mine.to(some.dtype).repeat_interleave(self._rank, dim=1)[:, None, :]  # [rows, 1 (tokens), n * r]
+    def _row_groups(self, indices: list[int]) -> list[tuple[int, torch.Tensor | None]]:
+        """(slot, the rows that use it: None for all) of each adapter the rows use; base rows are in none."""
+        device = next(iter(self._slots.values())).a.device
+        groups = []
+        for index in sorted(set(indices) - {0}):
+            rows = [i for i, k in enumerate(indices) if k == index]
+            groups.append((index - 1, None if len(rows) == len(indices) else torch.tensor(rows, device=device)))
+        return groups
 
     def _adapt(self, slots: _Slots, base_forward: Any, x: torch.Tensor) -> torch.Tensor:
-        """The forward of an adapted Linear: W x + b, plus each row's own B A x (see the module docstring)."""
+        """The forward of an adapted Linear: W x + b, plus each row's own B A x, over its rows only (see the module
+        docstring)."""
         y = base_forward(x)
-        mask = self._mask
-        if mask is None:
+        if self._groups is None:
             return y
-        if x.dim() != 3 or x.shape[0] != mask.shape[0]:
-            raise RuntimeError(f"LoRA rows: an input of shape {tuple(x.shape)}, adapters set for {mask.shape[0]} rows")
-        h = torch.matmul(x, slots.a_t).mul_(mask)
-        return torch.addmm(y.reshape(-1, y.shape[-1]), h.view(-1, h.shape[-1]), slots.b_t).view_as(y)
+        count, groups = self._groups
+        if x.dim() != 3 or x.shape[0] != count:
+            raise RuntimeError(f"LoRA rows: an input of shape {tuple(x.shape)}, adapters set for {count} rows")
+        for slot, rows in groups:
+            a_t, b_t = slots.a[slot].t(), slots.b[slot].t()  # [in, r_max], [r_max, out]
+            if rows is None:  # one adapter for the whole batch: no gather, no scatter
+                flat = y.reshape(-1, y.shape[-1])
+                y = torch.addmm(flat, torch.matmul(x, a_t).view(-1, a_t.shape[1]), b_t).view_as(y)
+            else:
+                y = y.index_add(0, rows, torch.matmul(torch.matmul(x.index_select(0, rows), a_t), b_t))
+        return y
