@@ -33,14 +33,17 @@ def _megabytes(text: str) -> float:
 def _serve(args: argparse.Namespace) -> None:
     # marl/ imports servers/ only in the server-side commands: `serve` (starting a server process is what it is
     # for) and `episode` (reading a server's ledger).
-    from servers.entrypoint import serve
+    from servers.entrypoint import listen_socket, serve
+    from servers.models import check_model
 
     try:
         options = _serve_options(args)
+        check_model(options.model)  # before the port is taken and anything loads: a typo ends here, in one line
+        sock = listen_socket(options.host, options.port)
     except ValueError as exc:
-        print(f"marl serve: {exc}", file=sys.stderr)
+        print(f"marl serve: error: {exc}", file=sys.stderr)  # argparse's form: `marl run` finds it in the log
         sys.exit(2)
-    serve(options)
+    serve(options, sock)
 
 
 def _serve_options(args: argparse.Namespace):
@@ -163,6 +166,7 @@ def _topology_show(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
+    from marl.launch import ServerStartError
     from marl.run import run
     from marl.topology import TopologyError
 
@@ -172,6 +176,9 @@ def _run(args: argparse.Namespace) -> None:
     except TopologyError as exc:
         print(exc, file=sys.stderr)
         sys.exit(2)
+    except ServerStartError as exc:  # a taken port, a model that does not load, a server that died booting
+        print(f"marl run: {exc}", file=sys.stderr)
+        sys.exit(1)
     if summary.interrupted:
         sys.exit(130)
     if summary.error:
@@ -354,7 +361,8 @@ def _add_topology(sub: argparse._SubParsersAction) -> None:
     show.add_argument("file", help="topology YAML, e.g. topologies/signalling-cpu.yaml")
     show.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, e.g. run.max_steps=5")
     show.add_argument("--no-env-check", action="store_true",
-                      help="do not import and construct env.class, nor check roles: against the roles it deals")
+                      help="do not import and construct env.class, nor check roles: against the roles it deals,"
+                           " nor that the local servers' models are on this machine (a topology for another one)")
     show.set_defaults(func=_topology_show, trailing="overrides")
 
 

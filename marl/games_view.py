@@ -117,7 +117,8 @@ def render_game(game: GameRecord, index: int, total: int, same_task: list[int] |
 
 
 def _header(game: GameRecord, index: int, total: int, same_task: list[int]) -> Text:
-    head = Text(f"game {index} of {total}", style="bold")  # rows 0 .. total - 1
+    head = Text(f"game {index + 1} of {total}", style="bold")  # counted from 1; rows (`show N`) from 0
+    head.append(f" (row {index})")
     head.append(f" · task {safe(game.task_id) or '-'} · seed {game.seed} · {_when(game.time)} · {game.turns} turns"
                 f" · {game.seconds:.1f}s\n")
     head.append_text(_field("players", _players(game) or "-"))

@@ -6,8 +6,10 @@ Used by `marl run` and the tests.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,10 +36,44 @@ MAX_RESTARTS = 3
 log = logging.getLogger("marl.launch")
 
 
+class ServerStartError(RuntimeError):
+    """A local server that did not come up: the message says which, why (its log's last error line) and where its
+    log is. `marl run` prints it as one line and exits 1."""
+
+
+#: a log line that says what went wrong: `marl serve: error: ...` (a bad flag, model or port), a traceback's last
+#: line, "[Errno 98] ...", an ERROR record
+_ERROR_LINE = re.compile(r"^(marl serve: error: |\w+(\.\w+)*(Error|Exception)\b|.*\[Errno \d+\]|.* (ERROR|CRITICAL) )")
+
+
+def last_error_line(log_path: Path, since: int = 0, tail_bytes: int = 64_000) -> str | None:
+    """The last line of the log at `log_path`, after its first `since` bytes (what earlier processes wrote to it),
+    that says what went wrong; None: no such line, or no log."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(since, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    found = next((line.strip() for line in reversed(lines) if _ERROR_LINE.match(line.strip())), None)
+    return None if found is None else found[:400]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something listens on `host`:`port` already (binding it as `marl serve` would fails so)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 # Looked up before any fork: the child of a threaded process must not load libraries.
@@ -102,6 +138,7 @@ class ServerProcess:
         self.die_with_parent = die_with_parent and _PRCTL is not None
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
+        self.log_start = 0  # the log's size when this server last started
 
     def exit_code(self) -> int | None:
         """None while the process runs (or was never started); its exit code once it has exited."""
@@ -120,6 +157,7 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            self.log_start = log.tell()  # this start's lines begin here (a restart appends to the same log)
             # Own process group: Ctrl-C in the terminal reaches `marl run`, which then stops servers in order.
             self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                          env=self.environment(),
@@ -132,18 +170,21 @@ class ServerProcess:
                 **self.extra_environment}
 
     def wait_healthy(self, timeout: float = 120) -> None:
+        """Return once the server answers /health; `ServerStartError` naming the cause if it exits first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server on port {self.port} exited with {self.proc.returncode};"
-                                   f" see {self.log_path}")
+                why = last_error_line(self.log_path, since=self.log_start)
+                raise ServerStartError(f"the server on port {self.port} {self.describe_exit()} while starting"
+                                       + (f": {why}" if why else "") + f" (log: {self.log_path})")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
-        raise RuntimeError(f"server on port {self.port} not healthy after {timeout:g}s; see {self.log_path}")
+        raise ServerStartError(f"the server on port {self.port} did not answer /health within {timeout:g}s"
+                               f" (log: {self.log_path})")
 
     def kill(self) -> None:
         """SIGKILL (crash tests)."""

@@ -31,7 +31,7 @@ from textual.app import App, ComposeResult
 from textual.containers import Horizontal
 from textual.widgets import Footer, Static
 
-from marl.client import SwarmClient, SwarmError
+from marl.client import SwarmClient, SwarmError, SwarmRefused
 from marl.launch import SERVERS_FILE
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, MonitorSnapshot, StepRecord, TrainingProgress
 from marl.terminal import safe
@@ -70,6 +70,7 @@ class ServerView:
     last_ok: float | None = None  # unix time of the latest good read
     unreachable_since: float | None = None
     problem: str | None = None  # why the latest read failed
+    refused: bool = False  # the server answered, and refused (a missing or wrong admin token): it is reachable
     restarts: int = 0
     restarted_at: float | None = None
     _client: SwarmClient | None = field(default=None, repr=False)
@@ -80,8 +81,11 @@ class ServerView:
                                        policy=self.source.policy)
         try:
             snapshot = self._client.monitor(timeout=timeout)
+        except SwarmRefused as exc:  # it answered: reachable, but says no
+            self.problem, self.refused = safe(self._refusal(exc)[:400]), True  # may quote what the server sent
+            return
         except (SwarmError, httpx.HTTPError) as exc:
-            self.problem = safe(str(exc).splitlines()[0][:200])  # may quote what the server sent
+            self.problem, self.refused = safe(str(exc).splitlines()[0][:400]), False
             if self.unreachable_since is None:
                 self.unreachable_since = time.time()
             return
@@ -89,6 +93,21 @@ class ServerView:
             self.restarts += 1
             self.restarted_at = time.time()
         self.snapshot, self.last_ok, self.unreachable_since, self.problem = snapshot, time.time(), None, None
+        self.refused = False
+
+    def _refusal(self, exc: SwarmRefused) -> str:
+        """What the server's refusal means here, and what to do: the admin token first."""
+        if exc.status_code not in (401, 403):
+            return str(exc).splitlines()[0]
+        given = "no admin token was given" if self.source.admin_token is None else "the admin token was refused"
+        return (f"{given} (HTTP {exc.status_code}): pass --admin-token or set ${ADMIN_TOKEN_ENV} to the server's"
+                " token (`marl run` writes its own to the run directory's servers.json)")
+
+    def _trouble(self, now: float) -> str:
+        """The headline of a failed read: refused, or unreachable since when."""
+        if self.refused:
+            return "REFUSED"
+        return f"UNREACHABLE for {_duration(now - (self.unreachable_since or now))}"
 
     def close(self) -> None:
         if self._client is not None:
@@ -101,7 +120,7 @@ class ServerView:
         snap = self.snapshot
         title = Text(self.source.name, style="bold")
         if self.problem is not None and snap is None:
-            body = Text(f"UNREACHABLE for {now - self.unreachable_since:.0f}s\n{self.problem}", style="bold red")
+            body = Text(f"{self._trouble(now)}\n{self.problem}", style="bold red")
             return Panel(body, title=title, subtitle=self.source.url, border_style="red")
         if snap is None:
             return Panel(Text("connecting..."), title=title, subtitle=self.source.url)
@@ -114,8 +133,8 @@ class ServerView:
         if snap.training is not None:
             lines.append(_training_line(snap.training))
         if self.problem is not None:
-            lines.append(Text(f"UNREACHABLE for {now - self.unreachable_since:.0f}s (last seen "
-                              f"{_duration(now - self.last_ok)} ago): {self.problem}", style="bold red"))
+            lines.append(Text(f"{self._trouble(now)} (last seen {_duration(now - self.last_ok)} ago): {self.problem}",
+                              style="bold red"))
         if self.restarted_at is not None and now - self.restarted_at < 60:
             lines.append(Text(f"restarted {_duration(now - self.restarted_at)} ago (restarts seen: {self.restarts})",
                               style="bold yellow"))

@@ -1,7 +1,8 @@
 """`marl plot RUN_DIR`: PNG curves of a run, from the records it wrote (no server needed).
 
-    reward_curves.png             from games.jsonl: per trainable server, the mean reward of every role in the
-                                  game against that server's policy version (what the other roles did matters too)
+    reward_curves.png             from games.jsonl: per trainable server (or LoRA policy), the mean reward of each
+                                  role it played against its policy version (rows older than `co_players`: every
+                                  role of the game)
     servers/<name>/training.png   from the server's metrics.jsonl: reward mean ± std per role, loss, entropy and
                                   grad norm against the training step (servers/<name>/policies/<policy>/ for
                                   each LoRA policy of a server)
@@ -27,7 +28,7 @@ from typing import Any
 from marl.game_record import GameRecord, as_records, read_games
 
 __all__ = ["percent", "plot_eval_matrix", "plot_evals", "plot_reward_curves", "plot_run", "plot_training",
-           "replot_eval_matrix", "summarize_games", "summarize_roles"]
+           "replot_eval_matrix", "reward_figure", "summarize_games", "summarize_roles"]
 
 
 def plot_run(run_dir: Path) -> list[Path]:
@@ -55,6 +56,18 @@ def _pyplot():
     return plt
 
 
+def _whole_numbers(ax) -> None:
+    """Ticks at whole numbers only (versions and steps have no 0.5): at each x of the drawn lines when they are few,
+    else where matplotlib puts them, rounded to integers (it draws fractions around a single point)."""
+    from matplotlib.ticker import MaxNLocator
+
+    xs = sorted({float(x) for line in ax.get_lines() for x in line.get_xdata()})
+    if 0 < len(xs) <= 12:
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -73,12 +86,21 @@ def _read_jsonl(path: Path) -> list[dict]:
 
 
 def plot_reward_curves(run_dir: Path) -> Path | None:
-    """reward_curves.png: per trainable server, the mean reward of each role, per policy version of that server."""
+    """reward_curves.png (`reward_figure`); None when there is no game yet."""
+    fig = reward_figure(run_dir)
+    return None if fig is None else _save(fig, Path(run_dir) / "reward_curves.png")
+
+
+def reward_figure(run_dir: Path):
+    """The figure of reward_curves.png: per trainable server, the mean reward of each role it played, per policy
+    version of that server (whole versions on the x axis); None when there is no game yet."""
     curves: dict[str, dict[str, dict[int, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for game in read_games(Path(run_dir) / "games.jsonl"):
         for server, version in game.policy_versions.items():
             for role, reward in game.role_rewards.items():
-                curves[server][role][version].append(reward)
+                player = game.co_players.get(role)
+                if player is None or player.server == server:  # no co_players: a row of an older version
+                    curves[server][role][version].append(reward)
     if not curves:
         return None
     plt = _pyplot()
@@ -89,9 +111,10 @@ def plot_reward_curves(run_dir: Path) -> Path | None:
             ax.plot(versions, [sum(by_version[v]) / len(by_version[v]) for v in versions], marker="o", label=role)
         ax.set_title(server)
         ax.set_xlabel("policy version")
+        _whole_numbers(ax)
         ax.set_ylabel("mean reward")
         ax.legend()
-    return _save(fig, Path(run_dir) / "reward_curves.png")
+    return fig
 
 
 def plot_training(data_dir: Path) -> Path | None:
@@ -117,6 +140,7 @@ def plot_training(data_dir: Path) -> Path | None:
                 ax.fill_between(x, [a - b for a, b in zip(y, err)], [a + b for a, b in zip(y, err)], alpha=0.2)
         ax.set_title(f"{Path(data_dir).name}: {title}")
         ax.set_xlabel("training step")
+        _whole_numbers(ax)
         if len(series) > 1 or title == "reward":
             ax.legend()
     return _save(fig, Path(data_dir) / "training.png")
@@ -185,6 +209,7 @@ def plot_evals(run_dir: Path) -> Path | None:
         axes[1, column].set_title(f"{role}: mean reward")
         for ax in axes[:, column]:
             ax.set_xlabel("training step")
+            _whole_numbers(ax)
             ax.legend(fontsize="small")
     return _save(fig, Path(run_dir) / "evals.png")
 

@@ -51,14 +51,22 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from marl.client import SwarmClient
+from marl.client import SwarmClient, SwarmError
 from marl.coordinator import Coordinator, GameSettings
 from marl.decision_log import DecisionLog
 from marl.endpoints import Endpoint, SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
 from marl.eval.periodic import PeriodicEval
 from marl.game_record import GameRecord, append_game
 from marl.games import CallbackFailed, FailedAttempt, play_games, tasks
-from marl.launch import SERVERS_FILE, ServerProcess, Supervisor
+from marl.launch import (
+    SERVERS_FILE,
+    ServerProcess,
+    ServerStartError,
+    ServerWatch,
+    Supervisor,
+    last_error_line,
+    port_in_use,
+)
 from marl.league import SnapshotPool, snapshot_pools
 from marl.monitor import ServerMonitor, ServerView
 from marl.plan import plan_topology
@@ -76,6 +84,8 @@ if TYPE_CHECKING:  # imported at run time only with run.ray: a run without it ne
 log = logging.getLogger("marl.run")
 #: the live table's and the closing line's "recent reward" is the mean over this many games per role
 RECENT_GAMES = 50
+#: seconds between two progress lines where the live table is not drawn (stdout is not a terminal)
+PROGRESS_EVERY_S = 30.0
 
 
 @dataclass
@@ -102,12 +112,14 @@ class _Board:
         self.last_error = ""
         self._file = open(games_path, "a")
 
-    def record(self, result: GameRecord) -> None:
+    def record(self, result: GameRecord) -> int:
+        """Write `result` to games.jsonl and count it; returns the games recorded so far."""
         with self.lock:
             append_game(self._file, result)  # first: a game counts once it is in games.jsonl
             self.games += 1
             for role, reward in result.role_rewards.items():
                 self.rewards[role].append(reward)
+            return self.games
 
     def failure(self, failure: FailedAttempt) -> None:
         with self.lock:
@@ -201,6 +213,7 @@ class _Session:
 
     def __init__(self, topology: Topology, run_dir: Path, console: Console):
         self.topology, self.spec, self.run_dir, self.console = topology, topology.spec, run_dir, console
+        self.plain = not console.is_terminal  # a pipe, a log, nohup: timestamped lines instead of the live table
         self.max_failures = self.spec.run.max_failures
         self.board = _Board(run_dir / "games.jsonl", self.spec.run.games)
         self.token = ""  # the admin token of the local servers
@@ -226,7 +239,7 @@ class _Session:
 
             self.cluster = RayCluster(self.spec.run.ray, self.spec.name, report=self.console.print)
         endpoints = self.endpoints = _start_servers(self.topology, self.run_dir, token, self.processes, self.pools,
-                                                    self.console, self._launch)
+                                                    self.say, self._launch)
         self.supervisor = (self.cluster.supervisor(report=self._report_death, on_restart=self._server_restarted)
                            if self.cluster else Supervisor(self.processes, report=self._report_death))
         self.supervisor.start()
@@ -259,12 +272,26 @@ class _Session:
                        policies={name: policy.lora for name, policy in (server.policies or {}).items()})
         if self.cluster is not None:
             return self.cluster.launch(name, options, server.resources)
+        if server.port is not None and port_in_use("127.0.0.1", server.port):
+            raise ServerStartError(f"servers.{name}.port: port {server.port} is taken (address already in use): stop"
+                                   f" what listens there, or change servers.{name}.port (or remove it: a free port is"
+                                   " picked)")
         process = ServerProcess(**options).start()
-        self.console.print(f"started {server.kind.value} server {name} ({server.model}) on {process.url}")
+        self.say(f"started {server.kind.value} server {name} ({server.model}) on {process.url}")
         return process
 
+    def say(self, line: str, style: str = "", *, log: bool = False) -> None:
+        """Tell the user `line`: in a terminal above the live table (`log`: with the time, as rich logs), else as a
+        plain timestamped line (a pipe or a log file, where the table is not drawn)."""
+        if self.plain:
+            self.console.print(Text(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", style=style), soft_wrap=True)
+        elif log:
+            self.console.log(Text(line, style=style))
+        else:
+            self.console.print(Text(line, style=style))
+
     def _report_death(self, line: str) -> None:
-        self.console.log(Text(line, style="red"))
+        self.say(line, "red", log=True)
 
     def _server_restarted(self, name: str) -> None:
         """Ray restarted server `name`'s actor, maybe on another node or port: point its endpoint and servers.json
@@ -284,18 +311,34 @@ class _Session:
         def table() -> Table:
             return self.board.table(self.spec.name, started, self.monitor.views())
 
+        self.say(f"playing games, {run.concurrency} at a time")
+        progress = _Progress(self, PROGRESS_EVERY_S).start() if self.plain else None  # the table is not drawn
         try:
             with Live(get_renderable=table, console=self.console, refresh_per_second=1):
                 stats = play_games(self.coordinator, tasks(self.spec.name, run.repeats or 1, run.seed),
                                    concurrency=run.concurrency, games=run.games, max_failures=self.max_failures,
-                                   should_stop=self._should_stop, on_result=self.board.record,
+                                   should_stop=self._should_stop, on_result=self._record,
                                    on_failure=self.board.failure, keep_results=False)  # games.jsonl has them
         except CallbackFailed as exc:  # e.g. games.jsonl could not be written: the run stops and says so (exit 1)
             self.console.print()
             self.error = str(exc)
             return
+        finally:
+            if progress is not None:
+                progress.close()
         self.console.print()  # the live table's last line has no newline of its own
         self.error = stats.error
+
+    def _record(self, result: GameRecord) -> None:
+        if self.board.record(result) == 1:
+            self.say(f"first game done ({result.turns} turns, {result.seconds:.1f}s)", log=True)
+
+    def progress_line(self, interval_s: float, games_before: int) -> str:
+        """Games so far and per minute over the last `interval_s` seconds (`games_before` at its start), failed
+        attempts, and each trainable server's state, version and pool."""
+        rate = (self.board.games - games_before) * 60 / interval_s if interval_s > 0 else 0.0
+        servers = ", ".join(_server_progress(name, view) for name, view in self.monitor.views().items())
+        return f"{self.board.games} games ({rate:.1f}/min), {self.board.failed} failed attempts; {servers}"
 
     def _should_stop(self) -> bool:
         if self._fatal():
@@ -312,8 +355,8 @@ class _Session:
     def _step_done(self, server: str, status: ServerStatus) -> None:
         """The monitor saw a new policy version: one line per training step, so progress shows in logs too."""
         rewards = {role: round(mean, 3) for role, mean in self.board.recent_rewards().items()}
-        self.console.log(f"{server}: step {status.policy_version} done; {self.board.games} games;"
-                         f" recent reward {json.dumps(rewards)}")
+        self.say(f"{server}: step {status.policy_version} done; {self.board.games} games;"
+                 f" recent reward {json.dumps(rewards)}", log=True)
 
     def _finish_earlier_commits(self, endpoints: dict[str, Endpoint], token: str) -> None:
         """A run that stopped inside a game's two-phase commit: apply its logged decision on every server of the
@@ -325,8 +368,7 @@ class _Session:
             tokens[endpoints[name].client.url] = os.environ.get(server.admin_token_env or "") if remote else token
         for game_id, outcome in redrive(self.decisions, tokens).items():
             left = f"; {', '.join(outcome.pending)} will resolve it from the log" if outcome.pending else ""
-            self.console.print(f"finished the commit of game {game_id} from an earlier run: {outcome.decision.value}"
-                               + left)
+            self.say(f"finished the commit of game {game_id} from an earlier run: {outcome.decision.value}" + left)
 
     def shut_down(self) -> None:
         if self.supervisor is not None:
@@ -336,7 +378,7 @@ class _Session:
         if self.coordinator is not None:
             aborted = self.coordinator.abort_all()
             if aborted:
-                self.console.print(f"aborted {aborted} open leases")
+                self.say(f"aborted {aborted} open leases")
             self.coordinator.close()
         if self.monitor is not None:
             self.monitor.close()
@@ -347,7 +389,7 @@ class _Session:
         with ThreadPoolExecutor(len(stops) or 1) as stopping:  # together: each may drain in-flight calls
             list(stopping.map(lambda stop: stop(), stops))
         if self.processes:
-            self.console.print(f"stopped {len(self.processes)} local servers")
+            self.say(f"stopped {len(self.processes)} local servers")
         if self.cluster is not None:
             self.cluster.close()
 
@@ -356,6 +398,31 @@ class _Session:
         return RunSummary(run_dir=self.run_dir, games=self.board.games, failed=self.board.failed,
                           retried=self.board.retried, seconds=seconds, policy_versions=versions,
                           interrupted=self.interrupted, error=self.error or self._fatal())
+
+
+class _Progress(ServerWatch):
+    """Where stdout is not a terminal (`| tee`, nohup, CI) rich draws no live table: a plain progress line every
+    `every_s` seconds instead (`_Session.progress_line`)."""
+
+    def __init__(self, session: _Session, every_s: float):
+        super().__init__(name="progress", poll_s=every_s)
+        self.session = session
+        self._last = (time.monotonic(), 0)
+
+    def check(self) -> None:
+        then, games = self._last
+        self._last = (time.monotonic(), self.session.board.games)
+        self.session.say(self.session.progress_line(self._last[0] - then, games))
+
+
+def _server_progress(name: str, view: ServerView) -> str:
+    """One trainable server in a progress line: state, policy version, pool."""
+    status = view.status
+    if view.error is not None or status is None:
+        return f"{name} unreachable"
+    pool = status.pool
+    return f"{name} {status.state.value} v{status.policy_version}" + (
+        f" pool {pool.complete_groups}/{pool.batch_size} groups" if pool else "")
 
 
 def _print_summary(run_dir: Path, console: Console) -> None:
@@ -396,39 +463,66 @@ def _restore_sigterm(previous: dict | None) -> None:
 
 
 def _start_servers(topology: Topology, run_dir: Path, token: str, processes: dict[str, ServerProcess | RayServer],
-                   pools: dict[str, SnapshotPool], console: Console,
+                   pools: dict[str, SnapshotPool], say: Callable[[str], None],
                    launch: Callable[[str, ServerSpec], ServerProcess | RayServer]) -> dict[str, Endpoint]:
     """Start the local servers with `launch` (into `processes`, so a failure here still stops them) and the first
     snapshots of every past_of server (`pools`), connect to every server, sync the trainable ones' configs and start
-    their engines; returns how the coordinator reaches each."""
+    their engines; returns how the coordinator reaches each. `ServerStartError` names a server that did not come up
+    and why. `say` tells the user each stage."""
     spec = topology.spec
     for name in topology.local_servers():
         processes[name] = launch(name, spec.servers[name])
     for proc in processes.values():
         proc.wait_healthy()
+    if processes:
+        say(f"{len(processes)} local servers answer; loading models (an alias such as smollm2-135m is built into"
+            " the cache on first use, about a minute; the servers' logs are in " f"{run_dir / 'logs'})")
     _write_servers_file(run_dir, processes, token)
     learners = topology.learners()
     endpoints = {name: _endpoint(topology, name, processes, pools, token) for name, server in spec.servers.items()
                  if not server.policies}  # a server of policies is reached as its learners
     endpoints.update({name: _endpoint(topology, server, processes, pools, token, policy=policy)
                       for name, (server, policy) in learners.items() if policy is not None})
+    started = time.monotonic()
 
     def boot(name: str) -> None:
         endpoint = endpoints[name]
         if name in pools:
             pool = pools[name].start()
             source = pool.spec.server + (f"{LEARNER_SEPARATOR}{pool.spec.policy}" if pool.spec.policy else "")
-            console.print(f"past_of server {name} serves snapshots {pool.versions()} of {source}")
-        elif endpoint.trainable:
-            endpoint.client.auto_sync_train_config_and_start_engine(endpoint.train_config)
-        elif name in processes:  # a local static server loads its model at start-up
-            with SwarmClient(processes[name].url, admin_token=token, max_wait_s=3600) as client:
-                client.wait_until_state(EngineState.STATIC)
+            say(f"past_of server {name} serves snapshots {pool.versions()} of {source}")
+            return
+        process = processes.get(learners[name][0] if name in learners else name)
+        try:
+            if endpoint.trainable:
+                endpoint.client.auto_sync_train_config_and_start_engine(endpoint.train_config)
+            elif process is not None:  # a local static server loads its model at start-up
+                with SwarmClient(process.url, admin_token=token, max_wait_s=3600) as client:
+                    client.wait_until_state(EngineState.STATIC)
+            else:
+                return
+        except SwarmError as exc:
+            raise _boot_failure(name, exc, process) from None
+        say(f"{name}: model loaded, engine running ({time.monotonic() - started:.0f}s)")
 
-    console.print("loading models (SmolLM2 is converted once, then cached)...")
     with ThreadPoolExecutor(len(endpoints) or 1) as pool:
         list(pool.map(boot, list(endpoints)))
     return endpoints
+
+
+def _boot_failure(name: str, exc: SwarmError, process: ServerProcess | RayServer | None) -> ServerStartError:
+    """Why server `name`'s engine did not start, in one line: the server's answer, or how its process ended and its
+    log's last error line."""
+    log_path = getattr(process, "log_path", None)
+    exit_code = process.exit_code() if isinstance(process, ServerProcess) else None
+    if exit_code is not None:
+        why = f"its process {process.describe_exit()}"
+        last = last_error_line(log_path, since=process.log_start)
+        why += f": {last}" if last else ""
+    else:
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return ServerStartError(f"server {name} did not start its engine: {why}"
+                            + (f" (log: {log_path})" if log_path else ""))
 
 
 def _endpoint(topology: Topology, name: str, processes: dict[str, ServerProcess | RayServer],

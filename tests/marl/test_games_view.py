@@ -159,13 +159,13 @@ def test_games_show_prints_the_header_the_summary_and_every_turn(tmp_path):
     write_games(tmp_path / "games.jsonl", records)
     out = shown(tmp_path, "sig-1")
     game = records[1]
-    assert out.startswith(f"game 1 of 3 · task sig-1 · seed {game.seed}")
+    assert out.startswith(f"game 2 of 3 (row 1) · task sig-1 · seed {game.seed}")
     assert "players   listener: scripted, speaker: scripted" in out and "rewards   speaker 1, listener 1" in out
     assert f"target       {game.summary['target']}" in out and f"items        {', '.join(game.summary['items'])}" in out
     assert f"  1. speaker\n     | Items: {', '.join(game.summary['items'])}." in out
     assert f"     > {game.summary['target']}\n  2. listener\n" in out
-    assert shown(tmp_path).startswith("game 2 of 3 · task sig-0")  # default: the latest
-    assert shown(tmp_path, "0").startswith("game 0 of 3") and shown(tmp_path, "-3").startswith("game 0 of 3")
+    assert shown(tmp_path).startswith("game 3 of 3 (row 2) · task sig-0")  # default: the latest
+    assert shown(tmp_path, "0").startswith("game 1 of 3 (row 0)") and shown(tmp_path, "-3").startswith("game 1 of 3")
     assert "same task rows 0, 2" in shown(tmp_path, "0")
 
 
