@@ -3,14 +3,16 @@
     python bench/fuzz.py                  # 40 positive + 40 negative examples per operation (make fuzz)
     python bench/fuzz.py --examples 10    # shorter
     python bench/fuzz.py --smoke          # seconds: 2 examples per operation and mode (does it run?)
+    python bench/fuzz.py --paths /v1/     # only the data plane's operations (and the hostile stage)
 
 Starts one trainable server on a tiny random model, syncs a small config and starts its engine, then for every
 operation of `/openapi.json` draws requests with schemathesis (valid ones, and deliberately invalid ones) and sends
-them with the admin token; the chat completion gets the key of a live lease, and half of the episode requests
-target a live episode instead of a random id. Before each request the engine is brought back to ROLLING if a fuzzed
-request stopped or reconfigured it. Counts requests, responses by status class, 5xx (the acceptance: none), and
-the failures of schemathesis' conformance checks (status codes and content types the schema documents, response
-bodies matching their schema).
+them with the admin token; the data plane's APIs (chat completions, Responses, Messages, completions) get the key
+of a live lease, and half of their requests name the served model (the rest are refused at the model name), and
+half of the episode requests target a live episode instead of a random id. Before each request the engine is brought
+back to ROLLING if a fuzzed request stopped or reconfigured it. Counts requests, responses by status class, 5xx
+(the acceptance: none), and the failures of schemathesis' conformance checks (status codes and content types the
+schema documents, response bodies matching their schema).
 
 Then (`hostile`) a second server, of two LoRA policies, gets what no schema describes: bodies nested up to 200,000
 deep or holding millions of scalars on every POST route, and frozen-policy loads of adapters broken in every way
@@ -72,8 +74,9 @@ class Target:
         self.http.post(f"/episodes/{lease['episode_id']}/abort", json={"client_id": "fuzz"})
 
 
-def fuzz(target: Target, examples: int, seed: int = 0) -> dict:
-    """Every operation, `examples` valid and `examples` invalid requests each; the counts."""
+def fuzz(target: Target, examples: int, seed: int = 0, paths: str = "/") -> dict:
+    """Every operation (whose path starts with `paths`), `examples` valid and `examples` invalid requests each; the
+    counts."""
     import hypothesis
     import hypothesis.errors
     import schemathesis
@@ -91,7 +94,7 @@ def fuzz(target: Target, examples: int, seed: int = 0) -> dict:
     totals: collections.Counter = collections.Counter()
     failures: collections.Counter = collections.Counter()
     server_errors: list[str] = []
-    operations = [result.ok() for result in schema.get_all_operations()]
+    operations = [op for op in (result.ok() for result in schema.get_all_operations()) if op.path.startswith(paths)]
     for operation in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             strategy = st.tuples(operation.as_strategy(generation_mode=mode), st.booleans())
@@ -119,12 +122,17 @@ def fuzz(target: Target, examples: int, seed: int = 0) -> dict:
 def send(target: Target, case, live: bool, checks, totals, failures, server_errors) -> None:
     from schemathesis.checks import FailureGroup
 
+    from marl.protocol import DATA_PLANE_CALL_ROUTES
+
     headers = {"Authorization": f"Bearer {target.admin_token}"}
     lease = None
-    if "episode_id" in (case.path_parameters or {}) or case.path.startswith("/v1/chat"):
+    data_plane = case.path in DATA_PLANE_CALL_ROUTES  # fuzzed under a live lease's key
+    if "episode_id" in (case.path_parameters or {}) or data_plane:
         lease = target.lease()
-        if case.path.startswith("/v1/chat"):
-            headers["Authorization"] = f"Bearer {lease['api_key']}"
+        if data_plane:  # the lease's key, as OpenAI's SDKs and Anthropic's (x-api-key) send it
+            headers = {"Authorization": f"Bearer {lease['api_key']}", "x-api-key": lease["api_key"]}
+            if live and isinstance(case.body, dict):
+                case.body["model"] = lease["model"]  # past the model check, into the translation and the engine
         elif live:
             case.path_parameters["episode_id"] = lease["episode_id"]
     if case.path.startswith("/control/") and case.method.upper() == "POST":
@@ -197,29 +205,37 @@ def hostile(url: str, examples: int, scratch: Path, seed: int = 0) -> dict:
 
 
 class HealthWatch:
-    """Polls /health in a thread while the block runs; `slowest` is its slowest answer (seconds)."""
+    """Polls /health from a process of its own while the block runs; `slowest` is its slowest answer (seconds). Not a
+    thread of this process: building a 16 MiB hostile body holds this process's GIL, which a thread's timing would
+    count as the server's."""
 
     def __init__(self, url: str) -> None:
-        import threading
+        import multiprocessing
 
-        self.url, self.slowest = url, 0.0
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._watch, daemon=True)
+        context = multiprocessing.get_context("spawn")
+        self.slowest = 0.0
+        self._done, self._answer = context.Event(), context.Queue()
+        self._process = context.Process(target=_watch_health, args=(url, self._done, self._answer), daemon=True)
 
     def __enter__(self) -> HealthWatch:
-        self.thread.start()
+        self._process.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.done.set()
-        self.thread.join()
+        self._done.set()
+        self.slowest = self._answer.get(timeout=60)
+        self._process.join(10)
 
-    def _watch(self) -> None:
-        while not self.done.is_set():
+
+def _watch_health(url: str, done, answer) -> None:
+    slowest = 0.0
+    with httpx.Client(timeout=30) as http:
+        while not done.is_set():
             started = time.monotonic()
-            httpx.get(self.url + "/health", timeout=30)
-            self.slowest = max(self.slowest, time.monotonic() - started)
+            http.get(url + "/health")
+            slowest = max(slowest, time.monotonic() - started)
             time.sleep(0.02)
+    answer.put(slowest)
 
 
 #: Every POST route with a JSON body, and the field a hostile value goes into.
@@ -322,6 +338,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="a few seconds: does the bench run?")
     parser.add_argument("--hostile-only", action="store_true", help="only the hostile stage (adapters, bodies)")
+    parser.add_argument("--paths", default="/", help="fuzz only the operations whose path starts with this")
     args = parser.parse_args()
     if args.smoke:
         args.examples = 2
@@ -338,7 +355,7 @@ def main() -> int:
             target = Target(proc.url)
             target.rolling()
             started = time.monotonic()
-            report = {} if args.hostile_only else fuzz(target, args.examples, args.seed)
+            report = {} if args.hostile_only else fuzz(target, args.examples, args.seed, args.paths)
             report["seconds"] = round(time.monotonic() - started, 1)
             report["server_rss_mb_at_end"] = _rss_mb(proc)
         finally:

@@ -367,10 +367,8 @@ def _add_topology(sub: argparse._SubParsersAction) -> None:
 
 
 def _plan(args: argparse.Namespace) -> None:
-    from rich.console import Console
-
     from marl.plan import plan_topology
-    from marl.plan.report import print_plan
+    from marl.plan.report import plan_console, print_plan
     from marl.topology import Topology, TopologyError
 
     try:
@@ -379,7 +377,7 @@ def _plan(args: argparse.Namespace) -> None:
         print(exc, file=sys.stderr)
         sys.exit(2)
     plan = plan_topology(topology.spec)
-    print_plan(plan, Console(highlight=False, width=None if sys.stdout.isatty() else 200))
+    print_plan(plan, plan_console())
     sys.exit(1 if plan.problems else 0)
 
 

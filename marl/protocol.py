@@ -90,6 +90,7 @@ VLLM_DTYPES = ("auto", "bfloat16", "float16", "half", "float32", "float")
 #: Flags marl sets itself, which `extra_args` may not repeat: the setting that gives each, or None (marl's own).
 VLLM_MANAGED_FLAGS: dict[str, str | None] = {
     "--model": None, "--host": None, "--port": None, "--api-key": None, "--worker-extension-cls": None,
+    "--logits-processors": None,
     "--max-model-len": "max_model_len", "--gpu-memory-utilization": "gpu_memory_utilization",
     "--kv-cache-memory-bytes": "kv_cache_gb", "--tensor-parallel-size": "tensor_parallel_size",
     "-tp": "tensor_parallel_size", "--data-parallel-size": "data_parallel_size", "-dp": "data_parallel_size",

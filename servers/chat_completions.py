@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Protocol
 
 from marl import protocol as p
@@ -115,14 +116,14 @@ class ChatService:
         render = (formatter, body, choice, history, engine.context_length)
         try:
             if _renders_in_moments(body, history):  # a worker thread costs more than the render (module docstring)
-                prefill, prompt_ids = _prompt(*render)
+                prefill, prompt_ids, lead = _prompt(*render)
             else:
-                prefill, prompt_ids = await asyncio.to_thread(_prompt, *render)
+                prefill, prompt_ids, lead = await asyncio.to_thread(_prompt, *render)
         except PromptError as exc:
             raise Refusal(400, ErrorCode.INVALID_MESSAGES, str(exc), param="messages") from exc
         except PromptTooLong as exc:
             raise _too_long(f"at least {exc.tokens}", body, engine.context_length) from exc
-        params = _sampling_params(body, len(prompt_ids), engine.context_length)
+        params = replace(_sampling_params(body, len(prompt_ids), engine.context_length), lead=lead)
         return ChatCall(self, session, body, prompt_ids, params, agent or body.user or p.DEFAULT_AGENT, choice,
                         prefill)
 
@@ -289,14 +290,17 @@ def _renders_in_moments(body: p.ChatCompletionRequest, history: list[CallRecord]
 
 
 def _prompt(formatter: ChatFormatter, body: p.ChatCompletionRequest, choice: ToolChoice, history: list[CallRecord],
-            context_length: int) -> tuple[str, list[int]]:
-    """(the text prefilled for a forced tool call, the prompt's ids): in a worker thread, or on the event loop for a
-    short prompt (`_renders_in_moments`)."""
-    prefill = ""
+            context_length: int) -> tuple[str, list[int], tuple[tuple[int, ...], ...]]:
+    """(the text prefilled for a forced tool call, the prompt's ids, the token sequences the reply must begin with
+    one of: a "required" call's declared names, `SamplingParams.lead`): in a worker thread, or on the event loop
+    for a short prompt (`_renders_in_moments`)."""
+    prefill, lead = "", ()
     if choice.forced:
         if formatter.tool_call_format is None:
             raise Refusal(400, ErrorCode.UNSUPPORTED_VALUE, f"tool_choice {excerpt(body.tool_choice)} is not"
                           " supported for this model: its chat template writes no <tool_call> blocks, so a tool"
                           " call cannot be forced; use 'auto'", param="tool_choice")
         prefill = formatter.tool_call_format.forced_prefix(choice)
-    return prefill, formatter.prompt_ids(body, history, context_length, prefill)
+        lead = tuple(tuple(formatter.control_tokens.encode(text, ()))  # names are text, never control tokens
+                     for text in formatter.tool_call_format.name_leads(choice))
+    return prefill, formatter.prompt_ids(body, history, context_length, prefill), lead

@@ -15,7 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field
 
@@ -41,11 +41,11 @@ class CompletionRequest(p._Request):
     top_p: p.Real = Field(1.0, gt=0, le=1)
     stop: str | list[str] | None = Field(None, max_length=16)
     seed: p.Int | None = Field(None, ge=p.SEED_MIN, le=p.SEED_MAX)
-    n: p.Int = Field(1, ge=1, le=1, description="Only n=1: each sample must be its own recorded call.")
+    n: p.Int = Field(1, ge=1, description="Only n=1: each sample must be its own recorded call.")
     stream: p.Bool = False
-    logprobs: p.Int | None = Field(None, ge=0, le=0, description="Only 0 (or absent): every reply carries the"
-                                   " sampled tokens' logprobs; top alternatives are not supported.")
-    echo: Literal[False] = Field(False, description="Not supported: the prompt is not echoed.")
+    logprobs: p.Int | None = Field(None, ge=0, description="Only 0 (or absent): every reply carries the sampled"
+                                   " tokens' logprobs; top alternatives are not supported.")
+    echo: p.Bool = Field(False, description="Not supported: the prompt is not echoed.")
     user: str | None = Field(None, max_length=p.MAX_ID_LENGTH)
 
 
@@ -53,6 +53,7 @@ async def create_completion(chat: ChatService, body: CompletionRequest, session:
                             agent: str | None) -> dict[str, Any] | AsyncIterator[str]:
     engine, formatter = chat.ready_engine()
     chat.check_model(body.model)
+    _check_supported(body)
     context = engine.context_length
     if body.prompt in ("", []):
         raise Refusal(400, ErrorCode.INVALID_REQUEST, "the prompt is empty: send text or at least one token id",
@@ -78,6 +79,20 @@ async def create_completion(chat: ChatService, body: CompletionRequest, session:
         return call.stream()
     await call.run()
     return call.reply()
+
+
+def _check_supported(body: CompletionRequest) -> None:
+    """OpenAI options this route does not offer, refused with what it does offer (a 400 naming the field)."""
+    if body.logprobs:
+        raise Refusal(400, ErrorCode.UNSUPPORTED_VALUE, f"logprobs={body.logprobs} is not supported: top"
+                      " alternatives are not returned. Send logprobs 0 or leave it out: every choice carries the"
+                      " sampled tokens' logprobs anyway (logprobs.token_logprobs)", param="logprobs")
+    if body.n != 1:
+        raise Refusal(400, ErrorCode.UNSUPPORTED_VALUE, f"n={body.n} is not supported: only n=1 (each sample is its"
+                      " own recorded call); send n requests instead", param="n")
+    if body.echo:
+        raise Refusal(400, ErrorCode.UNSUPPORTED_VALUE, "echo=true is not supported: the prompt is not echoed (its"
+                      " ids are in prompt_token_ids); leave echo out", param="echo")
 
 
 def _checked_ids(ids: list[int], vocabulary: int) -> list[int]:

@@ -54,6 +54,10 @@ class SamplingParams:
     #: finds the previous ones' prompt in that replica's prefix cache; None: any replica (servers.engines.
     #: vllm_replicas).
     affinity: str | None = None
+    #: Token sequences the generation must begin with one of (a forced tool call's declared function names:
+    #: servers.tool_choice): until one is complete, only a token that continues one of them is sampled; after it,
+    #: sampling is free. The logprobs stay the raw model's, as under temperature and top-p. Empty: no constraint.
+    lead: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass

@@ -7,6 +7,11 @@ before the arguments), so the model can only continue a tool call. That opening 
 conversation with the model's own template (`ToolCallFormat.probe`); a template that renders no Hermes
 `<tool_call>` block gets a 400 saying forcing is not supported, never a silently ignored `tool_choice`.
 
+Under `"required"` with several tools the model writes the name itself, and the engine holds it to the declared
+ones (`name_leads`, `SamplingParams.lead`: until the name and the text before the arguments are written, only tokens
+that continue a declared name are sampled; then sampling is free), so it never names a function the request did not
+declare, as OpenAI's API never does. The tokens and logprobs recorded are still the engine's (raw logprobs).
+
 The forced text is prompt (recorded as context, mask 0): the model sampled only what follows it. The reply is then
 parsed as a tool call whatever the model wrote: a well-formed block as usual, else its name and its arguments text
 as they are (OpenAI's own API may return arguments that are not valid JSON; the agent sees the model's mistake).
@@ -39,6 +44,7 @@ class ToolChoiceError(ValueError):
 class ToolChoice:
     mode: str  # "auto", "none", "required" or "function"
     name: str | None = None  # the function a "function" choice names
+    names: tuple[str, ...] = ()  # the functions a "required" choice may call: the request's tools
 
     @property
     def forced(self) -> bool:
@@ -57,7 +63,8 @@ def resolve(request: ChatCompletionRequest) -> ToolChoice:
     if value == "none":
         return ToolChoice("none")
     if value == "required":
-        choice = ToolChoice("function", names[0]) if len(names) == 1 else ToolChoice("required")
+        choice = (ToolChoice("function", names[0]) if len(names) == 1
+                  else ToolChoice("required", names=tuple(dict.fromkeys(names))))
     elif isinstance(value, dict) and value.get("type") == "function" and isinstance(
             (value.get("function") or {}).get("name"), str):
         choice = ToolChoice("function", value["function"]["name"])
@@ -115,6 +122,14 @@ class ToolCallFormat:
         if choice.mode == "function":
             return (self.opening + choice.name + self.middle).rstrip()
         return self.opening.rstrip() if choice.mode == "required" else ""
+
+    def name_leads(self, choice: ToolChoice) -> list[str]:
+        """What a "required" reply may write right after its prefilled opening, one text per declared function: its
+        name and the text before the arguments (the engine holds the reply to one of them: `SamplingParams.lead`)."""
+        if choice.mode != "required":
+            return []
+        gap = self.opening[len(self.opening.rstrip()):]  # the opening's whitespace, which forced_prefix leaves out
+        return [(gap + name + self.middle).rstrip() for name in choice.names]
 
     def parse_forced(self, reply: str) -> list[ToolCall]:
         """The call a forced reply (`reply` starts with the forced prefix) makes, whatever the model wrote after."""

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from marl import protocol as p
+from marl.apis.shapes import text_or
 
 Event = str | p.ChatCompletionResponse | p.ErrorInfo  # a text delta, the whole reply, or a failure mid-stream
 
@@ -33,7 +34,7 @@ class Block(BaseModel):
     name: str | None = None
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None
-    content: str | list[Block] | None = None
+    content: text_or(list[Block], "blocks") | None = None
     is_error: p.Bool | None = None
 
 
@@ -41,7 +42,7 @@ class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: text_or(list[Block], "blocks")
 
 
 class Tool(BaseModel):
@@ -66,7 +67,7 @@ class MessagesRequest(p._Request):
     model: str
     max_tokens: p.Int = Field(ge=1)
     messages: list[Message] = Field(min_length=1, fail_fast=True)
-    system: str | list[Block] | None = None
+    system: text_or(list[Block], "blocks") | None = None
     tools: Annotated[list[Tool], Field(fail_fast=True)] | None = None
     tool_choice: ToolChoice | None = None
     stop_sequences: list[str] | None = Field(None, max_length=16)

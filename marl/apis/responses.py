@@ -19,8 +19,18 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from marl import protocol as p
+from marl.apis.shapes import text_or
 
 Event = str | p.ChatCompletionResponse | p.ErrorInfo  # a text delta, the whole reply, or a failure mid-stream
+
+
+class ContentPart(BaseModel):
+    """A part of a message's content or of a call's output: its `text` is read (input_text, output_text)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "input_text"
+    text: str | None = None
 
 
 class Item(BaseModel):
@@ -28,11 +38,22 @@ class Item(BaseModel):
 
     type: str = "message"
     role: str | None = None
-    content: str | list[dict[str, Any]] | None = None
+    content: text_or(list[ContentPart], "parts") | None = None
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: str | list[dict[str, Any]] | None = None
+    output: text_or(list[ContentPart], "parts") | None = None
+
+
+class Tool(BaseModel):
+    """A tool: only a function tool is served (hosted tools are refused by name in `to_chat`)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
 
 
 class ResponsesRequest(p._Request):
@@ -40,9 +61,9 @@ class ResponsesRequest(p._Request):
     model_config = ConfigDict(extra="ignore")
 
     model: str
-    input: str | Annotated[list[Item], Field(fail_fast=True)]  # fail fast: the first bad item is the answer
+    input: text_or(Annotated[list[Item], Field(fail_fast=True)], "items")  # fail fast: the first bad item
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[Tool], Field(fail_fast=True)] | None = None
     tool_choice: Any = None
     max_output_tokens: p.Int | None = Field(None, ge=1)
     temperature: p.Real | None = Field(None, ge=0, le=2)
@@ -85,20 +106,20 @@ def _add_item(messages: list[dict[str, Any]], item: Item) -> None:
                          " function_call_output are)")
 
 
-def _text(content: str | list[dict[str, Any]] | None) -> str:
+def _text(content: str | list[ContentPart] | None) -> str:
     if isinstance(content, list):
-        return "".join(part.get("text") or "" for part in content if isinstance(part, dict))
+        return "".join(part.text or "" for part in content)
     return content or ""
 
 
-def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+def _chat_tools(tools: list[Tool] | None) -> list[dict[str, Any]] | None:
     if not tools:
         return None
-    unsupported = [t.get("type") for t in tools if t.get("type") != "function"]
+    unsupported = [t.type[:40] for t in tools if t.type != "function"][:8]
     if unsupported:
         raise ValueError(f"only function tools are supported, not {unsupported}")
-    return [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}}
-            for t in tools]
+    return [{"type": "function", "function": t.model_dump(include={"name", "description", "parameters"},
+                                                          exclude_unset=True)} for t in tools]
 
 
 def _chat_tool_choice(choice: Any) -> Any:
@@ -122,7 +143,8 @@ def reply(request: ResponsesRequest, response: p.ChatCompletionResponse, respons
         "output": _output(choice.message) if done else [], "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
-        "parallel_tool_calls": True, "tool_choice": request.tool_choice or "auto", "tools": request.tools or [],
+        "parallel_tool_calls": True, "tool_choice": request.tool_choice or "auto",
+        "tools": [tool.model_dump(exclude_unset=True) for tool in request.tools or []],
         "temperature": request.temperature, "top_p": request.top_p, "previous_response_id": None,
         "usage": _usage(response.usage) if done else None, "user": request.user,
     }

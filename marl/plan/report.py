@@ -1,6 +1,14 @@
-"""What `marl plan` prints: per server, a table of its devices at rollouts and at a training step, then disk."""
+"""What `marl plan` prints: per server, a table of its devices at rollouts and at a training step, then disk.
+
+Its console (`plan_console`) is as wide as the terminal, or $COLUMNS when it is set: the tables' cells wrap (a long
+word folds) and the notes wrap to fit it. Piped without $COLUMNS, 200 columns keep a log's rows whole.
+"""
 
 from __future__ import annotations
+
+import os
+import sys
+from typing import IO
 
 from rich.console import Console
 from rich.table import Table
@@ -8,7 +16,11 @@ from rich.table import Table
 from .memory import GB, Parts
 from .topology_plan import ServerPlan, TopologyPlan
 
-__all__ = ["print_plan"]
+__all__ = ["plan_console", "print_plan"]
+
+#: Width of a piped `marl plan` without $COLUMNS.
+PIPED_WIDTH = 200
+
 
 def _gb(nbytes: float) -> str:
     return f"{nbytes / GB:.1f}"
@@ -24,7 +36,8 @@ def _biggest(parts: Parts | None, n: int = 3) -> str:
 def server_table(plan: ServerPlan) -> Table:
     table = Table(title=f"{plan.server}: {plan.summary}", title_justify="left", show_lines=False)
     for column in ("device", "GB", "rollouts", "training step", "peak", "fits", "largest parts (GB)"):
-        table.add_column(column, justify="left" if column in ("device", "largest parts (GB)") else "right")
+        table.add_column(column, justify="left" if column in ("device", "largest parts (GB)") else "right",
+                         overflow="fold")  # a narrow terminal wraps cells, and folds a word longer than its column
     for load in plan.devices:
         fits = load.peak <= load.capacity
         busiest = load.step if load.step is not None and load.step.total >= load.rollouts.total else load.rollouts
@@ -55,6 +68,14 @@ def _box_lines(server: ServerPlan) -> list[str]:
     if server.host is not None:
         lines.append(server.host.line())
     return lines
+
+
+def plan_console(file: IO[str] | None = None) -> Console:
+    """The console `marl plan` prints to (`file`: stdout): the terminal's width, or $COLUMNS, else `PIPED_WIDTH`."""
+    out = file or sys.stdout
+    columns = os.environ.get("COLUMNS", "")
+    sized = columns.isdigit() or (hasattr(out, "isatty") and out.isatty())
+    return Console(file=out, highlight=False, width=None if sized else PIPED_WIDTH)  # None: rich reads them
 
 
 def print_plan(plan: TopologyPlan, console: Console) -> None:

@@ -94,6 +94,8 @@ def new_request(
         raise ValueError(f"temperature must be a finite number >= 0, got {params.temperature}")
     if not 0 < params.top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {params.top_p}")
+    if not all(seq and all(0 <= t < vocab_size for t in seq) for seq in params.lead):
+        raise ValueError(f"lead sequences must be non-empty token ids in [0, {vocab_size})")
     return Request(
         prompt_ids=prompt,
         params=params,

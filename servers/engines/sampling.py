@@ -3,7 +3,9 @@
 Per-request sampling is why the engine batches by itself rather than through transformers' `generate_batch`: every
 request has its own temperature, top-p and seeded generator (greedy rows run next to sampled ones), and the logprob
 recorded for a token is always that of the raw logits (temperature 1, no top-p), the number the trainer
-recomputes (docs/design.md, "Recording exact tokens").
+recomputes (docs/design.md, "Recording exact tokens"). A request whose generation must begin with one of a few
+token sequences (`SamplingParams.lead`: a forced tool call's declared names) samples from a masked copy of its row
+until it has spelled one; its logprobs are still the raw logits'.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+
+from servers.engines.lead_tokens import allowed_next
 
 if TYPE_CHECKING:
     from servers.engines.request import Request
@@ -42,6 +46,7 @@ def sample_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Te
     sampling), so a seeded request gets the same tokens whatever else shares its batch, up to the float noise of
     batched matmuls. (torch.multinomial costs ~2 ms per row over a 49k vocabulary on a CPU; this costs ~0.1 ms.)
     """
+    logits = _led(logits, requests)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, r in enumerate(requests) if r.params.temperature > 0 and not r.cancelled]
     if not rows:
@@ -58,6 +63,23 @@ def sample_tokens(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Te
             picks[j] = _top_p_pick(probs[j], top_p, uniforms[j])
     tokens[index] = picks
     return tokens
+
+
+def _led(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """The logits to sample from: a row that must still spell one of its `lead` sequences keeps only the tokens
+    that continue one (in a copy: the caller takes the recorded logprobs from the raw logits)."""
+    masked = None
+    for row, request in enumerate(requests):
+        allowed = allowed_next(request.params.lead, request.token_ids) if request.params.lead else None
+        if allowed is None:
+            continue
+        if masked is None:
+            masked = logits.clone()
+        keep = torch.tensor(allowed, device=logits.device)
+        kept = masked[row, keep]
+        masked[row] = float("-inf")
+        masked[row, keep] = kept
+    return logits if masked is None else masked
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ Many agents call one model at once, and one decode step over 16 sequences costs 
 - At every step boundary the worker admits waiting requests: their prompts are prefilled together (left padded),
   their first token is sampled, and their rows join the running batch. Finished or cancelled requests leave the
   batch at once. One decode step then advances every running request by one token (servers.engines.batch_runner;
-  sampling with per-request seeds and raw-logit logprobs in servers.engines.sampling).
+  sampling with per-request seeds and raw-logit logprobs in servers.engines.sampling, which also holds a request to
+  its `SamplingParams.lead`: a forced tool call's declared names).
 - The running batch shares one KV cache per layer (servers.engines.running_batch): row i holds request i's tokens
   right-aligned, the padding on their left is masked out, and each row carries its own position ids, so RoPE and
   attention see exactly what an unpadded forward pass of that request sees (in fp32, logprobs match one to ~2e-5

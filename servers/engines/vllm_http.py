@@ -5,7 +5,10 @@
   logprobs: log softmax of the unscaled logits, as the trainer computes them) and the usage (how many prompt tokens
   vLLM's prefix cache supplied). Streamed when marl's caller streams (`stream_completion`); otherwise one reply
   (`whole_completion`): a streamed generation is one server-sent event per token for marl's process to read, about
-  9,000 a second at vLLM's 256 running sequences.
+  9,000 a second at vLLM's 256 running sequences. A generation that must begin with one of a few token sequences
+  (`SamplingParams.lead`: a forced tool call's declared names) carries them in `vllm_xargs`, for marl's logits
+  processor (`vllm_lead`), which vLLM applies after it took the raw logprobs. (vLLM's own structured outputs, e.g. a
+  `choice`, mask the logits before the logprobs are taken: the logprobs would be renormalised over the names.)
 - Weight sync: the dev routes of `VLLM_SERVER_DEV_MODE` (pause, collective RPC into the worker extension, prefix
   cache reset, resume); with sleep mode (CUDA only), sleep before the training step, then wake the weights, reload,
   wake the KV cache. Through vLLM's weight-transfer engine the same calls surround the trainer's push instead of the
@@ -26,11 +29,15 @@ from typing import Any
 
 import httpx
 
+from servers.engines.lead_tokens import lead_to_strings
 from servers.interfaces import GenerationChunk, SamplingParams
 
 __all__ = ["PAUSED_ERROR", "LoopClients", "VLLMPaused", "after_transfer", "before_transfer", "completion_body",
            "generate_one_token", "paused_refusal", "reset_prefix_cache", "sleep_for_training", "stream_completion",
            "sync_weights", "sync_weights_waking", "transfer_abandoned", "whole_completion"]
+
+#: The `vllm_xargs` key of `SamplingParams.lead`, which `vllm_lead.LeadConstraint` reads in vLLM's process.
+LEAD_ARG = "marl_lead"
 
 #: (prompt tokens, of which served from vLLM's prefix cache), once per finished generation.
 UsageSink = Callable[[int, int], None]
@@ -66,6 +73,8 @@ def completion_body(prompt_ids: list[int], params: SamplingParams, *, max_tokens
     }
     if params.stream:
         body["stream_options"] = {"include_usage": True}
+    if params.lead:  # applied by marl's logits processor in vLLM (vllm_lead), after vLLM took the raw logprobs
+        body["vllm_xargs"] = {LEAD_ARG: lead_to_strings(params.lead)}
     return body
 
 

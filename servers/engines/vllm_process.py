@@ -12,8 +12,8 @@ server would leave the engine core running), and it receives SIGTERM when the th
 starts it from its watcher thread, which lives as long as the engine), so that it never outlives a swarm server killed
 outright.
 
-The worker extension (`vllm_worker_ext.WeightReload`) is found through PYTHONPATH = this directory, so nothing of
-the base environment leaks into vLLM's.
+The worker extension (`vllm_worker_ext.WeightReload`) and the logits processor (`vllm_lead.LeadConstraint`) are found
+through PYTHONPATH = this directory, so nothing of the base environment leaks into vLLM's.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ VLLM_PYTHON_ENV = "MARL_VLLM_PYTHON"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _ENGINES_DIR = Path(__file__).resolve().parent
 WORKER_EXTENSION = "vllm_worker_ext.WeightReload"
+#: Holds a forced tool call's name to the declared ones (`SamplingParams.lead`; servers/engines/vllm_lead.py).
+LEAD_PROCESSOR = "vllm_lead:LeadConstraint"
 #: The server module both builds run (docs/backends.md, "vLLM: its own virtualenv").
 ENTRY_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 #: Default `--gpu-memory-utilization` on CUDA (why: marl/protocol.py).
@@ -338,7 +340,7 @@ class VLLMLaunch:
                "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(self.max_model_len),
                "--enable-prefix-caching", "--enable-prompt-tokens-details",  # cached prompt tokens in the usage
                "--generation-config", "vllm",  # no sampling defaults from generation_config.json: as the torch engine
-               "--worker-extension-cls", WORKER_EXTENSION,
+               "--worker-extension-cls", WORKER_EXTENSION, "--logits-processors", LEAD_PROCESSOR,
                "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
         lora = self.lora.args(base_stand_in=self.base_stand_in) if self.lora is not None else []
         return (cmd + self._device_args() + self._memory_args() + self._transfer_args() + lora

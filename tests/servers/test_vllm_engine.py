@@ -255,6 +255,24 @@ def test_a_conversation_records_the_engines_exact_ids_and_logprobs(trainable, mo
     assert cached and float(cached[0].rsplit(" ", 1)[1]) >= 32
 
 
+FORCED_NAMES = ("get_weather", "get_time", "lookup_city")
+
+
+def test_a_forced_call_names_a_declared_function_with_raw_logprobs(trainable, model_dir):
+    """`tool_choice: required` over several tools: vLLM's logits processor (servers/engines/vllm_lead.py) holds the
+    name to the declared ones, applied after vLLM took the raw logprobs (a tiny model names garbage otherwise:
+    tests/servers/test_forced_tool_names.py)."""
+    _, http = trainable
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in FORCED_NAMES]
+    with leased(http) as (_, client):
+        for seed in range(4):
+            body = ask(client, [{"role": "user", "content": "Weather in Paris?"}], tools=tools, tool_choice="required",
+                       max_tokens=20, temperature=1.0, seed=seed)
+            (call,) = body["choices"][0]["message"]["tool_calls"]
+            assert call["function"]["name"] in FORCED_NAMES
+            assert_matches(model_dir, body)  # raw logprobs: not renormalised over the names
+
+
 def test_streaming_stop_strings_and_context_errors(trainable):
     srv, http = trainable
     with leased(http) as (_, client):
