@@ -40,7 +40,7 @@ import numpy as np
 from starlette.datastructures import Headers
 
 from marl.protocol import ErrorCode
-from servers.errors import Refusal, refusal_response
+from servers.errors import Refusal, excerpt, refusal_response
 
 log = logging.getLogger("marl.server")
 
@@ -189,17 +189,37 @@ def shape_refusal(body: bytes) -> Refusal | None:
     if b"\\" in body:
         bare = body.replace(b"\\\\", b"").replace(b'\\"', b"")
     strings = bare.count(b'"') // 2
-    if strings > MAX_BODY_VALUES:
-        return _too_many(f"{MAX_BODY_VALUES} JSON values")
     outside = b"".join(bare.split(b'"')[::2]) if strings else bare  # what lies outside the strings
+    # Depth first: a body nested too deep is refused as that (naming its field), however many values it holds.
+    if _depth(outside.translate(None, _NOT_BRACKETS)) > MAX_BODY_DEPTH:
+        field = _too_deep_field(bare)
+        return Refusal(400, ErrorCode.INVALID_REQUEST, f"the request body nests arrays and objects more than"
+                       f" {MAX_BODY_DEPTH} levels deep{'' if field is None else ' in ' + excerpt(field)}; this server"
+                       f" takes at most {MAX_BODY_DEPTH}", param=field)
     # Every value but the first of an array or object follows a comma or a colon; each array or object opens once.
     values = outside.count(b",") + outside.count(b":") + outside.count(b"[") + outside.count(b"{") + 1
-    if values > MAX_BODY_VALUES:
+    if max(strings, values) > MAX_BODY_VALUES:
         return _too_many(f"{MAX_BODY_VALUES} JSON values")
-    if _depth(outside.translate(None, _NOT_BRACKETS)) > MAX_BODY_DEPTH:
-        return Refusal(400, ErrorCode.INVALID_REQUEST, f"the request body nests arrays and objects more than"
-                       f" {MAX_BODY_DEPTH} levels deep; this server takes at most {MAX_BODY_DEPTH}")
     return None
+
+
+def _too_deep_field(bare: bytes) -> str | None:
+    """The top-level key of the object `bare` (a body, its escapes removed) under which it first nests deeper than
+    MAX_BODY_DEPTH; None when the body is not an object. Vectorised (a body over the depth is rare and hostile):
+    each byte's depth is the running count of the brackets outside strings."""
+    if not bare.lstrip().startswith(b"{"):
+        return None
+    raw = np.frombuffer(bare, dtype=np.uint8)
+    outside = np.cumsum(raw == ord('"'), dtype=np.int32) % 2 == 0  # after an even number of quotes
+    opens = (raw == ord("[")) | (raw == ord("{"))
+    closes = (raw == ord("]")) | (raw == ord("}"))
+    depth = np.cumsum((opens & outside).astype(np.int32) - (closes & outside))
+    too_deep = int(np.argmax(depth > MAX_BODY_DEPTH))
+    colons = np.flatnonzero((raw[:too_deep] == ord(":")) & outside[:too_deep] & (depth[:too_deep] == 1))
+    if not len(colons):
+        return None
+    close = bare.rfind(b'"', 0, int(colons[-1]))  # the key's closing quote, then its opening one
+    return bare[bare.rfind(b'"', 0, close) + 1:close].decode(errors="replace")
 
 
 def _depth(brackets: bytes) -> int:
