@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: setup test lint test-slow demo bench bench-smoke fuzz vllm gpu-check plan-accuracy clean
+.PHONY: setup test test-fast lint test-slow demo bench bench-smoke fuzz vllm gpu-check plan-accuracy clean
 
 $(BIN)/marl: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -17,9 +17,17 @@ $(BIN)/marl: pyproject.toml
 
 setup: $(BIN)/marl
 
-# The tests include the vLLM engine's: its environment is built on first use (make vllm, about 2.5 min).
+# The tests include the vLLM engine's: its environment is built on first use (make vllm, about 2.5 min). They run in
+# two processes (pytest-xdist, one test file per worker at a time), then the ones marked `serial` alone: they time
+# /health or a client's waits, which another test's load beside them would skew.
 test: setup vllm lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial"
+	$(BIN)/python -m pytest -q -m "serial and not slow"
+
+# The inner loop, about 3 minutes: every test but those marked `heavy` (vLLM, `marl run`, server subprocesses, FSDP
+# ranks, Ray, the benches: tests/conftest.py HEAVY_FILES), in two processes. `make test` before every commit.
+test-fast: setup
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not heavy"
 
 # ruff's rules and exceptions are in pyproject.toml ([tool.ruff]); `make test` runs this first.
 lint: setup

@@ -7,13 +7,13 @@
 
 The servers and their settings are the shipped topologies' (`werewolves-lora.yaml`: one server, policies wolves and
 seer; `werewolves-local.yaml`: wolves_model and seer_model), run as `marl serve` subprocesses on this CPU as `marl
-run` starts them. A real game on this CPU takes most of an hour per step (README), so the episodes are synthetic
-but Werewolves-shaped: each learner plays one group of `num_repeat` episodes whose one call carries a
-`--prompt-tokens` prompt (the env's rules and a day's talk, repeated: a late-game Werewolves conversation is 3-6k
-tokens) and a short reply, rewards 0/1 alternating, then takes its training step. Measured per side: the peak
-resident memory (VmHWM) of its server processes, summed, and each learner's step time (`seconds` in its
-metrics.jsonl: the step alone). The learners step one after the other on both sides, so nothing else runs during a
-step.
+run` starts them. A real game on this CPU takes most of an hour per step (docs/running.md, "Shipped topologies"), so
+the episodes are synthetic but Werewolves-shaped: each learner plays one group of `num_repeat` episodes whose one
+call carries a `--prompt-tokens` prompt (the env's rules and a day's talk, repeated: a late-game Werewolves
+conversation is 3-6k tokens) and a short reply, rewards 0/1 alternating, then takes its training step. Measured per
+side: the peak resident memory (VmHWM) of its server processes, summed, and each learner's step time (`seconds` in
+its metrics.jsonl: the step alone). The learners step one after the other on both sides, so nothing else runs during
+a step.
 """
 
 from __future__ import annotations

@@ -21,6 +21,23 @@ from servers.lifecycle import TrainerFactory
 from servers.tiny_model import build_tiny_model
 from tests.servers.recording_vllm import RecordingVLLM
 
+#: Test files that boot vLLM or run marl's own processes (`marl run`, `marl serve` subprocesses, FSDP ranks, Ray, the
+#: benches): marked `heavy`, which `make test-fast` (the inner loop) leaves out. `make test` runs everything.
+HEAVY_FILES = frozenset({
+    "test_backends_run", "test_coordinator", "test_coordinator_shutdown", "test_durability", "test_eval",
+    "test_eval_policies", "test_first_contact", "test_fsdp_lora", "test_fsdp_scale", "test_fsdp_trainer",
+    "test_league", "test_learning", "test_placement", "test_plan_measured", "test_proxy_cli", "test_ray",
+    "test_ray_placement", "test_recompute_logprobs", "test_resume", "test_run", "test_run_policies", "test_benches",
+    "test_static_adapter", "test_two_phase", "test_weight_replicas",
+})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        stem = item.path.stem
+        if stem in HEAVY_FILES or "vllm" in stem:
+            item.add_marker(pytest.mark.heavy)
+
 ADMIN = "-test-admin-token"  # a leading dash: a token must never be read as a command-line option
 
 

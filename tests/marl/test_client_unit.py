@@ -51,7 +51,7 @@ from marl.protocol import (
     TrainConfig,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(60)]
 
 AGENTJET_CONFIG = {"batch_size": 2, "num_repeat": 2, "learning_rate": 3e-5}  # AgentJet's flat call style
 

@@ -146,7 +146,9 @@ def test_a_reduce_scatter_per_micro_batch_matches_sync_off_in_less_memory(tmp_pa
         full, shard = (b / 2**20 for b in results["bytes"])
         print(f"rank {rank}: gradient {full:.2f} MiB full, {shard:.2f} sharded; peak MiB by (micro-batches, sync"
               f" every one): { {k: round(v, 2) for k, v in peak.items()} }")
-        assert peak[4, True] == pytest.approx(peak[2, True], rel=0.01)  # flat in the number of micro-batches,
+        # flat in the number of micro-batches (within a tenth of the full gradient: which of gloo's buffers are
+        # alive at the peak depends on its threads' timing; 2 vs 4 differed by 0.26 MiB of 8.24 on a loaded CPU),
+        assert peak[4, True] <= peak[2, True] + 0.1 * full
         assert peak[2, True] - peak[1, True] <= shard  # past the sharded .grad that a pass accumulates into
         assert peak[4, False] - peak[4, True] >= (full - shard) / 2  # sync off holds the full gradient
 

@@ -16,6 +16,8 @@ from servers.http_guards import MAX_BODY_DEPTH, MAX_BODY_VALUES
 from servers.http_routes import MAX_LISTED_PROBLEMS
 from tests.servers.test_untrusted_input import begin, can_continue, refused, slowest_health_while
 
+pytestmark = pytest.mark.serial
+
 HI = [{"role": "user", "content": "hi"}]
 DEEP = "[" * 100_000  # unbalanced: the parser would recurse into every one before it saw the end
 

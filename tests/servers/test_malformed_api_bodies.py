@@ -13,6 +13,8 @@ from conftest import LocalServer, admin_http, start_rolling
 from marl.protocol import ErrorCode
 from tests.servers.test_untrusted_input import begin, can_continue, refused, slowest_health_while
 
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture(scope="module")
 def rolling(tiny_model, tmp_path_factory):

@@ -19,7 +19,7 @@ from servers.engines.simulated import LatencyModel, SimulatedEngine
 from servers.interfaces import SamplingParams
 from tests.conftest import ADMIN, admin_http, start_rolling, wait_state, wait_version
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(180)]
 
 
 def test_only_marl_serve_offers_it():

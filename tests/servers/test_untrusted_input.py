@@ -28,6 +28,8 @@ from marl.protocol import ErrorCode
 from servers import chat_completions
 from servers.entrypoint import ServeOptions, build_app
 
+pytestmark = pytest.mark.serial
+
 CLIENT = "client-h"
 CONTROL_IDS = {0, 1, 2}  # the tiny model's <|endoftext|>, <|im_start|>, <|im_end|>
 
