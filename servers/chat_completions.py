@@ -23,43 +23,18 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Protocol
 
 from marl import protocol as p
 from marl.protocol import EngineState, ErrorCode
 from servers import tool_choice
 from servers.chat_format import ChatFormatter, PromptError, PromptTooLong, StreamDecoder, parse_tool_calls
-from servers.engine_call import EngineCall
+from servers.engine_call import CallSession, EngineCall, ServedModel  # CallSession: re-exported
 from servers.errors import Refusal, excerpt
 from servers.interfaces import InferenceEngine, SamplingParams
 from servers.samples import CallRecord
 from servers.telemetry import Telemetry
 from servers.tool_choice import ToolChoice, ToolChoiceError, ToolTextHoldback
-
-
-class ServedModel(Protocol):
-    """What the data plane reads of whatever serves the model (the engine lifecycle, or a static server)."""
-
-    model: str  # as configured (an alias or a path): accepted as a request's `model` too, never shown
-    served_name: str
-    state: EngineState
-    policy_version: int
-    engine: InferenceEngine | None
-    formatter: ChatFormatter | None
-
-
-class CallSession(Protocol):
-    """What a call runs under: its lease on a trainable server (`servers.leases.Lease`), nothing on a static one."""
-
-    calls: list[CallRecord]  # earlier calls, for prompt splicing
-
-    def busy(self) -> AbstractContextManager[None]:
-        """Entered while the engine generates for the call."""
-
-    def record(self, call: CallRecord) -> bool:
-        """Keep the finished call; False if it came too late (the lease died meanwhile)."""
 
 
 class Unleased:

@@ -13,23 +13,56 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from marl import protocol as p
-from marl.protocol import ErrorCode
+from marl.protocol import EngineState, ErrorCode
+from servers.chat_format import ChatFormatter
 from servers.errors import Refusal
-from servers.interfaces import SamplingParams
+from servers.interfaces import InferenceEngine, SamplingParams
 from servers.samples import CallRecord
+from servers.telemetry import Telemetry
 
-if TYPE_CHECKING:
-    from servers.chat_completions import CallSession, ChatService
+
+class ServedModel(Protocol):
+    """What the data plane reads of whatever serves the model (the engine lifecycle, or a static server)."""
+
+    model: str  # as configured (an alias or a path): accepted as a request's `model` too, never shown
+    served_name: str
+    state: EngineState
+    policy_version: int
+    engine: InferenceEngine | None
+    formatter: ChatFormatter | None
+
+
+class CallSession(Protocol):
+    """What a call runs under: its lease on a trainable server (`servers.leases.Lease`), nothing on a static one."""
+
+    calls: list[CallRecord]  # earlier calls, for prompt splicing
+
+    def busy(self) -> AbstractContextManager[None]:
+        """Entered while the engine generates for the call."""
+
+    def record(self, call: CallRecord) -> bool:
+        """Keep the finished call; False if it came too late (the lease died meanwhile)."""
+
+
+class CallService(Protocol):
+    """What a call reads of the service that started it (`servers.chat_completions.ChatService`)."""
+
+    model: ServedModel
+    telemetry: Telemetry
+
+    def finished(self, session: CallSession, call: CallRecord) -> None:
+        """Count the finished call and record it on its session."""
 
 
 class EngineCall:
     """Runs the engine for one call (the session counts as busy meanwhile) and records the call once it finishes."""
 
-    def __init__(self, service: ChatService, session: CallSession, prompt_ids: list[int], params: SamplingParams,
+    def __init__(self, service: CallService, session: CallSession, prompt_ids: list[int], params: SamplingParams,
                  agent: str):
         self.service, self.session = service, session
         if params.affinity is None:  # a lease's calls share one replica's prefix cache (SamplingParams.affinity)

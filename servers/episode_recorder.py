@@ -28,7 +28,7 @@ import logging
 import math
 import sqlite3
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from marl.protocol import (
     AbortEpisodeResponse,
@@ -40,6 +40,7 @@ from marl.protocol import (
     PrepareEpisodeRequest,
     PrepareEpisodeResponse,
 )
+from servers.batch_wakeup import BatchWakeup
 from servers.errors import Refusal
 from servers.leases import Lease
 from servers.ledger import LedgerThread, RecordedEpisode, trainable_tokens
@@ -48,9 +49,6 @@ from servers.prepared import PreparedEpisodes
 from servers.rollout_pool import RolloutPool
 from servers.samples import merge_calls
 from servers.telemetry import Counters
-
-if TYPE_CHECKING:
-    from servers.train_loop import BatchWakeup
 
 log = logging.getLogger("marl.server")
 

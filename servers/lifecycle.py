@@ -17,19 +17,16 @@ import logging
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from marl.protocol import ConfigResponse, EngineState, ErrorCode, GRPOConfig, TrainConfig
 from servers import heap
+from servers.batch_wakeup import BatchWakeup
 from servers.chat_format import ChatFormatter
 from servers.checkpoint_dirs import CheckpointDir
 from servers.errors import Refusal
 from servers.interfaces import InferenceEngine, Trainer
 from servers.ledger import LedgerThread
 from servers.telemetry import ErrorLog
-
-if TYPE_CHECKING:
-    from servers.train_loop import BatchWakeup
 
 log = logging.getLogger("marl.server")
 

@@ -3,7 +3,7 @@
 `RolloutPool` grants leases while the engine is ROLLING (at most `max_leases` at once), aborts, renews and expires
 them, admits data-plane calls by their episode key, closes a lease once its episode is recorded (the recording
 itself is `servers.episode_recorder`'s), and says how far the pool is from the next training step (`info`). A lease
-that closes wakes the train loop (`servers.train_loop.BatchWakeup`).
+that closes wakes the train loop (`servers.batch_wakeup.BatchWakeup`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
 
 from marl.protocol import (
     RUNNING_STATES,
@@ -24,15 +23,13 @@ from marl.protocol import (
     LeaseInfo,
     PoolInfo,
 )
+from servers.batch_wakeup import BatchWakeup
 from servers.errors import Refusal
 from servers.leases import Lease, LeaseTable, NoFreeSlot
 from servers.ledger import LedgerThread
 from servers.lifecycle import EngineLifecycle
 from servers.prepared import PreparedEpisodes
 from servers.telemetry import Counters
-
-if TYPE_CHECKING:
-    from servers.train_loop import BatchWakeup
 
 log = logging.getLogger("marl.server")
 

@@ -1,9 +1,10 @@
 """The train loop: from a full pool to new weights being served.
 
-Woken whenever its next move may have become possible (`BatchWakeup`: the one rule), it moves the engine ROLLING →
-ROLLING_POST once `batch_size` groups hold `num_repeat` episodes each, waits for the running leases to drain, then in
-WEIGHT_SYNCING drops samples too stale to train on, claims the batch in the ledger, trains (in a thread), publishes
-the new weights to the engine, checkpoints every `save_freq` steps, and rolls on at policy version + 1.
+Woken whenever its next move may have become possible (`BatchWakeup`, servers.batch_wakeup: the one rule), it moves
+the engine ROLLING → ROLLING_POST once `batch_size` groups hold `num_repeat` episodes each, waits for the running
+leases to drain, then in WEIGHT_SYNCING drops samples too stale to train on, claims the batch in the ledger, trains
+(in a thread), publishes the new weights to the engine, checkpoints every `save_freq` steps, and rolls on at policy
+version + 1.
 
 With `overlap` (TrainConfig.overlap) there is no drain: once the pool holds a full batch the step runs in a task of
 its own while the engine stays ROLLING (leases begin, call and end on the current weights), and the new weights
@@ -22,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from marl.protocol import RUNNING_STATES, EngineState, TrainingProgress
+from servers.batch_wakeup import BatchWakeup  # re-exported: it was defined here
 from servers.interfaces import Group, InferenceEngine, TrainBatch, Trainer
 from servers.ledger import GroupKey, LedgerThread
 from servers.lifecycle import EngineLifecycle
@@ -30,30 +32,6 @@ from servers.telemetry import Telemetry
 from servers.training_record import TrainingRecord
 
 log = logging.getLogger("marl.server")
-
-
-class BatchWakeup:
-    """When the train loop looks at the pool again: the one rule, written once.
-
-    The loop has two moves: ROLLING → ROLLING_POST once the pool holds a full batch, and ROLLING_POST → a training
-    step once no lease is open. Only these events can make one of them possible, and whoever causes one calls `wake`:
-    - an episode entered the pool: ended, or a prepared one committed (by its client, or at its deadline);
-    - a lease closed: ended, prepared, aborted or expired (the last one lets a ROLLING_POST drain finish);
-    - the engine became ROLLING: booted, or a step finished (the pool may hold the next batch already).
-    Nothing else wakes the loop. Wake-ups before the loop looks coalesce into one look.
-    """
-
-    def __init__(self) -> None:
-        self._event = asyncio.Event()
-
-    def wake(self) -> None:
-        """One of the events above happened."""
-        self._event.set()
-
-    async def wait(self) -> None:
-        """Until the next `wake` (at once if one came since the last look)."""
-        await self._event.wait()
-        self._event.clear()
 
 
 class TrainLoop:
@@ -154,10 +132,6 @@ class TrainLoop:
         # the step's cached device memory back to the driver before an engine on the same GPU wakes to take weights
         metrics.update(await asyncio.to_thread(trainer.release_memory))
         await self._publish(served, trainer)
-        if overlap and generation == lifecycle.generation:
-            # Still ROLLING: the calls that start from now on run on the new weights and record their version. Set
-            # here, not after the checkpoint, which may take seconds while calls keep starting on the new weights.
-            lifecycle.policy_version = step
         await asyncio.to_thread(release_freed_memory)
         if config.save_freq and step % config.save_freq == 0:
             await asyncio.to_thread(lifecycle.checkpoints.save, trainer, step, config.keep_checkpoints)
@@ -167,7 +141,12 @@ class TrainLoop:
             return
         counters.train_steps += 1
         self._record.append(step, {**metrics, **self._rollout_idle()})
-        if not overlap:
+        if overlap:
+            # Still ROLLING. Set after the checkpoint, so a version a client sees is one a restart comes back to; a
+            # call that began on the new weights before this records the old version, and the next step weighs its
+            # tokens as stale against pi_start, which is the policy that sampled them (w = 1: grpo.py, step 2).
+            lifecycle.policy_version = step
+        else:
             lifecycle.serve_version(step)
         log.info("step %d done: %s", step, json.dumps({k: round(v, 4) for k, v in metrics.items()}))
         self._wakeup.wake()  # ROLLING again

@@ -28,6 +28,7 @@ from marl.protocol import (
     ServerStatus,
     TrainConfig,
 )
+from servers.batch_wakeup import BatchWakeup
 from servers.chat_completions import ChatService
 from servers.episode_recorder import EpisodeRecorder
 from servers.errors import Refusal
@@ -38,7 +39,7 @@ from servers.prepared import PreparedEpisodes
 from servers.prometheus_metrics import MetricsReading, render
 from servers.rollout_pool import RolloutPool
 from servers.telemetry import Telemetry
-from servers.train_loop import BatchWakeup, TrainLoop
+from servers.train_loop import TrainLoop
 from servers.training_record import TrainingRecord
 
 

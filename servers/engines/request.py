@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from servers.engines.sampling import seeded_generator
 from servers.interfaces import GenerationChunk, SamplingParams
 
-__all__ = ["Request", "new_request"]
+__all__ = ["Request", "new_request", "seeded_generator"]
 
 
 @dataclass(eq=False)
@@ -105,6 +105,16 @@ def new_request(
         max_new_tokens=min(params.max_tokens, context_length - len(prompt)),
         eos_token_ids=eos_token_ids,
     )
+
+
+def seeded_generator(seed: int | None) -> torch.Generator:
+    """A request's own random stream: `seed`, or a random one when None.
+
+    A CPU generator on every device: a seed means the same random numbers on a laptop and on a GPU server.
+    """
+    generator = torch.Generator()
+    generator.manual_seed(seed if seed is not None else random.getrandbits(63))
+    return generator
 
 
 def _hits_stop(tokenizer: Any, token_ids: list[int], stops: tuple[str, ...]) -> bool:

@@ -10,28 +10,14 @@ until it has spelled one; its logprobs are still the raw logits'.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from servers.engines.lead_tokens import allowed_next
-
-if TYPE_CHECKING:
-    from servers.engines.request import Request
+from servers.engines.request import Request, seeded_generator  # seeded_generator: made with the request
 
 __all__ = ["raw_logprobs", "sample_tokens", "seeded_generator"]
-
-
-def seeded_generator(seed: int | None) -> torch.Generator:
-    """A request's own random stream: `seed`, or a random one when None.
-
-    A CPU generator on every device: a seed means the same random numbers on a laptop and on a GPU server.
-    """
-    generator = torch.Generator()
-    generator.manual_seed(seed if seed is not None else random.getrandbits(63))
-    return generator
 
 
 def raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from servers.interfaces import TrainBatch
 from servers.placement import Placement
 from servers.samples import Sample
 from servers.trainers.fsdp import rank_numerics, start_ranks, train_on_ranks
+from servers.trainers.fsdp_lora_rank import ShardedLoraPolicies
 from servers.trainers.grpo import grpo_step
 from servers.trainers.lora_grpo import ADAPTER_DIR, PolicyStates, check_adapter_fits
 from servers.trainers.policy_model import resolve_dtype
@@ -88,7 +89,8 @@ class FSDPLoraTrainer(PolicyStates):
         self.numerics = rank_numerics(settings, device, dtype)  # as `FSDPTrainer.numerics`
         self.ranks = start_ranks(self.model_dir, settings,
                                  device=device, dtype=dtype, threads_per_rank=threads_per_rank, timeout_s=timeout_s,
-                                 placement=placement, authkey=authkey, lora=dict(policies), seed=seed)  # fmt: skip
+                                 placement=placement, authkey=authkey, lora=dict(policies), seed=seed,
+                                 shard_class=ShardedLoraPolicies)  # fmt: skip
         self.vocab_size = int(self.ranks.started[0]["vocab_size"])
 
     def step(self, policy: str, batch: TrainBatch) -> dict[str, float]:

@@ -9,8 +9,9 @@ shard of the policy without ever holding the whole model (servers.trainers.fsdp_
 with the mixed-precision policy, rank 0's weights broadcast), and then serves commands from the server over its
 pipe: ("train", plan, S, config, start_version), ("export", dir), ("save", dir, ...), ("load", dir). Each answer
 is ("ok", result) or ("error", traceback); rank 0 also sends ("progress", done, total) after every micro-batch. A
-group of LoRA policies (`RankSpec.lora`) runs `servers.trainers.fsdp_lora_rank.ShardedLoraPolicies` instead: the
-same passes (`train_passes`) over one policy's adapter at a time, its own commands.
+group of LoRA policies (`RankSpec.lora`) runs the class its spec names instead (`RankSpec.shard_class`:
+`servers.trainers.fsdp_lora_rank.ShardedLoraPolicies`, which builds on this module): the same passes
+(`train_passes`) over one policy's adapter at a time, its own commands.
 
 The GRPO math is the one-process trainer's (`servers.trainers.grpo.micro_batch_loss`); what is sharded-specific:
 
@@ -87,6 +88,13 @@ class RankSpec:
     #: (servers.trainers.fsdp_lora_rank), their adapters and RNG streams seeded by (`seed`, name).
     lora: dict[str, tuple[LoraSpec, GRPOConfig]] | None = None
     seed: int = 0
+    #: The class each rank runs (None: `ShardedPolicy`); a group of LoRA policies names its own
+    #: (`FSDPLoraTrainer`: servers.trainers.fsdp_lora_rank.ShardedLoraPolicies). A class crosses by its import path.
+    shard_class: type | None = None
+
+    def __post_init__(self) -> None:
+        if self.lora is not None and self.shard_class is None:
+            raise ValueError("a RankSpec with LoRA policies needs their shard_class (ShardedLoraPolicies)")
 
 
 #: torchrun's names for where a rank runs; each rank exports them (with CUDA_VISIBLE_DEVICES and its allocator's
@@ -144,11 +152,7 @@ def run_rank(place: RankPlace, spec: RankSpec, conn: Connection) -> None:
                                 world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s),
                                 device_id=device_id)  # fmt: skip
         report = (lambda done, total: conn.send(("progress", done, total))) if place.rank == 0 else None
-        shard_class: type = ShardedPolicy
-        if spec.lora is not None:
-            from servers.trainers.fsdp_lora_rank import ShardedLoraPolicies  # it builds on this module
-
-            shard_class = ShardedLoraPolicies
+        shard_class = spec.shard_class or ShardedPolicy
         policy = shard_class(place.rank, spec, report, local_rank=place.local_rank)
         conn.send(("ok", {"vocab_size": policy.vocab_size, "device": str(policy.device),
                           "env": {key: os.environ.get(key) for key in PLACE_ENV}}))

@@ -91,7 +91,6 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -109,7 +108,13 @@ from servers.trainers.policy_model import (
     set_gradient_checkpointing,
     token_logprobs_and_entropy,
 )
-from servers.trainers.step_metrics import PassTotals, add_pass_stats, batch_metrics, idle_pass_metrics
+from servers.trainers.step_metrics import (  # Advantages: re-exported, what step 1 makes (compute_advantages)
+    Advantages,
+    PassTotals,
+    add_pass_stats,
+    batch_metrics,
+    idle_pass_metrics,
+)
 from servers.trainers.trainer_state import (
     SHARDED_DIR,
     TRAINER_STATE_FILE,
@@ -166,19 +171,6 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 # ----------------------------------------------------------------------------------------------------------------
 # Step 1: group-relative advantages
 # ----------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Advantages:
-    """What `compute_advantages` makes of a batch's groups."""
-
-    #: (sample, advantage) of every sample in a group that is trained on, in batch order.
-    items: list[tuple[Sample, float]] = field(default_factory=list)
-    groups: int = 0
-    groups_zero_variance: int = 0
-    groups_trained: int = 0
-    #: Episode rewards per agent (one per episode of each group), for the reward metrics.
-    rewards_by_agent: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
 
 
 def _check_sample(sample: Sample) -> None:

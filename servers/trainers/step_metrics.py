@@ -2,24 +2,37 @@
 
 Kept apart from the loss so that servers.trainers.grpo reads as the algorithm; the definitions here only divide the
 sums that `servers.trainers.grpo.micro_batch_loss` returns, added up per pass (every ratio is a token mean over
-trained tokens).
+trained tokens). `Advantages`, what step 1 makes of the batch's groups, is defined here because its counts are
+the batch's metrics; the algorithm (`compute_advantages`) stays in grpo.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from servers.samples import Sample
 from servers.trainers.micro_batches import trained_tokens
 
-if TYPE_CHECKING:
-    from servers.trainers.grpo import Advantages
+__all__ = ["IDLE_PASS_METRICS", "Advantages", "PassTotals", "add_pass_stats", "batch_metrics", "idle_pass_metrics"]
 
-__all__ = ["IDLE_PASS_METRICS", "PassTotals", "add_pass_stats", "batch_metrics", "idle_pass_metrics"]
+
+@dataclass
+class Advantages:
+    """What `servers.trainers.grpo.compute_advantages` makes of a batch's groups (step 1), which the batch's metrics
+    count."""
+
+    #: (sample, advantage) of every sample in a group that is trained on, in batch order.
+    items: list[tuple[Sample, float]] = field(default_factory=list)
+    groups: int = 0
+    groups_zero_variance: int = 0
+    groups_trained: int = 0
+    #: Episode rewards per agent (one per episode of each group), for the reward metrics.
+    rewards_by_agent: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
 
 #: The pass metrics of a step with nothing to train on (no optimizer step).
 IDLE_PASS_METRICS = dict.fromkeys(
