@@ -133,6 +133,15 @@ def start_rolling(http: httpx.Client, **config) -> None:
     wait_state(http, "ROLLING")
 
 
+@pytest.fixture(scope="module")
+def rolling(tiny_model, tmp_path_factory):
+    """One trainable server for the module, ROLLING, with a batch too big to fill (no training interferes):
+    (server, admin client)."""
+    with LocalServer(tiny_model, tmp_path_factory.mktemp("rolling") / "server") as srv, admin_http(srv.url) as http:
+        start_rolling(http, batch_size=1000, num_repeat=4, lease_patience_s=120)
+        yield srv, http
+
+
 def wait_state(http: httpx.Client, *states: str, timeout: float = 60) -> dict:
     deadline = time.monotonic() + timeout
     while True:

@@ -12,7 +12,6 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import LocalServer, admin_http, start_rolling
 from transformers import AutoModelForCausalLM
 
 from servers.engines import vllm_http
@@ -76,14 +75,6 @@ def test_the_forced_name_leads_are_each_declared_name_and_the_text_before_the_ar
     form = ToolCallFormat(opening='<tool_call>\n{"name": "', middle='", "arguments": ', closing="}\n</tool_call>")
     assert form.name_leads(ToolChoice("required", names=("a", "b"))) == ['a", "arguments":', 'b", "arguments":']
     assert form.name_leads(ToolChoice("function", "a")) == [] and form.name_leads(ToolChoice("auto")) == []
-
-
-@pytest.fixture(scope="module")
-def rolling(tiny_model, tmp_path_factory):
-    with LocalServer(tiny_model, tmp_path_factory.mktemp("forced-names") / "server") as srv, \
-            admin_http(srv.url) as http:
-        start_rolling(http, batch_size=1000, num_repeat=4, lease_patience_s=120)
-        yield srv, http
 
 
 def forced_calls(http: httpx.Client, **extra) -> tuple[dict, list[dict]]:

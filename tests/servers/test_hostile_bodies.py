@@ -9,7 +9,6 @@ import json
 
 import httpx
 import pytest
-from conftest import LocalServer, admin_http, start_rolling
 
 from marl.protocol import ErrorCode
 from servers.http_guards import MAX_BODY_DEPTH, MAX_BODY_VALUES
@@ -20,14 +19,6 @@ pytestmark = pytest.mark.serial
 
 HI = [{"role": "user", "content": "hi"}]
 DEEP = "[" * 100_000  # unbalanced: the parser would recurse into every one before it saw the end
-
-
-@pytest.fixture(scope="module")
-def rolling(tiny_model, tmp_path_factory):
-    data = tmp_path_factory.mktemp("hostile-bodies")
-    with LocalServer(tiny_model, data / "server") as srv, admin_http(srv.url) as http:
-        start_rolling(http, batch_size=1000, num_repeat=4, lease_patience_s=120)
-        yield srv, http
 
 
 def call(lease: dict, route: str, body: str) -> httpx.Response:

@@ -8,20 +8,11 @@ import json
 
 import httpx
 import pytest
-from conftest import LocalServer, admin_http, start_rolling
 
 from marl.protocol import ErrorCode
 from tests.servers.test_untrusted_input import begin, can_continue, refused, slowest_health_while
 
 pytestmark = pytest.mark.serial
-
-
-@pytest.fixture(scope="module")
-def rolling(tiny_model, tmp_path_factory):
-    with LocalServer(tiny_model, tmp_path_factory.mktemp("malformed") / "server") as srv, \
-            admin_http(srv.url) as http:
-        start_rolling(http, batch_size=1000, num_repeat=4, lease_patience_s=120)
-        yield srv, http
 
 
 def post(lease: dict, route: str, body: dict | str) -> httpx.Response:

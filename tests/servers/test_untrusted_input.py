@@ -34,15 +34,6 @@ CLIENT = "client-h"
 CONTROL_IDS = {0, 1, 2}  # the tiny model's <|endoftext|>, <|im_start|>, <|im_end|>
 
 
-@pytest.fixture(scope="module")
-def rolling(tiny_model, tmp_path_factory):
-    """One trainable server for the module, ROLLING, with a batch too big to fill (no training interferes)."""
-    data = tmp_path_factory.mktemp("hardening")
-    with LocalServer(tiny_model, data / "server") as srv, admin_http(srv.url) as http:
-        start_rolling(http, batch_size=1000, num_repeat=4, lease_patience_s=120)
-        yield srv, http
-
-
 def begin(http: httpx.Client) -> dict:
     r = http.post("/episodes/begin", json={"client_id": CLIENT})
     assert r.status_code == 200, r.text
