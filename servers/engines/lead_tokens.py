@@ -1,14 +1,26 @@
 """What a generation that must begin with one of a few token sequences (`SamplingParams.lead`) may sample next.
 
 Shared by the torch engine's sampler and the vLLM subprocess's logits processor (`vllm_lead`), so this module
-imports nothing: vLLM's process finds it on its PYTHONPATH (this directory) and has none of marl.
+imports nothing of marl (torch alone, which both environments have): vLLM's process finds it on its PYTHONPATH (this
+directory) and has none of marl.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["allowed_next", "lead_from_strings", "lead_to_strings"]
+import torch
+
+__all__ = ["allowed_next", "keep_only", "lead_from_strings", "lead_to_strings"]
+
+
+def keep_only(logits: torch.Tensor, row: int, allowed: Sequence[int]) -> None:
+    """Mask row `row` of `logits` in place to the `allowed` token ids (those past the logits' width, a padded
+    vocabulary's, are left out): every other token's logit becomes -inf."""
+    keep = torch.tensor([t for t in allowed if t < logits.shape[-1]], device=logits.device, dtype=torch.long)
+    kept = logits[row, keep]
+    logits[row] = float("-inf")
+    logits[row, keep] = kept
 
 
 def allowed_next(lead: Sequence[Sequence[int]], generated: Sequence[int]) -> list[int] | None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from servers.engines.lead_tokens import allowed_next
+from servers.engines.lead_tokens import allowed_next, keep_only
 from servers.engines.request import Request, seeded_generator  # seeded_generator: made with the request
 
 __all__ = ["raw_logprobs", "sample_tokens", "seeded_generator"]
@@ -61,10 +61,7 @@ def _led(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
             continue
         if masked is None:
             masked = logits.clone()
-        keep = torch.tensor(allowed, device=logits.device)
-        kept = masked[row, keep]
-        masked[row] = float("-inf")
-        masked[row, keep] = kept
+        keep_only(masked, row, allowed)
     return logits if masked is None else masked
 
 

@@ -2,7 +2,7 @@
 `SamplingParams.lead` (a forced tool call's declared function names).
 
 vLLM imports it by name (`--logits-processors vllm_lead:LeadConstraint`, found on PYTHONPATH = this directory), so it
-imports nothing of marl but `lead_tokens`, which imports nothing. A request names its sequences in `vllm_xargs`
+imports nothing of marl but `lead_tokens`, which imports torch alone. A request names its sequences in `vllm_xargs`
 (`vllm_http.LEAD_ARG`); until its output has spelled one, every token but those that continue one is masked.
 
 Why a logits processor: vLLM takes the raw logprobs before it applies them and after it applies the structured-output
@@ -13,7 +13,7 @@ bitmask (`Sampler.forward`, 0.32), so the logprobs recorded stay the raw model's
 from __future__ import annotations
 
 import torch
-from lead_tokens import allowed_next, lead_from_strings
+from lead_tokens import allowed_next, keep_only, lead_from_strings
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
@@ -46,10 +46,7 @@ class LeadConstraint(LogitsProcessor):
                 if len(output) > max(len(seq) for seq in lead):
                     del self.rows[row]  # spelled one long ago: free from now on
                 continue
-            keep = torch.tensor([t for t in allowed if t < logits.shape[-1]], device=logits.device)
-            kept = logits[row, keep]
-            logits[row] = float("-inf")
-            logits[row, keep] = kept
+            keep_only(logits, row, allowed)
         return logits
 
 
