@@ -51,7 +51,7 @@ def in_process_server(model_dir: Path, data_dir: Path) -> Iterator[str]:
 
     from marl.launch import free_port
     from servers.entrypoint import ServeOptions, build_server
-    from servers.http_routes import create_app
+    from servers.http.routes import create_app
 
     port = free_port()
     options = ServeOptions(model=str(model_dir), port=port, admin_token=ADMIN, data_dir=data_dir,
@@ -140,7 +140,7 @@ def main() -> None:
     games, warmup = (3, 1) if args.smoke else (args.games, args.warmup)
     serve = process_server if args.processes else in_process_server
 
-    from servers.tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         model_dir = build_tiny_model(Path(tmp) / "model")

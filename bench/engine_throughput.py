@@ -45,10 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a sc
 
 from marl.launch import free_port
 from marl.protocol import TrainConfig
+from servers.backends import SamplingParams
 from servers.engines.torch_engine import TorchEngine
-from servers.interfaces import SamplingParams
-from servers.models import resolve_model
-from servers.tiny_model import build_tiny_model, build_tokenizer
+from servers.model_files import resolve_model
+from tests.tiny_model import build_tiny_model, build_tokenizer
 
 # Open-ended requests, so that a chat model rarely stops before the token budget.
 TOPICS = ["a fox", "a lighthouse", "the moon", "a village", "a river", "a robot", "winter", "a market",
@@ -58,7 +58,7 @@ TOPICS = ["a fox", "a lighthouse", "the moon", "a village", "a river", "a robot"
 def build_qwen_shaped(directory: Path) -> Path:
     """Qwen2.5-0.5B's shape with random weights, and the tiny tokenizer.
 
-    The tokenizer is not Qwen's: `servers.models.load_tokenizer` loads it from tokenizer.json, not as the
+    The tokenizer is not Qwen's: `servers.model_files.load_tokenizer` loads it from tokenizer.json, not as the
     Qwen2Tokenizer that `AutoTokenizer` would pick for model_type qwen2 (docs/backends.md, "transformers: the
     Qwen2Tokenizer trap").
     """
@@ -252,7 +252,7 @@ def time_weight_syncs(engine, model_dir: Path, scratch: Path, repeats: int) -> l
 def vllm_bench(args: argparse.Namespace) -> None:
     from servers.engines.vllm_engine import vllm_engine_factory
     from servers.entrypoint import torch_engine_factory
-    from servers.models import load_tokenizer
+    from servers.model_files import load_tokenizer
 
     levels = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory() as tmp:

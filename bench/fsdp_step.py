@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a sc
 
 
 def make_batch(step: int, samples: int, tokens: int, vocab: int):
-    from servers.interfaces import Group, Sample, TrainBatch
+    from servers.backends import Group, Sample, TrainBatch
 
     batch = []
     for i in range(samples):
@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoConfig
 
-    from servers.models import resolve_model
-    from servers.tiny_model import build_tiny_model
+    from servers.model_files import resolve_model
+    from tests.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = resolve_model(args.model) if args.model else build_tiny_model(Path(scratch) / "tiny")

@@ -343,7 +343,7 @@ def main() -> int:
     if args.smoke:
         args.examples = 2
     from marl.launch import ServerProcess
-    from servers.tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="marl-fuzz-") as scratch:
         root = Path(scratch)

@@ -90,8 +90,8 @@ class PeakMemory:
 def check_engine(model_dir: Path, device: str, batch: int, new_tokens: int) -> dict:
     from marl.plan.architecture import architecture_of
     from marl.plan.memory import engine_torch
+    from servers.backends import SamplingParams
     from servers.engines.torch_engine import TorchEngine
-    from servers.interfaces import SamplingParams
 
     with PeakMemory(device) as memory:
         engine = TorchEngine(model_dir, device=device, max_batch_size=batch, prefix_cache_bytes=0)
@@ -184,7 +184,7 @@ def check_vllm(model_dir: Path, device: str) -> dict:
     started = time.perf_counter()
     engine = VLLMEngine(model_dir, device="cuda", work_dir=work, shares_gpu=True)
     report: dict = {"boot_s": time.perf_counter() - started}
-    from servers.interfaces import SamplingParams
+    from servers.backends import SamplingParams
 
     report["tokens_per_s_batch_32"] = _tokens_per_s(engine, SamplingParams, 32, 64)
     trainer = GRPOTrainer(model_dir, device="cuda")
@@ -216,7 +216,7 @@ def _against(plan: float, measured: float) -> dict:
 
 
 def run_checks(device: str, shape: dict, *, tokens: int, batch: int, vllm: bool) -> dict:
-    from servers.tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     report: dict = {"device": device_report(device)}
     with tempfile.TemporaryDirectory() as scratch:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
-from servers.ledger import Ledger  # noqa: E402
-from servers.samples import Sample  # noqa: E402
+from servers.episodes.ledger import Ledger  # noqa: E402
+from servers.episodes.samples import Sample  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

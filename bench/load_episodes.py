@@ -225,7 +225,7 @@ def main() -> int:
         args.episodes = 20
     from marl import SwarmClient
     from marl.launch import ServerProcess
-    from servers.tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     retries = RetryCounter()
     logging.getLogger("marl.client").addHandler(retries)

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         scratch = Path(tmp)
         model = args.model
         if args.smoke:
-            from servers.tiny_model import build_tiny_model
+            from tests.tiny_model import build_tiny_model
 
             model = str(build_tiny_model(scratch / "tiny"))
         lora = measure(model, args.roles, True, scratch)

@@ -5,13 +5,13 @@
     python bench/lora_publish.py --smoke                 # a tiny random model, in seconds
     python bench/lora_publish.py --engine vllm           # the same on vLLM (`make vllm`): through the disk only
 
-What the train loop does after a step (`servers.lifecycle.EngineLifecycle.publish_weights`), timed: the full-weight
-trainer's tensors into the torch engine (`Trainer.named_weights` -> `InferenceEngine.load_weights`), against one
-policy's adapter (`PolicyTrainer.adapter_weights` -> `InferenceEngine.load_adapter`), each after one training step so
-the weights really changed; and the same through the disk (export, then the engine's load from the directory), the
-path of an engine in another process. The median of `--repeats` publishes. On vLLM (`--engine vllm`, the CPU build
-here) weights only travel through the disk: the full weights are reloaded in place between a pause and a resume,
-the adapter is loaded at runtime (`/v1/load_lora_adapter`) while everything else keeps generating.
+What the train loop does after a step (`servers.training.lifecycle.EngineLifecycle.publish_weights`), timed: the
+full-weight trainer's tensors into the torch engine (`Trainer.named_weights` -> `InferenceEngine.load_weights`),
+against one policy's adapter (`PolicyTrainer.adapter_weights` -> `InferenceEngine.load_adapter`), each after one
+training step so the weights really changed; and the same through the disk (export, then the engine's load from the
+directory), the path of an engine in another process. The median of `--repeats` publishes. On vLLM (`--engine vllm`,
+the CPU build here) weights only travel through the disk: the full weights are reloaded in place between a pause and a
+resume, the adapter is loaded at runtime (`/v1/load_lora_adapter`) while everything else keeps generating.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a sc
 
 from bench.plan_accuracy import _batch  # noqa: E402
 from marl.protocol import GRPOConfig, LoraSpec  # noqa: E402
+from servers.backends import InferenceEngine  # noqa: E402
 from servers.engines.torch_engine import TorchEngine  # noqa: E402
 from servers.engines.vllm_lora import lora_slots  # noqa: E402
-from servers.interfaces import InferenceEngine  # noqa: E402
-from servers.models import resolve_model  # noqa: E402
+from servers.model_files import resolve_model  # noqa: E402
 from servers.trainers.grpo import GRPOTrainer  # noqa: E402
 from servers.trainers.lora_grpo import LoraGRPOTrainer  # noqa: E402
 
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lora-publish-") as tmp:
         scratch = Path(tmp)
         if args.smoke:
-            from servers.tiny_model import build_tiny_model
+            from tests.tiny_model import build_tiny_model
 
             model_dir, name = build_tiny_model(scratch / "tiny", num_heads=2), "tiny"  # head_dim 32, as vLLM needs
         else:

@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a sc
 
 from bench.engine_throughput import prompts
 from marl.protocol import LORA_DEFAULT_TARGETS, LoraSpec
+from servers.backends import SamplingParams
 from servers.engines.torch_engine import TorchEngine
-from servers.interfaces import SamplingParams
-from servers.models import resolve_model
-from servers.tiny_model import build_tiny_model
+from servers.model_files import resolve_model
+from tests.tiny_model import build_tiny_model
 
 
 def random_adapter(engine: TorchEngine, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:

@@ -33,7 +33,7 @@ from marl.client import SwarmClient  # noqa: E402
 from marl.launch import ServerProcess  # noqa: E402
 from marl.protocol import TrainConfig  # noqa: E402
 from marl.topology import Topology  # noqa: E402
-from servers.models import load_tokenizer, resolve_model  # noqa: E402
+from servers.model_files import load_tokenizer, resolve_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA, FULL = ROOT / "topologies" / "werewolves-lora.yaml", ROOT / "topologies" / "werewolves-local.yaml"
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="lora-werewolves-") as tmp:
         scratch, model, overrides = Path(tmp), "smollm2-135m", []
         if args.smoke:
-            from servers.tiny_model import build_tiny_model
+            from tests.tiny_model import build_tiny_model
 
             model, args.prompt_tokens, args.max_tokens = str(build_tiny_model(scratch / "tiny")), 200, 8
         prompt = werewolves_prompt(resolve_model(model), args.prompt_tokens)

@@ -6,9 +6,10 @@
 
 An agent re-sends its whole conversation on every call. Without merging, each call is a training sample of its own
 (prompt + completion: the shared history is processed again on every turn); with merging, one agent's calls of
-one episode are one sample. For every sample in the ledgers this counts both (`servers.samples.unmerged_tokens`:
-call k's prompt is every token before its completion) and prints the totals per server and role. The generated
-(trained-on) tokens are the same either way; only the context the trainer re-reads changes.
+one episode are one sample. For every sample in the ledgers this counts both
+(`servers.episodes.samples.unmerged_tokens`: call k's prompt is every token before its completion) and prints the
+totals per server and role. The generated (trained-on) tokens are the same either way; only the context the trainer
+re-reads changes.
 
 `--record N` plays N Werewolves games through the coordinator on two in-process servers with tiny random models
 (werewolves on one, the seer on the other, the rest scripted) into a temporary directory, then measures those.
@@ -24,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
-from servers.ledger import Ledger
-from servers.samples import unmerged_tokens
+from servers.episodes.ledger import Ledger
+from servers.episodes.samples import unmerged_tokens
 
 
 def measure(data_dirs: list[Path]) -> dict[tuple[str, str], dict[str, int]]:
@@ -59,8 +60,8 @@ def record(games: int, directory: Path, max_rounds: int = 4, max_tokens: int = 2
     from marl.client import SwarmClient
     from marl.coordinator import Coordinator, GameSettings
     from marl.endpoints import TrainableEndpoint
-    from marl.games import play_games, tasks
-    from servers.tiny_model import build_tiny_model
+    from marl.games.schedule import play_games, tasks
+    from tests.tiny_model import build_tiny_model
 
     model = build_tiny_model(directory / "model", max_position_embeddings=8192)
     dirs = [directory / "wolves_model", directory / "seer_model"]

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="overlap-") as tmp:
         scratch, model = Path(tmp), "smollm2-135m"
         if args.smoke:
-            from servers.tiny_model import build_tiny_model
+            from tests.tiny_model import build_tiny_model
 
             model, args.steps, args.delay = str(build_tiny_model(scratch / "tiny")), 2, min(args.delay, 0.3)
         speed = args.speed if args.engine == "simulated" else None

@@ -41,7 +41,7 @@ def _reset_peak(pid: int | str = "self") -> None:
 
 def _samples(vocab: int, tokens: int, count: int, trained: int) -> list:
     """`count` samples of `tokens` ids, the last `trained` of each trained (a group with rewards 0 and 1)."""
-    from servers.interfaces import Sample
+    from servers.backends import Sample
 
     return [Sample(episode_id=f"e{i}", agent="a", token_ids=[(7919 * (t + 1000 * i)) % vocab for t in range(tokens)],
                    loss_mask=[int(t >= tokens - trained) for t in range(tokens)],
@@ -52,7 +52,7 @@ def _samples(vocab: int, tokens: int, count: int, trained: int) -> list:
 def _batch(step: int, vocab: int, tokens: int, trained: int, samples: int = 2):
     """A step's batch: one group of `samples` (each its own micro-batch). Two or more micro-batches per process, as
     in a real step: from the second on, the gradients of the first are alive during the passes."""
-    from servers.interfaces import Group, TrainBatch
+    from servers.backends import Group, TrainBatch
 
     group = Group(job="bench", task_id=f"t{step}", agent="a", samples=_samples(vocab, tokens, samples, trained))
     return TrainBatch(step=step, groups=[group])
@@ -86,8 +86,8 @@ def measure_engine(model_dir: str, sequences: int, prompt_tokens: int, new_token
 
 
 def _two_batches(model_dir: str, sequences: int, prompt_tokens: int, new_tokens: int) -> None:
+    from servers.backends import SamplingParams
     from servers.engines.torch_engine import TorchEngine
-    from servers.interfaces import SamplingParams
 
     engine = TorchEngine(model_dir, device="cpu", max_batch_size=sequences, prefix_cache_bytes=0)
     vocab = engine.vocab_size
@@ -184,7 +184,7 @@ def compare(model_dir: str, warmup_dir: str, *, tokens: int, trained: int, seque
 
 
 def _build_random_model(directory: Path, *, hidden: int, layers: int, intermediate: int, heads: int) -> str:
-    from servers.tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     return str(build_tiny_model(directory, hidden_size=hidden, num_layers=layers, intermediate_size=intermediate,
                                 num_heads=heads, max_position_embeddings=4096))  # fmt: skip
@@ -213,11 +213,11 @@ def main(argv: list[str] | None = None) -> None:
             models = [_build_random_model(Path(scratch) / "small", hidden=256, layers=4, intermediate=704, heads=4)]
             args.tokens, args.trained, args.sequences = 512, 256, 4
         elif args.model:
-            from servers.models import resolve_model
+            from servers.model_files import resolve_model
 
             models = [str(resolve_model(args.model))]
         else:
-            from servers.models import resolve_model
+            from servers.model_files import resolve_model
 
             models = [str(resolve_model("smollm2-135m")),
                       _build_random_model(Path(scratch) / "random-150m", hidden=1024, layers=12, intermediate=2816,

@@ -26,11 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a sc
 
 import torch
 
+from servers.backends import SamplingParams
 from servers.engines.prefix_cache import PrefixCache
 from servers.engines.torch_engine import TorchEngine
-from servers.interfaces import SamplingParams
-from servers.models import resolve_model
-from servers.tiny_model import build_tiny_model
+from servers.model_files import resolve_model
+from tests.tiny_model import build_tiny_model
 
 SYSTEM = "You are player_{n} in a game of Werewolves. You are a werewolf. Keep your replies short."
 NEWS = ("player_3 says they are a villager and that player_7 acted strangely last night, so the village should "

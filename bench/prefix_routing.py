@@ -29,11 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
+from servers.backends import SamplingParams
 from servers.engines.torch_engine import TorchEngine
 from servers.engines.vllm_replicas import AffinityRouter
-from servers.interfaces import SamplingParams
-from servers.models import resolve_model
-from servers.tiny_model import build_tiny_model
+from servers.model_files import resolve_model
+from tests.tiny_model import build_tiny_model
 
 WORDS = ("the village met at dawn and player_3 said that player_7 acted strangely last night so watch closely and "
          "vote with care because the wolves are still among us").split()

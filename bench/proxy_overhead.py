@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from marl.protocol import ChatCompletionRequest  # noqa: E402  (after the path is set)
-from servers.interfaces import Trainer  # noqa: E402
+from servers.backends import Trainer  # noqa: E402
 
 ADMIN = "bench-admin"
 REQUEST = {"model": "tiny", "messages": [{"role": "user", "content": "What is 2 + 3?"}], "max_tokens": 1}
@@ -57,8 +57,8 @@ def serve_marl(port: int, model_dir: str, data_dir: str) -> None:
     import uvicorn
     from transformers import AutoTokenizer
 
+    from servers.backends import GenerationChunk, InferenceEngine
     from servers.entrypoint import ServeOptions, build_app
-    from servers.interfaces import GenerationChunk, InferenceEngine
 
     class ZeroWorkEngine(InferenceEngine):
         """Answers every prompt with one token, instantly: the benchmark measures the proxy, not a model."""
@@ -161,7 +161,7 @@ def main() -> None:
     if args.serve == "marl":
         return serve_marl(args.port, args.model_dir, args.data_dir)
 
-    from servers.tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(Path(tmp) / "model")

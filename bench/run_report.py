@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
-from marl.game_record import GameRecord, read_games
+from marl.games.record import GameRecord, read_games
 from marl.plot import percent, summarize_games, summarize_roles
 
 
@@ -70,7 +70,7 @@ run:
 def smoke_run(directory: Path) -> Path:
     """`marl run` of 4 signalling games (SMOKE_TOPOLOGY, on a tiny model); its run directory."""
     from marl.cli import main as marl
-    from servers.tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     run_dir = directory / "run"
     topology = directory / "topology.yaml"

@@ -37,8 +37,8 @@ workers and the server share the cores, so a point where the client lag p99 is n
 
 Memory. A fresh server at `--memory-speed` (fast) plays episodes of one call (`--memory-max-tokens`) with 64 leases;
 its VmRSS is read after 1,000 recorded episodes and after each further checkpoint up to `--episodes`. Note that the
-lease table remembers the last 10,000 closed episodes and dead keys (`servers.leases._REMEMBERED`, ~0.3 KB each): RSS
-grows until 10,000 episodes by design; growth beyond that is per-episode state kept for good.
+lease table remembers the last 10,000 closed episodes and dead keys (`servers.episodes.leases._REMEMBERED`, ~0.3 KB
+each): RSS grows until 10,000 episodes by design; growth beyond that is per-episode state kept for good.
 
 Coordinator. `marl run` (the real coordinator, a subprocess) on a topology whose servers are remote swarm servers
 (`swarm_url:`): simulated `marl serve` processes at `--coordinator-speed` (1: real time), trained as they play (batch
@@ -577,7 +577,7 @@ def parse(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    from servers.tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     results: dict[str, list[dict]] = {"load": [], "memory": [], "coordinator": []}
     with tempfile.TemporaryDirectory() as scratch:

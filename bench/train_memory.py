@@ -29,7 +29,7 @@ def peak_rss_gb() -> float:
 
 def one_setting(model_dir: Path, tokens: int, samples: int, checkpointing: bool) -> dict[str, float]:
     from marl.protocol import GRPOConfig
-    from servers.interfaces import Group, Sample, TrainBatch
+    from servers.backends import Group, Sample, TrainBatch
     from servers.trainers.grpo import GRPOTrainer
 
     trainer = GRPOTrainer(model_dir, GRPOConfig(gradient_checkpointing=checkpointing, micro_batch_tokens=tokens))
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result))
         return
 
-    from servers.models import resolve_model
-    from servers.tiny_model import build_tiny_model
+    from servers.model_files import resolve_model
+    from tests.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = resolve_model(args.model) if args.model else build_tiny_model(Path(scratch) / "tiny")

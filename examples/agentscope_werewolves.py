@@ -23,7 +23,7 @@ from marl import ADMIN_TOKEN_ENV, SwarmClient, SwarmError
 from marl.agentscope_agents import Fallback, agentscope_players
 from marl.coordinator import Coordinator, GameFailed, GameSettings
 from marl.endpoints import TrainableEndpoint
-from marl.games import tasks
+from marl.games.schedule import tasks
 from marl.topology import import_env_factory
 
 SERVER = "server"  # the swarm server's name in the coordinator

@@ -25,7 +25,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from marl import moved
+
 __version__ = "0.1.0"
+
+moved.install()  # old paths of moved modules keep importing, warning (marl/moved.py)
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -46,21 +50,21 @@ _EXPORTS: dict[str, str] = {
     "TrainableEndpoint": "marl.endpoints",
     "StaticEndpoint": "marl.endpoints",
     "SnapshotPoolEndpoint": "marl.endpoints",
-    "GameFailed": "marl.game_table",
-    "GameSettings": "marl.game_table",
-    "Seat": "marl.game_table",
-    "default_player": "marl.game_table",
-    "play_games": "marl.games",
-    "tasks": "marl.games",
-    "RunStats": "marl.games",
-    "FailedAttempt": "marl.games",
-    "CallbackFailed": "marl.games",
+    "GameFailed": "marl.games.table",
+    "GameSettings": "marl.games.table",
+    "Seat": "marl.games.table",
+    "default_player": "marl.games.table",
+    "play_games": "marl.games.schedule",
+    "tasks": "marl.games.schedule",
+    "RunStats": "marl.games.schedule",
+    "FailedAttempt": "marl.games.schedule",
+    "CallbackFailed": "marl.games.schedule",
     "LLMAgent": "marl.agents",
     "ScriptedAgent": "marl.agents",
-    "GameRecord": "marl.game_record",
-    "Sampling": "marl.game_record",
-    "CoPlayer": "marl.game_record",
-    "read_games": "marl.game_record",
+    "GameRecord": "marl.games.record",
+    "Sampling": "marl.games.record",
+    "CoPlayer": "marl.games.record",
+    "read_games": "marl.games.record",
     "TextAECEnv": "envs.base",
     "GameEnv": "envs.base",
     "RoleInfo": "envs.base",
@@ -77,9 +81,9 @@ if TYPE_CHECKING:
     from marl.client import Episode, EpisodeOutput, SwarmClient, SwarmError, SwarmRefused, SwarmTimeout
     from marl.coordinator import Coordinator, GameCancelled
     from marl.endpoints import SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
-    from marl.game_record import CoPlayer, GameRecord, Sampling, read_games
-    from marl.game_table import GameFailed, GameSettings, Seat, default_player
-    from marl.games import CallbackFailed, FailedAttempt, RunStats, play_games, tasks
+    from marl.games.record import CoPlayer, GameRecord, Sampling, read_games
+    from marl.games.schedule import CallbackFailed, FailedAttempt, RunStats, play_games, tasks
+    from marl.games.table import GameFailed, GameSettings, Seat, default_player
     from marl.protocol import ADMIN_TOKEN_ENV, RUNNING_STATES, EngineState, EpisodeLease, ErrorCode, TrainConfig
     from marl.topology import Topology, TopologyError
 

@@ -17,7 +17,7 @@
 
 What AgentScope sends, and why it matters for training (checked against agentscope 2.0.10). The swarm server merges
 one agent's calls into one training sample when each call's prompt extends the previous call's prompt + completion
-(`servers/samples.py`). With `OpenAIChatFormatter` (used here), call k sends the system prompt, then every
+(`servers/episodes/samples.py`). With `OpenAIChatFormatter` (used here), call k sends the system prompt, then every
 observation as a `user` message and every earlier reply, verbatim, as an `assistant` message, then the new
 observation: the previous prompt + completion is a prefix, so a seat's calls of one game merge into one sample,
 exactly as with `marl.agents.LLMAgent`. (Messages also carry a `name`: "game" for observations, the env agent for
@@ -51,7 +51,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("marl.agentscope_agents needs AgentScope: pip install -e '.[agentscope]'") from exc
 
-from marl.game_table import Seat, default_player
+from marl.games.table import Seat, default_player
 from marl.protocol import AGENT_HEADER
 
 __all__ = ["AgentScopePlayer", "Fallback", "agentscope_players", "role_model"]

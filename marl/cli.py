@@ -34,7 +34,7 @@ def _serve(args: argparse.Namespace) -> None:
     # marl/ imports servers/ only in the server-side commands: `serve` (starting a server process is what it is
     # for) and `episode` (reading a server's ledger).
     from servers.entrypoint import listen_socket, serve
-    from servers.models import check_model
+    from servers.model_files import check_model
 
     try:
         options = _serve_options(args)
@@ -218,7 +218,7 @@ def _plot(args: argparse.Namespace) -> None:
 
 def _episode(args: argparse.Namespace) -> None:
     # Reading a server's ledger is a server-side tool, like `serve`.
-    from servers.episode_view import ViewerError, list_episodes, show_episode
+    from servers.episodes.view import ViewerError, list_episodes, show_episode
 
     try:
         if args.episode_command == "list":
@@ -231,7 +231,7 @@ def _episode(args: argparse.Namespace) -> None:
 
 
 def _games(args: argparse.Namespace) -> None:
-    from marl.games_view import GamesViewError, list_games, show_game
+    from marl.games.view import GamesViewError, list_games, show_game
 
     try:
         if args.games_command == "list":

@@ -7,7 +7,7 @@ For each game it
    while waiting for another);
 2. draws the static endpoints the game seats (for a pool of past snapshots, a `past_of` server, the snapshot this
    game plays against);
-3. plays the game on those leases and endpoints with its `GameTable` (marl/game_table.py): a player for every
+3. plays the game on those leases and endpoints with its `GameTable` (marl/games/table.py): a player for every
    agent's `Seat`, the PettingZoo AEC game to its end, its `GameRecord`; a `runner` may play it elsewhere
    (`run.ray.spread_games`: a Ray task, marl/ray_cluster.py);
 4. commits each server's episode with the rewards of the roles that server plays and the game's provenance
@@ -16,8 +16,8 @@ For each game it
    decision log, commit everywhere), so every server gets its episode or none does. Any exception before the commit
    aborts every lease of the game.
 A game with no trainable server (every role static or scripted: `marl eval`) leases nothing and commits nothing.
-The result is a `GameRecord` (marl/game_record.py). Which games to play, and replaying failed ones with the same task
-id so GRPO groups line up across servers, is `marl/games.py`'s job.
+The result is a `GameRecord` (marl/games/record.py). Which games to play, and replaying failed ones with the same task
+id so GRPO groups line up across servers, is `marl/games/schedule.py`'s job.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ from envs.base import GameEnv
 from marl.client import EpisodeOutput, SwarmError, connection_limits
 from marl.decision_log import DecisionLog
 from marl.endpoints import HeldLease, SnapshotPoolEndpoint, StaticEndpoint
-from marl.game_record import GameRecord
-from marl.game_table import GameFailed, GameSettings, GameTable, Seat
-from marl.monitor import ServerMonitor
+from marl.games.record import GameRecord
+from marl.games.table import GameFailed, GameSettings, GameTable, Seat
 from marl.protocol import EngineState, ErrorCode
+from marl.server_watch import ServerMonitor
 from marl.two_phase import Part, commit_game, persist
 
 if TYPE_CHECKING:
@@ -410,21 +410,21 @@ class _Slots:
 
 
 #: Names that left this module, kept for one release: old name -> (module, its name there). Resolved lazily, and
-#: never imported here (an imported name would be found without the warning); `marl.games` imports this module.
+#: never imported here (an imported name would be found without the warning); `marl.games.schedule` imports this module.
 _MOVED = {
     "Endpoint": ("marl.endpoints", "legacy_endpoint"),
     "SnapshotSource": ("marl.endpoints", "SnapshotSource"),
-    "play_games": ("marl.games", "play_games"),
-    "tasks": ("marl.games", "tasks"),
-    "RunStats": ("marl.games", "RunStats"),
-    "default_player": ("marl.game_table", "default_player"),
-    "GameResult": ("marl.game_record", "GameRecord"),
+    "play_games": ("marl.games.schedule", "play_games"),
+    "tasks": ("marl.games.schedule", "tasks"),
+    "RunStats": ("marl.games.schedule", "RunStats"),
+    "default_player": ("marl.games.table", "default_player"),
+    "GameResult": ("marl.games.record", "GameRecord"),
 }
 
 
 def __getattr__(name: str) -> Any:
-    """Names that moved (to `marl.endpoints`, `marl.games`, `marl.game_table`, `marl.game_record`), kept for one
-    release with a DeprecationWarning."""
+    """Names that moved (to `marl.endpoints`, `marl.games.schedule`, `marl.games.table`, `marl.games.record`), kept for
+    one release with a DeprecationWarning."""
     import importlib
     import warnings
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from marl.game_record import GameRecord, as_records, read_games
+from marl.games.record import GameRecord, as_records, read_games
 
 __all__ = ["percent", "plot_eval_matrix", "plot_evals", "plot_reward_curves", "plot_run", "plot_training",
            "replot_eval_matrix", "reward_figure", "summarize_games", "summarize_roles"]

@@ -72,8 +72,8 @@ CLIENT_KEEP_ALIVE_S = 60
 DEFAULT_MAX_BODY_MB = 16.0
 #: Longest id a client may choose (client_id, task_id, game_id, an agent tag).
 MAX_ID_LENGTH = 512
-#: The model aliases `marl serve --model` builds into its cache (servers/models.py `KNOWN_MODELS`), named here so that
-#: `marl topology show` can check a local server's model without importing servers/.
+#: The model aliases `marl serve --model` builds into its cache (servers/model_files.py `KNOWN_MODELS`), named here so
+#: that `marl topology show` can check a local server's model without importing servers/.
 MODEL_ALIASES = ("smollm2-135m",)
 #: Query parameter of end and commit: `?include_pool=true` asks for the pool's progress in the reply (`pool`), which
 #: costs the server three ledger reads; without it `pool` is None. (A query parameter, not a body field: the body's
@@ -266,12 +266,12 @@ class ErrorCode(enum.StrEnum):
     # 503: wait and retry (retry_after_s is set)
     NO_FREE_SLOT = "no_free_slot"
     # `overlap`: a step trains and enough episodes wait for the next ones that a lease begun now would be trained
-    # more than `max_staleness` versions late (servers.train_loop bounds the rollouts)
+    # more than `max_staleness` versions late (servers.training.loop bounds the rollouts)
     ROLLOUTS_AHEAD = "rollouts_ahead"
     ENGINE_BOOTING = "engine_booting"
     ENGINE_UNAVAILABLE = "engine_unavailable"
     LEDGER_UNAVAILABLE = "ledger_unavailable"  # the ledger write failed; nothing changed, the lease is still live
-    # end or prepare waited (`servers.episode_recorder.CALLS_WAIT_S`) for the lease's calls still generating, and some
+    # end or prepare waited (`servers.episodes.recorder.CALLS_WAIT_S`) for the lease's calls still generating, and some
     # still are: nothing changed, the lease is still live; the retry records them once they finish
     CALLS_IN_FLIGHT = "calls_in_flight"
     # 5xx: the server failed
@@ -816,11 +816,11 @@ class ModelList(BaseModel):
 
 
 def __getattr__(name: str):
-    """`Sample` moved to `servers.samples` (it never crosses the wire); the old name works for one release."""
+    """`Sample` moved to `servers.episodes.samples` (it never crosses the wire); the old name works for one release."""
     if name == "Sample":
         import warnings
-        warnings.warn("marl.protocol.Sample moved to servers.samples.Sample", DeprecationWarning, stacklevel=2)
-        from servers.samples import Sample
+        warnings.warn("marl.protocol.Sample moved to servers.episodes.samples.Sample", DeprecationWarning, stacklevel=2)
+        from servers.episodes.samples import Sample
         return Sample
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -36,8 +36,8 @@ import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from marl.endpoints import StaticEndpoint
-from marl.game_record import GameRecord
-from marl.game_table import GameFailed, GameTable
+from marl.games.record import GameRecord
+from marl.games.table import GameFailed, GameTable
 from marl.launch import MAX_RESTARTS, ServerProcess, ServerWatch
 from marl.topology import Problem, TopologyError
 from marl.topology.spec import RaySpec
@@ -90,8 +90,8 @@ def server_gpu_environment(gpu_ids: Sequence[int | str]) -> dict[str, str]:
 @ray.remote(num_cpus=0, max_retries=0, scheduling_strategy="SPREAD")
 def _play_game(table: GameTable, task_id: str, seed: int, leases: dict,
                statics: dict[str, StaticEndpoint]) -> GameRecord:
-    # Never retried by Ray: a replay would add calls to leases that already have some; marl.games replays a failed
-    # game itself, on new leases.
+    # Never retried by Ray: a replay would add calls to leases that already have some; marl.games.schedule replays a
+    # failed game itself, on new leases.
     try:
         return table.play(task_id, seed, leases, statics)
     except Exception as exc:  # noqa: BLE001 - sent back as a message: not every exception can be pickled

@@ -18,9 +18,9 @@ server that died more than `marl.launch.MAX_RESTARTS` (3) times, a server that k
 (`RunSummary.error` says which; `marl run` then exits 1). Ctrl-C (or SIGTERM) aborts every open lease and stops the
 servers this run started.
 
-Who does what: `marl.launch` starts and supervises the local servers, `marl.monitor.ServerMonitor` watches every
-trainable server (lease gating, revival, the live table), `marl.coordinator` plays one game, `marl.games` schedules
-them; `marl.league` serves the snapshots of past_of servers, `marl.eval.periodic` evaluates checkpoints every
+Who does what: `marl.launch` starts and supervises the local servers, `marl.server_watch.ServerMonitor` watches every
+trainable server (lease gating, revival, the live table), `marl.coordinator` plays one game, `marl.games.schedule`
+schedules them; `marl.league` serves the snapshots of past_of servers, `marl.eval.periodic` evaluates checkpoints every
 `run.eval_every` steps; this module wires them together and shows the live table and the summary.
 
 With `run.ray` (docs/ray.md), `marl.ray_cluster` starts and supervises the local servers instead, as Ray actors, and
@@ -56,8 +56,8 @@ from marl.coordinator import Coordinator, GameSettings
 from marl.decision_log import DecisionLog
 from marl.endpoints import Endpoint, SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
 from marl.eval.periodic import PeriodicEval
-from marl.game_record import GameRecord, append_game
-from marl.games import CallbackFailed, FailedAttempt, play_games, tasks
+from marl.games.record import GameRecord, append_game
+from marl.games.schedule import CallbackFailed, FailedAttempt, play_games, tasks
 from marl.launch import (
     SERVERS_FILE,
     ServerProcess,
@@ -68,10 +68,10 @@ from marl.launch import (
     port_in_use,
 )
 from marl.league import SnapshotPool, snapshot_pools
-from marl.monitor import ServerMonitor, ServerView
 from marl.plan import plan_topology
 from marl.plot import percent, plot_run, summarize_games
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, ServerStatus
+from marl.server_watch import ServerMonitor, ServerView
 from marl.terminal import safe
 from marl.topology import Problem, ServerKind, ServerSpec, Topology, TopologyError
 from marl.topology.graph import LEARNER_SEPARATOR

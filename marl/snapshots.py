@@ -2,8 +2,9 @@
 
 A snapshot is what `marl serve --model X --static` loads: a server's base model (policy version 0, `initial`), or a
 checkpoint that a local trainable server wrote into its data dir, `<run_dir>/servers/<server>/checkpoints/step_N/`
-with N zero-padded to 6 digits (a Hugging Face model dir holding policy version N; servers/checkpoint_dirs.py renames it
-into place only once complete). The paths are re-derived here, not imported: marl/ reaches servers over HTTP only.
+with N zero-padded to 6 digits (a Hugging Face model dir holding policy version N; servers/training/checkpoint_dirs.py
+renames it into place only once complete). The paths are re-derived here, not imported: marl/ reaches servers over HTTP
+only.
 
 A LoRA policy of a server (the learner `server.policy`) checkpoints into
 `<run_dir>/servers/<server>/policies/<policy>/checkpoints/step_N/`, whose `adapter/` (PEFT's format) is served on the

@@ -8,7 +8,7 @@ rich is not enough on its own: `Console.print` drops only BEL, backspace, VT, FF
 (`rich.control.strip_control_codes`) and lets ESC through, so the table here covers every C0 and C1 control, DEL,
 and the bidirectional-text controls that can make a line read differently from what it holds.
 
-`servers/episode_view.py` has its own copy of this (a server never imports marl/ beyond the protocol); keep the two
+`servers/episodes/view.py` has its own copy of this (a server never imports marl/ beyond the protocol); keep the two
 alike.
 """
 

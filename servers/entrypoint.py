@@ -17,16 +17,16 @@ from fastapi import FastAPI
 
 from marl.protocol import ADMIN_TOKEN_ENV, DEFAULT_MAX_BODY_MB, SERVER_KEEP_ALIVE_S, LoraSpec, TrainConfig
 from servers import heap
+from servers.backends import PolicyTrainer, Trainer, lora_spec_in
 from servers.engines.vllm_lora import LoraSlots, lora_slots
 from servers.engines.vllm_process import VLLMSettings
-from servers.http_routes import create_app
-from servers.interfaces import PolicyTrainer, Trainer, lora_spec_in
-from servers.lifecycle import EngineFactory, TrainerFactory
+from servers.http.routes import create_app
 from servers.placement import Placement, visible_devices
-from servers.policy_backends import PolicyTrainerFactory
-from servers.policy_server import PolicyServer
+from servers.policies.server import PolicyServer
+from servers.policies.views import PolicyTrainerFactory
 from servers.static_server import StaticServer
 from servers.trainable_server import TrainableServer
+from servers.training.lifecycle import EngineFactory, TrainerFactory
 
 
 @dataclass
@@ -48,7 +48,7 @@ class ServeOptions:
     vllm: VLLMSettings | None = None  # engine vllm: how vLLM runs (None: the defaults of the device)
     placement: Placement = field(default_factory=Placement)  # which GPUs the engine and trainer ranks use
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413) before they are read
-    #: LoRA policies of the base model, each its own learner (`servers.policy_server`); empty: one full-weight policy
+    #: LoRA policies of the base model, each its own learner (`servers.policies.server`); empty: one full-weight policy
     policies: dict[str, LoraSpec] = field(default_factory=dict)
     #: static only: a PEFT adapter directory (a LoRA policy's checkpoint) served on the model on every call
     adapter: Path | None = None
@@ -145,7 +145,7 @@ def lora_trainer_factory(device: str | None, placement: Placement | None = None,
 
 
 def resolve(name: str) -> Path:
-    from servers.models import resolve_model
+    from servers.model_files import resolve_model
 
     return resolve_model(name)
 
@@ -239,7 +239,7 @@ def serve(options: ServeOptions, sock: socket.socket | None = None) -> None:
     sock = sock or listen_socket(options.host, options.port)
     heap.own_process()  # this process is the server's alone: its boots freeze the boot-time heap
     logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from servers.models import preload_libraries
+    from servers.model_files import preload_libraries
 
     # before any worker thread imports them; a server whose model runs elsewhere needs only its tokenizer
     preload_libraries(tokenizer_only=options.engine == "simulated" or (options.engine == "vllm" and options.static))

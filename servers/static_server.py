@@ -17,14 +17,14 @@ from typing import NoReturn
 
 from marl.protocol import EngineState, ErrorCode, MonitorSnapshot, ServerStatus
 from servers import heap
-from servers.chat_completions import ChatService, Unleased
-from servers.chat_format import ChatFormatter
+from servers.backends import InferenceEngine, lora_spec_in
+from servers.calls.chat import ChatService, Unleased
+from servers.calls.chat_format import ChatFormatter
 from servers.errors import Refusal
-from servers.interfaces import InferenceEngine, lora_spec_in
-from servers.lifecycle import EngineFactory
-from servers.policy_backends import AdapterEngine, Shared
-from servers.prometheus_metrics import MetricsReading, render
-from servers.telemetry import Telemetry
+from servers.metrics.prometheus import MetricsReading, render
+from servers.metrics.telemetry import Telemetry
+from servers.policies.views import AdapterEngine, Shared
+from servers.training.lifecycle import EngineFactory
 
 log = logging.getLogger("marl.server")
 

@@ -1,15 +1,15 @@
 """A trainable swarm server: its rooms, composed, and the few operations that span them.
 
-    EngineLifecycle  servers.lifecycle     engine states, boot and stop, weight publishing, the synced config
-    RolloutPool      servers.rollout_pool  leases, pool progress
-    EpisodeRecorder  servers.episode_recorder     end, prepare, commit, abort: each episode recorded exactly once
-    OverdueResolver  servers.overdue       prepared episodes past their deadline: the decision log, or abort
-    TrainLoop        servers.train_loop    full batch -> drain -> train -> publish -> checkpoint
-    ChatService      servers.chat_completions       the OpenAI data plane
-    Telemetry        servers.telemetry        counters, errors, tokens/s
+    EngineLifecycle  servers.training.lifecycle     engine states, boot and stop, weight publishing, the synced config
+    RolloutPool      servers.episodes.rollout_pool  leases, pool progress
+    EpisodeRecorder  servers.episodes.recorder     end, prepare, commit, abort: each episode recorded exactly once
+    OverdueResolver  servers.episodes.overdue       prepared episodes past their deadline: the decision log, or abort
+    TrainLoop        servers.training.loop    full batch -> drain -> train -> publish -> checkpoint
+    ChatService      servers.calls.chat       the OpenAI data plane
+    Telemetry        servers.metrics.telemetry        counters, errors, tokens/s
 
 Everything runs on the server's asyncio event loop, so state changes need no locks; blocking work runs in threads
-(the ledger on one of its own, `servers.ledger.LedgerThread`). HTTP lives in `servers.http_routes`.
+(the ledger on one of its own, `servers.episodes.ledger.LedgerThread`). HTTP lives in `servers.http.routes`.
 """
 
 from __future__ import annotations
@@ -28,26 +28,26 @@ from marl.protocol import (
     ServerStatus,
     TrainConfig,
 )
-from servers.batch_wakeup import BatchWakeup
-from servers.chat_completions import ChatService
-from servers.episode_recorder import EpisodeRecorder
+from servers.calls.chat import ChatService
+from servers.episodes.ledger import Ledger, LedgerThread
+from servers.episodes.overdue import OverdueResolver
+from servers.episodes.prepared import PreparedEpisodes
+from servers.episodes.recorder import EpisodeRecorder
+from servers.episodes.rollout_pool import RolloutPool
 from servers.errors import Refusal
-from servers.ledger import Ledger, LedgerThread
-from servers.lifecycle import EngineFactory, EngineLifecycle, TrainerFactory
-from servers.overdue import OverdueResolver
-from servers.prepared import PreparedEpisodes
-from servers.prometheus_metrics import MetricsReading, render
-from servers.rollout_pool import RolloutPool
-from servers.telemetry import Telemetry
-from servers.train_loop import TrainLoop
-from servers.training_record import TrainingRecord
+from servers.metrics.prometheus import MetricsReading, render
+from servers.metrics.telemetry import Telemetry
+from servers.metrics.training_record import TrainingRecord
+from servers.training.batch_wakeup import BatchWakeup
+from servers.training.lifecycle import EngineFactory, EngineLifecycle, TrainerFactory
+from servers.training.loop import TrainLoop
 
 
 class TrainableServer:
     def __init__(self, *, model: str, served_name: str, data_dir: Path, resolve_model: Callable[[str], Path],
                  engine_factory: EngineFactory, trainer_factory: TrainerFactory, public_url: str | None = None,
                  policy: str | None = None):
-        #: A LoRA policy's name on a server of several (`servers.policy_server`); None: the one full-weight policy.
+        #: A LoRA policy's name on a server of several (`servers.policies.server`); None: the one full-weight policy.
         self.policy = policy
         self.data_dir = data_dir
         self.telemetry = Telemetry()

@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from marl.launch import ServerProcess, free_port
 from marl.protocol import TrainConfig
 from servers.entrypoint import ServeOptions, build_server, http_server
-from servers.http_routes import create_app
-from servers.lifecycle import TrainerFactory
-from servers.tiny_model import build_tiny_model
+from servers.http.routes import create_app
+from tiny_model import build_tiny_model
+from servers.training.lifecycle import TrainerFactory
 from tests.servers.recording_vllm import RecordingVLLM
 
 #: Test files that boot vLLM or run marl's own processes (`marl run`, `marl serve` subprocesses, FSDP ranks, Ray, the

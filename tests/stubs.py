@@ -28,8 +28,8 @@ from conftest import ADMIN
 
 from marl.launch import free_port
 from marl.protocol import TrainConfig
+from servers.backends import GenerationChunk, InferenceEngine, SamplingParams, TrainBatch, Trainer
 from servers.entrypoint import ServeOptions, build_app
-from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams, TrainBatch, Trainer
 
 SERVED_NAME = "tiny"
 REPLY_TEXT = "yes"  # what every generation says (then the end-of-sequence token)

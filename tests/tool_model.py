@@ -1,6 +1,6 @@
-"""A tiny model that always answers with one tool call, built like `servers.tiny_model` builds its model.
+"""A tiny model that always answers with one tool call, built like `tiny_model` builds its model.
 
-`build_tool_model(dir)` writes the tiny Llama of `servers.tiny_model` trained (a few hundred Adam steps on the CPU,
+`build_tool_model(dir)` writes the tiny Llama of `tiny_model` trained (a few hundred Adam steps on the CPU,
 seconds) to answer every assistant turn with `TOOL_REPLY`: a Hermes tool call to `get_weather` for Paris, then the
 end-of-turn token. The prompts it is trained on vary (system or not, tools listed or not, earlier turns and tool
 results), so whatever conversation an SDK sends, the reply is that call with near certainty, at any temperature.
@@ -14,7 +14,7 @@ import os
 import random
 from pathlib import Path
 
-from servers.tiny_model import build_tiny_model
+from tiny_model import build_tiny_model
 
 TOOL_NAME = "get_weather"
 TOOL_ARGUMENTS = {"city": "Paris"}

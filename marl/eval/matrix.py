@@ -21,7 +21,7 @@ from rich.table import Table
 
 from marl.eval.pairings import EvalSettings, Pairing, play_pairing
 from marl.eval.stats import CONFIDENCE, RoleStats, summarize
-from marl.game_record import GameRecord
+from marl.games.record import GameRecord
 from marl.plot import percent, plot_eval_matrix
 from marl.snapshots import StaticFleet
 from marl.topology import Topology

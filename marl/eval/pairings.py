@@ -5,7 +5,7 @@ a LoRA policy: a snapshot of that policy, its adapter on the server's base model
 roles play as the topology says (a local static server is started like a snapshot, an external endpoint is used as
 it is, a scripted role is the env's). Every server is static, so games lease nothing and nothing is trained or
 recorded on a server. Game i of every pairing plays task `eval-i` with seed `seed * 1_000_003 + i`
-(`marl.games.tasks`), so pairings differ in who plays, never in what is played.
+(`marl.games.schedule.tasks`), so pairings differ in who plays, never in what is played.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from marl.coordinator import Coordinator, GameSettings
 from marl.endpoints import Endpoint, StaticEndpoint
-from marl.game_record import GameRecord
-from marl.games import play_games, tasks
+from marl.games.record import GameRecord
+from marl.games.schedule import play_games, tasks
 from marl.snapshots import LATEST, Snapshot, SnapshotError, StaticFleet, resolve_snapshot, role_checkpoints
 from marl.topology import ServerKind, Topology
 

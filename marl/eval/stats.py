@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from statistics import NormalDist
 
-from marl.game_record import GameRecord
+from marl.games.record import GameRecord
 
 CONFIDENCE = 0.95
 _LARGE_DF = 1000  # beyond this many degrees of freedom the t quantile is the normal one to 3 decimals

@@ -149,7 +149,7 @@ KNOWN_ARCHITECTURES: dict[str, Architecture] = {
                      context_length=8192),
     )
 }
-#: marl's own aliases (servers/models.py) for the models above.
+#: marl's own aliases (servers/model_files.py) for the models above.
 _ALIASES = {"smollm2-135m": "huggingfacetb/smollm2-135m-instruct"}
 
 

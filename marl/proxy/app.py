@@ -93,7 +93,7 @@ def build_app(options: ProxyOptions) -> FastAPI:
     app.include_router(_open_routes(metrics))
     app.include_router(_app_routes(service, options.served_model), dependencies=[Depends(_app_auth(options.api_key))])
     app.add_middleware(AnthropicErrors)  # every error on /v1/messages in Anthropic's shape
-    app.openapi()  # builds the routes' models here, not in the serving thread: see servers.openapi.install
+    app.openapi()  # builds the routes' models here, not in the serving thread: see servers.http.openapi.install
     return app
 
 

@@ -18,12 +18,12 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from servers.backends import GenerationChunk
 from servers.engines.multi_lora import MultiLora
 from servers.engines.prefix_cache import CachedPrefix, PrefixCache
 from servers.engines.request import Request
 from servers.engines.running_batch import RunningBatch, SlabLayer
 from servers.engines.sampling import raw_logprobs, sample_tokens
-from servers.interfaces import GenerationChunk
 
 __all__ = ["BatchRunner", "EngineStats"]
 

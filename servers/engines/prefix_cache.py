@@ -1,7 +1,7 @@
 """Keys and values of finished generations, kept so that a prompt which extends one is not prefilled again.
 
 An agent's conversation grows call by call, and the server builds each prompt from the exact token ids of the
-previous call's prompt and completion (servers.chat_format), so call k+1 starts with everything call k saw and
+previous call's prompt and completion (servers.calls.chat_format), so call k+1 starts with everything call k saw and
 generated.
 Without this cache every call re-runs the whole conversation through the model: on a CPU a Werewolves player at
 2-3k tokens of history pays seconds of prefill for a 30-token reply. With it, only the new turn is prefilled.

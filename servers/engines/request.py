@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from servers.interfaces import GenerationChunk, SamplingParams
+from servers.backends import GenerationChunk, SamplingParams
 
 __all__ = ["Request", "new_request", "seeded_generator"]
 

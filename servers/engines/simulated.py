@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from marl.protocol import LoraSpec
+from servers.backends import GenerationChunk, InferenceEngine, SamplingParams
 from servers.engines.model_limits import context_length, eos_token_ids
-from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams
 
 #: A reply copies the prompt from a random place among its last this many plain tokens (the latest observation).
 ECHO_WINDOW = 64
@@ -114,7 +114,7 @@ class SimulatedEngine(InferenceEngine):
                  mean_completion_tokens: float = 200.0, tokenizer: Any | None = None) -> None:  # fmt: skip
         from transformers import AutoConfig
 
-        from servers.models import load_tokenizer
+        from servers.model_files import load_tokenizer
 
         self.model_dir = Path(model_dir)
         self.latency = latency or LatencyModel()
@@ -276,7 +276,7 @@ class SimulatedEngine(InferenceEngine):
         self._drained_swap(apply, 0.0)
 
     def load_adapter_from(self, name: str, directory: Path) -> None:
-        from servers.interfaces import lora_spec_in
+        from servers.backends import lora_spec_in
 
         self.load_adapter(name, {}, lora_spec_in(directory))
 

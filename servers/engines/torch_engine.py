@@ -51,6 +51,7 @@ from typing import Any, Self
 import torch
 from transformers import AutoModelForCausalLM
 
+from servers.backends import GenerationChunk, InferenceEngine, SamplingParams
 from servers.engines.adapter_loads import AdapterLoads, AdapterServing, install
 from servers.engines.batch_runner import BatchRunner, EngineStats
 from servers.engines.cpu_matmul import use_weight_major_matmul_if_faster
@@ -59,8 +60,7 @@ from servers.engines.multi_lora import MultiLora
 from servers.engines.prefix_cache import PrefixCache
 from servers.engines.request import Request, new_request
 from servers.engines.running_batch import RunningBatch
-from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams
-from servers.models import load_tokenizer
+from servers.model_files import load_tokenizer
 
 __all__ = ["DEFAULT_PREFIX_CACHE_BYTES", "EngineStats", "TorchEngine"]
 
@@ -189,7 +189,8 @@ class TorchEngine(AdapterServing, InferenceEngine):
     @property
     def numerics(self) -> str:
         """What its logprobs are computed in: transformers' forward in `dtype` ("torch.float32"), said as a trainer's
-        `numerics` says it; the server compares the two to resolve `recompute_logprobs: auto` (servers.lifecycle)."""
+        `numerics` says it; the server compares the two to resolve `recompute_logprobs: auto`
+        (servers.training.lifecycle)."""
         return str(self.dtype)
 
     @property

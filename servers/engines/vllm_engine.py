@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 
 from marl.protocol import LoraSpec
+from servers.backends import GenerationChunk, InferenceEngine, SamplingParams
 from servers.engines.model_limits import context_length, eos_token_ids
 from servers.engines.vllm_http import (
     LoopClients,
@@ -61,8 +62,7 @@ from servers.engines.vllm_process import VLLMLaunch, VLLMProcess, VLLMSettings
 from servers.engines.vllm_push import TransferSync
 from servers.engines.vllm_replicas import Replica, VLLMReplicas
 from servers.engines.weight_transfer import TransferTarget
-from servers.interfaces import GenerationChunk, InferenceEngine, SamplingParams
-from servers.models import load_tokenizer
+from servers.model_files import load_tokenizer
 
 __all__ = ["VLLMEngine", "VLLMStats", "vllm_engine_factory"]
 

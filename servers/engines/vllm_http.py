@@ -29,8 +29,8 @@ from typing import Any
 
 import httpx
 
+from servers.backends import GenerationChunk, SamplingParams
 from servers.engines.lead_tokens import lead_to_strings
-from servers.interfaces import GenerationChunk, SamplingParams
 
 __all__ = ["PAUSED_ERROR", "LoopClients", "VLLMPaused", "after_transfer", "before_transfer", "completion_body",
            "generate_one_token", "paused_refusal", "reset_prefix_cache", "sleep_for_training", "stream_completion",

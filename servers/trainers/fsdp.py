@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 from marl.protocol import FSDPConfig, GRPOConfig
+from servers.backends import TrainBatch, Trainer
 from servers.engines.weight_transfer import TransferTarget, WeightTransferError
-from servers.interfaces import TrainBatch, Trainer
+from servers.episodes.samples import Sample
 from servers.placement import Placement
-from servers.samples import Sample
 from servers.trainers.device_memory import memory_metrics
 from servers.trainers.fsdp_model import compute_dtype
 from servers.trainers.fsdp_ranks import RankFailure, RankGroup, RankLayout
@@ -76,7 +76,7 @@ def plan_micro_batches(lengths: Sequence[int], ranks: int, budget: int) -> list[
 
 def rank_numerics(config: FSDPConfig, device: str | torch.device | None, dtype: torch.dtype | str | None) -> str:
     """What the ranks compute logprobs in (their `compute_dtype`), said as an engine's `numerics` says it: the
-    server compares the two to resolve `recompute_logprobs: auto` (servers.lifecycle)."""
+    server compares the two to resolve `recompute_logprobs: auto` (servers.training.lifecycle)."""
     device_type = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
     return str(compute_dtype(config.mixed_precision, device_type, resolve_dtype(dtype)))
 
@@ -203,8 +203,8 @@ class FSDPTrainer(Trainer):
         return directory
 
     def save(self, directory: Path) -> None:
-        """A checkpoint (servers.checkpoint_dirs makes it atomic): the ranks' shards of the weights and optimizer, an
-        export a static server serves, step, RNGs. Returns once all of it is on disk."""
+        """A checkpoint (servers.training.checkpoint_dirs makes it atomic): the ranks' shards of the weights and
+        optimizer, an export a static server serves, step, RNGs. Returns once all of it is on disk."""
         directory = Path(directory)
         self.ranks.call("save", str(directory), self.step_count, self.config, rng_states())
         copy_tokenizer(self.model_dir, directory)

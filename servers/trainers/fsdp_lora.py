@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from marl.protocol import FSDPConfig, GRPOConfig, LoraSpec
-from servers.interfaces import TrainBatch
+from servers.backends import TrainBatch
+from servers.episodes.samples import Sample
 from servers.placement import Placement
-from servers.samples import Sample
 from servers.trainers.fsdp import rank_numerics, start_ranks, train_on_ranks
 from servers.trainers.fsdp_lora_rank import ShardedLoraPolicies
 from servers.trainers.grpo import grpo_step

@@ -19,7 +19,7 @@ by rank 0 while the other ranks' shard writes run.
 The shards are written with `dcp.async_save` on a thread of each rank, over a gloo group of their own (two threads
 must never share a group's collectives), while rank 0 gathers and writes the export; `save_checkpoint` returns when
 both are on disk, because the server renames the directory into place as soon as `save` returns
-(servers.checkpoint_dirs: a checkpoint appears complete or not at all).
+(servers.training.checkpoint_dirs: a checkpoint appears complete or not at all).
 """
 
 from __future__ import annotations

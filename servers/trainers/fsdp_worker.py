@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from marl.protocol import FSDPConfig, GRPOConfig, LoraSpec
 from servers.engines.weight_transfer import TransferTarget, WeightPusher
-from servers.samples import Sample
+from servers.episodes.samples import Sample
 from servers.trainers.device_memory import free_cached_memory
 from servers.trainers.fsdp_model import build_sharded_model, compute_dtype
 from servers.trainers.fsdp_push import push_sharded

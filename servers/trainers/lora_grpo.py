@@ -41,8 +41,8 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file
 
 from marl.protocol import GRPOConfig, LoraSpec
-from servers.interfaces import PolicyTrainer, TrainBatch, lora_spec_in
-from servers.samples import Sample
+from servers.backends import PolicyTrainer, TrainBatch, lora_spec_in
+from servers.episodes.samples import Sample
 from servers.trainers.grpo import (
     StartLogprobs,
     apply_optimizer_hparams,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from servers.samples import Sample, token_versions
+from servers.episodes.samples import Sample, token_versions
 
 __all__ = ["MicroBatch", "check_token_ids", "collate", "pack_micro_batches", "trained_tokens"]
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from marl.protocol import GRPOConfig, TrainConfig
-from servers.interfaces import TrainBatch, Trainer
+from servers.backends import TrainBatch, Trainer
 from servers.trainers.grpo import trainable_items
 from servers.trainers.step_metrics import idle_pass_metrics
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from servers.samples import Sample
+from servers.episodes.samples import Sample
 from servers.trainers.micro_batches import trained_tokens
 
 __all__ = ["IDLE_PASS_METRICS", "Advantages", "PassTotals", "add_pass_stats", "batch_metrics", "idle_pass_metrics"]

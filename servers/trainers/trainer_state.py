@@ -1,10 +1,10 @@
 """What a GRPO checkpoint holds besides the model files: optimizer, step count, RNG states, and the tokenizer.
 
 `GRPOTrainer.save` writes a Hugging Face model directory (loadable by `from_pretrained`, so a checkpoint can be
-served or fine-tuned elsewhere) and adds these; `servers.checkpoint_dirs.CheckpointDir` makes the write atomic, names
-it `step_{n:06d}` and prunes old ones. The FSDP2 trainer's checkpoints add `sharded/` (servers.trainers.fsdp_state):
-the fp32 weights and the optimizer state as `torch.distributed.checkpoint` shards, which `load_sharded_state` reads
-into any model, sharded or not, so either trainer resumes the other's checkpoint.
+served or fine-tuned elsewhere) and adds these; `servers.training.checkpoint_dirs.CheckpointDir` makes the write
+atomic, names it `step_{n:06d}` and prunes old ones. The FSDP2 trainer's checkpoints add `sharded/`
+(servers.trainers.fsdp_state): the fp32 weights and the optimizer state as `torch.distributed.checkpoint` shards, which
+`load_sharded_state` reads into any model, sharded or not, so either trainer resumes the other's checkpoint.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from conftest import LocalServer, ledger_samples, trainable
 
 from envs.werewolves import Werewolves
 from marl.coordinator import Coordinator, GameSettings
-from servers.tiny_model import build_tiny_model
+from tiny_model import build_tiny_model
 
 
 def samples(data_dir) -> list[tuple]:

@@ -13,9 +13,9 @@ from conftest import LocalServer, admin_http, start_rolling, wait_state
 from envs.base import play
 from envs.signalling import SignallingGame
 from marl.agents import LLMAgent, ScriptedAgent
-from marl.game_table import Seat, default_player
+from marl.games.table import Seat, default_player
 from marl.protocol import AGENT_HEADER, ErrorCode
-from servers.ledger import Ledger
+from servers.episodes.ledger import Ledger
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ from marl.agentscope_agents import (
     agentscope_players,
     role_model,
 )
-from marl.game_table import Seat
-from servers.tiny_model import build_tiny_model
+from marl.games.table import Seat
+from tiny_model import build_tiny_model
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agentscope_werewolves.py"
 CLOCK = re.compile(r"\d{4}-\d{2}-\d{2}|\d{1,2}:\d{2}:\d{2}|current-time|timezone", re.IGNORECASE)

@@ -15,9 +15,9 @@ import sys
 import pytest
 import yaml
 
-from marl.game_record import read_games
+from marl.games.record import read_games
 from servers.engines.vllm_process import VLLM_PYTHON_ENV, vllm_python
-from servers.tiny_model import build_tiny_model
+from tiny_model import build_tiny_model
 
 pytestmark = [
     pytest.mark.skipif(not vllm_python().exists(),

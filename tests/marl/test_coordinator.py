@@ -13,9 +13,9 @@ from envs.signalling import SignallingGame
 from marl import SwarmClient
 from marl.coordinator import Coordinator, GameFailed, GameSettings, linked_servers_of
 from marl.endpoints import StaticEndpoint, TrainableEndpoint
-from marl.games import play_games, tasks
+from marl.games.schedule import play_games, tasks
 from marl.launch import free_port
-from marl.monitor import ServerMonitor
+from marl.server_watch import ServerMonitor
 
 SETTINGS = GameSettings(max_tokens=6, lease_timeout_s=60)
 ROLES = {"speaker": "speaker_model", "listener": "listener_model"}

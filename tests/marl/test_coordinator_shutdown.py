@@ -13,7 +13,7 @@ from stubs import recorded_episodes, stub_server
 from envs.signalling import SignallingGame
 from marl.coordinator import Coordinator, GameSettings
 from marl.decision_log import Decision, DecisionLog
-from marl.games import play_games
+from marl.games.schedule import play_games
 from marl.two_phase import redrive
 
 pytestmark = pytest.mark.timeout(240)

@@ -14,7 +14,7 @@ from PIL import Image
 from marl.eval.command import main, split_arguments
 from marl.eval.pairings import plan_pairings
 from marl.eval.stats import mean_interval, role_stats, role_won, t_value, wilson_interval
-from marl.game_record import GameRecord
+from marl.games.record import GameRecord
 from marl.plot import replot_eval_matrix
 from marl.snapshots import SnapshotError, checkpoints_of, resolve_snapshot
 from marl.topology import Topology

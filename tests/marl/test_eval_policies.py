@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from marl.eval.command import main
 from marl.eval.pairings import checkpointed_roles, plan_pairings
 from marl.eval.periodic import PeriodicEval
-from marl.game_record import GameRecord
+from marl.games.record import GameRecord
 from marl.protocol import GRPOConfig, LoraSpec
 from marl.snapshots import SnapshotError, checkpoints_of, resolve_snapshot
 from marl.topology import Topology, TopologyError

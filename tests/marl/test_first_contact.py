@@ -18,7 +18,7 @@ import yaml
 from marl.client import SwarmClient
 from marl.launch import ServerProcess, ServerStartError, last_error_line
 from marl.protocol import MODEL_ALIASES, LoraSpec
-from servers.models import KNOWN_MODELS
+from servers.model_files import KNOWN_MODELS
 from tests.conftest import ADMIN
 
 #: `marl serve` with a stand-in alias registered: a tiny random model whose build takes a second and leaves a mark
@@ -26,8 +26,8 @@ from tests.conftest import ADMIN
 STAND_IN_SERVE = """
 import os, sys, threading, time
 from pathlib import Path
-from servers import models
-from servers.tiny_model import build_tiny_model
+from servers import model_files as models
+from tiny_model import build_tiny_model
 
 class StandIn:
     description = "a tiny random model (tests)"
@@ -213,7 +213,7 @@ def test_overwatch_once_without_a_token_says_refused_and_what_to_do(local_server
 
 
 def test_reward_curves_draw_each_servers_own_roles_on_whole_versions(tmp_path):
-    from marl.game_record import CoPlayer, GameRecord, append_game
+    from marl.games.record import CoPlayer, GameRecord, append_game
     from marl.plot import plot_reward_curves, reward_figure
 
     with open(tmp_path / "games.jsonl", "w") as f:

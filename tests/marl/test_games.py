@@ -15,8 +15,8 @@ import yaml
 from envs.base import TextAECEnv
 from envs.signalling import SignallingGame
 from marl.coordinator import Coordinator, GameFailed
-from marl.game_record import GameRecord
-from marl.games import CallbackFailed, FailedAttempt, RunStats, play_games, tasks
+from marl.games.record import GameRecord
+from marl.games.schedule import CallbackFailed, FailedAttempt, RunStats, play_games, tasks
 
 SCRIPTED = {"speaker": None, "listener": None}
 
@@ -107,7 +107,7 @@ def test_without_keep_results_a_run_keeps_nothing_per_game(coordinator):
 
 
 def test_the_old_import_and_the_two_argument_on_result_work_with_warnings(coordinator, failing_coordinator):
-    with pytest.warns(DeprecationWarning, match="marl.coordinator.play_games moved to marl.games.play_games"):
+    with pytest.warns(DeprecationWarning, match="marl.coordinator.play_games moved to marl.games.schedule.play_games"):
         from marl.coordinator import play_games as old_play_games
     with pytest.warns(DeprecationWarning, match="marl.coordinator.tasks moved"):
         from marl.coordinator import tasks as old_tasks

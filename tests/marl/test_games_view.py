@@ -16,9 +16,9 @@ from rich.console import Console
 
 from envs.base import TextAECEnv
 from envs.signalling import SignallingGame
-from marl.game_record import ROW_CHARS, SUMMARY_CHARS, TEXT_CHARS, GameRecord, append_game, read_games
-from marl.game_table import GameSettings, GameTable
-from marl.games_view import GamesViewError, list_games, pick_game, show_game
+from marl.games.record import ROW_CHARS, SUMMARY_CHARS, TEXT_CHARS, GameRecord, append_game, read_games
+from marl.games.table import GameSettings, GameTable
+from marl.games.view import GamesViewError, list_games, pick_game, show_game
 from marl.topology import Topology, TopologyError
 from tests.marl.test_run import write_topology
 

@@ -18,7 +18,7 @@ from rich.console import Console
 from marl.overwatch import OverwatchApp, ServerView, Source, resolve_sources, sparkline
 from marl.plot import plot_run
 from marl.protocol import MonitorSnapshot
-from servers.episode_view import CLOSE, OPEN, list_episodes, safe, show_episode, spans
+from servers.episodes.view import CLOSE, OPEN, list_episodes, safe, show_episode, spans
 from tests.conftest import ADMIN, admin_http, play_episode, start_rolling, wait_version
 
 
@@ -291,7 +291,7 @@ def test_overwatch_once_prints_a_snapshot_and_bad_targets_exit_2(local_server):
 
 
 def test_training_record_reads_back_its_tail_and_writes_tensorboard_when_installed(tmp_path):
-    from servers.training_record import TrainingRecord
+    from servers.metrics.training_record import TrainingRecord
 
     record = TrainingRecord(tmp_path)
     record.append(1, {"reward_mean": 0.5, "loss": 0.1})

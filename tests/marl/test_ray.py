@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from marl.coordinator import GameFailed
-from marl.game_record import read_games
+from marl.games.record import read_games
 from marl.topology import Topology, TopologyError
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed (the test extra)")

@@ -18,8 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from marl.game_record import GameRecord, Sampling, read_games
-from marl.game_table import GameSettings
+from marl.games.record import GameRecord, Sampling, read_games
+from marl.games.table import GameSettings
 from marl.launch import free_port
 from marl.topology import Topology, TopologyError
 
@@ -123,7 +123,7 @@ def test_a_role_without_sampling_keeps_the_runs_and_a_scripted_role_records_none
         GameSettings(sampling={"speaker": {"temprature": 0.5}})
 
     from envs.signalling import SignallingGame
-    from marl.game_table import GameTable
+    from marl.games.table import GameTable
 
     table = GameTable(lambda: SignallingGame(num_items=3), {"speaker": None, "listener": None}, settings)
     assert table.play("t", 1, {}, {}).sampling == {}  # nobody sampled a model
@@ -148,7 +148,7 @@ def test_bad_sampling_is_refused_at_its_key(tmp_path, tiny_model):
 def test_an_agentscope_player_sends_its_roles_sampling_too(tiny_model, tmp_path):
     pytest.importorskip("agentscope")
     from marl.agentscope_agents import agentscope_players
-    from marl.game_table import Seat
+    from marl.games.table import Seat
 
     with LocalServer(tiny_model, tmp_path / "server", static=True) as server, Relay(server.url) as relay:
         with admin_http(server.url) as http:

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from marl.game_record import GameRecord, read_games
+from marl.games.record import GameRecord, read_games
 from marl.plot import summarize_games
 
 TOPOLOGY = {

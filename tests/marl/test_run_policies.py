@@ -11,7 +11,7 @@ import sys
 import pytest
 import yaml
 
-from marl.game_record import read_games
+from marl.games.record import read_games
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -17,7 +17,7 @@ from marl.cli import parse
 from marl.overwatch import OverwatchError, ServerView, Source, resolve_sources
 from marl.protocol import ErrorEvent
 from marl.terminal import safe
-from servers.episode_view import safe as server_safe
+from servers.episodes.view import safe as server_safe
 from tests.conftest import ADMIN, admin_http, start_rolling, wait_version
 
 PWNED = "\x1b]0;pwned\x07\x1b[2J"  # sets the window title, then clears the screen

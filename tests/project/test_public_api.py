@@ -34,14 +34,14 @@ PUBLIC = {
 
 #: Deprecated names, each kept for at least one release: (module, old name) -> (module, name it resolves to).
 DEPRECATED = {
-    ("marl.coordinator", "play_games"): ("marl.games", "play_games"),
-    ("marl.coordinator", "tasks"): ("marl.games", "tasks"),
-    ("marl.coordinator", "RunStats"): ("marl.games", "RunStats"),
-    ("marl.coordinator", "default_player"): ("marl.game_table", "default_player"),
-    ("marl.coordinator", "GameResult"): ("marl.game_record", "GameRecord"),
+    ("marl.coordinator", "play_games"): ("marl.games.schedule", "play_games"),
+    ("marl.coordinator", "tasks"): ("marl.games.schedule", "tasks"),
+    ("marl.coordinator", "RunStats"): ("marl.games.schedule", "RunStats"),
+    ("marl.coordinator", "default_player"): ("marl.games.table", "default_player"),
+    ("marl.coordinator", "GameResult"): ("marl.games.record", "GameRecord"),
     ("marl.coordinator", "Endpoint"): ("marl.endpoints", "legacy_endpoint"),
     ("marl.coordinator", "SnapshotSource"): ("marl.endpoints", "SnapshotSource"),
-    ("marl.protocol", "Sample"): ("servers.samples", "Sample"),
+    ("marl.protocol", "Sample"): ("servers.episodes.samples", "Sample"),
 }
 
 
@@ -63,7 +63,7 @@ def test_importing_marl_stays_cheap():
     constant from it pays nothing for the rest."""
     code = "import sys, marl; print(sorted(m for m in sys.modules if m.startswith(('marl.', 'envs', 'openai'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    assert out.strip() == "[]"
+    assert out.strip() == "['marl.moved']"  # the finder of moved modules' old paths: stdlib only
 
 
 @pytest.mark.parametrize(("old", "new"), sorted(DEPRECATED.items()), ids=lambda x: ".".join(x))

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from marl.protocol import FSDPConfig, GRPOConfig
-from servers.samples import Sample
+from servers.episodes.samples import Sample
 from servers.trainers.fsdp_model import build_sharded_model
 from servers.trainers.fsdp_state import full_weights
 from servers.trainers.fsdp_worker import RankSpec, ShardedPolicy

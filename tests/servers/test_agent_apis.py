@@ -19,8 +19,8 @@ import pytest
 from conftest import LocalServer, admin_http, start_rolling
 from tool_model import TOOL_ARGUMENTS, TOOL_NAME, TOOL_REPLY, WEATHER_TOOL, agents_weather_tool, tool_model_dir
 
-from servers.ledger import Ledger
-from servers.tool_choice import ToolCallFormat, ToolTextHoldback
+from servers.calls.tool_choice import ToolCallFormat, ToolTextHoldback
+from servers.episodes.ledger import Ledger
 
 # The first test of a session builds the tool-calling model (tests/tool_model.py: 70-110 s alone on 2 cores, more
 # on a busy machine) inside its fixture, which counts against the test's timeout.

@@ -10,9 +10,9 @@ import time
 import pytest
 from conftest import admin_http, play_episode, server_process, start_rolling, wait_version
 
-from servers.ledger import GroupKey, Ledger, LedgerThread
-from servers.prepared import PreparedEpisodes
-from servers.samples import Sample
+from servers.episodes.ledger import GroupKey, Ledger, LedgerThread
+from servers.episodes.prepared import PreparedEpisodes
+from servers.episodes.samples import Sample
 
 
 def test_sigkill_right_after_end_loses_nothing_and_trains_once(tiny_model, tmp_path):

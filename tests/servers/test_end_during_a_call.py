@@ -15,9 +15,9 @@ from stubs import REPLY_TEXT, StubServer, recorded_episodes, stub_server
 
 from marl import SwarmClient
 from marl.protocol import ROUTE_END, ErrorCode
-from servers import episode_recorder
+from servers.episodes import recorder as episode_recorder
+from servers.episodes.leases import Lease
 from servers.errors import Refusal
-from servers.leases import Lease
 
 pytestmark = pytest.mark.timeout(120)
 

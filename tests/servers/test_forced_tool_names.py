@@ -14,15 +14,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from servers.backends import SamplingParams
+from servers.calls.tool_choice import ToolCallFormat, ToolChoice
 from servers.engines import vllm_http
 from servers.engines.lead_tokens import allowed_next, lead_from_strings, lead_to_strings
 from servers.engines.request import Request
 from servers.engines.sampling import raw_logprobs, sample_tokens, seeded_generator
 from servers.engines.vllm_http import LEAD_ARG, completion_body
 from servers.engines.vllm_process import LEAD_PROCESSOR, VLLMLaunch
-from servers.interfaces import SamplingParams
-from servers.ledger import Ledger
-from servers.tool_choice import ToolCallFormat, ToolChoice
+from servers.episodes.ledger import Ledger
 from servers.trainers.grpo import token_logprobs
 
 NAMES = ("get_weather", "get_time", "lookup_city")

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from marl.protocol import FSDPConfig, GRPOConfig, LoraSpec, TrainConfig
+from servers.backends import TrainBatch
 from servers.entrypoint import lora_trainer_factory
-from servers.interfaces import TrainBatch
 from servers.trainers.fsdp import plan_micro_batches
 from servers.trainers.fsdp_lora import FSDPLoraTrainer
 from servers.trainers.lora_grpo import LoraGRPOTrainer

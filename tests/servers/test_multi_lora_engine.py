@@ -13,10 +13,10 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from transformers import AutoModelForCausalLM
 
 from marl.protocol import LoraSpec
+from servers.backends import SamplingParams
 from servers.engines.multi_lora import MultiLora
 from servers.engines.prefix_cache import PrefixCache
 from servers.engines.torch_engine import TorchEngine
-from servers.interfaces import SamplingParams
 from tests.servers.test_torch_engine import TEXTS, build_lively_model, collect, run_all
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from servers.interfaces import Group, TrainBatch
-from servers.ledger import Ledger
-from servers.samples import CallRecord, Sample, merge_calls, token_versions
+from servers.backends import Group, TrainBatch
+from servers.episodes.ledger import Ledger
+from servers.episodes.samples import CallRecord, Sample, merge_calls, token_versions
 from servers.trainers.grpo import GRPOTrainer, micro_batch_loss
 from servers.trainers.micro_batches import collate
 from tests.servers.test_grpo_trainer import COMPLETIONS, config, make_sample

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from marl.protocol import TrainConfig
-from servers.ledger import Ledger
-from servers.samples import token_versions
+from servers.episodes.ledger import Ledger
+from servers.episodes.samples import token_versions
 from servers.trainers.grpo import GRPOTrainer
 from tests.conftest import admin_http
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from servers.tiny_model import build_tiny_model
+from tiny_model import build_tiny_model
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "plan_accuracy.py"
 
@@ -45,7 +45,7 @@ def test_the_plan_is_within_20_percent_of_measured_peaks(model_26m):
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_the_plan_is_within_20_percent_on_smollm2():
-    from servers.models import resolve_model
+    from servers.model_files import resolve_model
 
     for row in _rows(resolve_model("smollm2-135m")):
         assert 0.8 <= row["ratio"] <= 1.2, row

@@ -11,8 +11,8 @@ import pytest
 
 from marl import SwarmClient
 from marl.protocol import LoraSpec, TrainConfig
-from servers.ledger import Ledger
-from servers.samples import token_versions
+from servers.episodes.ledger import Ledger
+from servers.episodes.samples import token_versions
 from tests.conftest import ADMIN, admin_http, wait_state
 
 pytestmark = pytest.mark.timeout(600)

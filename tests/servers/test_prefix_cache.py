@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from servers.backends import SamplingParams
 from servers.engines.prefix_cache import PrefixCache
 from servers.engines.torch_engine import TorchEngine
-from servers.interfaces import SamplingParams
 from tests.servers.test_torch_engine import build_lively_model, collect
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0)

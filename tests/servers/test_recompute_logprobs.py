@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from marl.protocol import FSDPConfig, GRPOConfig, TrainConfig
+from servers.backends import TrainBatch
 from servers.engines.torch_engine import TorchEngine
 from servers.entrypoint import lora_trainer_factory
-from servers.interfaces import TrainBatch
-from servers.lifecycle import recompute_wanted, resolve_recompute_logprobs
-from servers.policy_backends import PolicyBackends
-from servers.samples import Sample
+from servers.episodes.samples import Sample
+from servers.policies.views import PolicyBackends
 from servers.trainers.fsdp import FSDPTrainer
 from servers.trainers.grpo import GRPOTrainer
 from servers.trainers.lora_grpo import LoraGRPOTrainer
+from servers.training.lifecycle import recompute_wanted, resolve_recompute_logprobs
 from tests.servers.test_grpo_trainer import config, make_batch
 from tests.servers.test_lora_trainer import SPEC
 from tests.servers.test_lora_trainer import make_batch as lora_batch

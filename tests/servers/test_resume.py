@@ -9,10 +9,10 @@ from conftest import admin_http, play_episode, server_process, start_rolling, wa
 from safetensors.torch import load_file
 
 from marl.protocol import TrainConfig
-from servers.checkpoint_dirs import CheckpointDir
-from servers.interfaces import Group, TrainBatch
-from servers.ledger import Ledger
+from servers.backends import Group, TrainBatch
+from servers.episodes.ledger import Ledger
 from servers.trainers.grpo import GRPOTrainer
+from servers.training.checkpoint_dirs import CheckpointDir
 
 CONFIG = dict(batch_size=1, num_repeat=2, save_freq=1, learning_rate=1e-3)
 

@@ -1,6 +1,6 @@
 """Timeline merging on hand-made calls: which calls become one sample, and the exact tokens, masks and logprobs."""
 
-from servers.samples import CallRecord, merge_calls, unmerged_tokens
+from servers.episodes.samples import CallRecord, merge_calls, unmerged_tokens
 
 
 def call(agent, prompt, completion, version=0):

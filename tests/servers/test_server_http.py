@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from marl.protocol import ROUTE_HEALTH, SERVER_KEEP_ALIVE_S, TIMING_ENGINE, TIMING_MARL, parse_server_timing
 from servers.entrypoint import default_trainer_factory
-from servers.ledger import Ledger
+from servers.episodes.ledger import Ledger
 from servers.trainers.grpo import token_logprobs
 
 HTTPX_KEEP_ALIVE_S = httpx.Limits().keepalive_expiry  # what the openai SDK's httpx client keeps too

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from marl.launch import ServerProcess
+from servers.backends import SamplingParams
 from servers.engines.simulated import LatencyModel, SimulatedEngine
-from servers.interfaces import SamplingParams
 from tests.conftest import ADMIN, admin_http, start_rolling, wait_state, wait_version
 
 pytestmark = [pytest.mark.serial, pytest.mark.timeout(180)]

@@ -18,7 +18,7 @@ from marl.cli import parse
 from marl.launch import ServerProcess, free_port
 from marl.protocol import ChatCompletionRequest
 from servers.entrypoint import ServeOptions, build_server
-from servers.http_routes import create_app
+from servers.http.routes import create_app
 from servers.static_server import StaticServer
 from tests.conftest import ADMIN
 

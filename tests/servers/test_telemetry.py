@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import servers.telemetry as telemetry
-from servers.telemetry import GenerationClock, TokenRate
+import servers.metrics.telemetry as telemetry
+from servers.metrics.telemetry import GenerationClock, TokenRate
 
 
 class Clock:

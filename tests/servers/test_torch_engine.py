@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from servers.backends import GenerationChunk, SamplingParams
 from servers.engines.torch_engine import TorchEngine
-from servers.interfaces import GenerationChunk, SamplingParams
-from servers.tiny_model import build_tiny_model
+from tiny_model import build_tiny_model
 
 TEXTS = [
     "Hi",

@@ -25,7 +25,7 @@ from stubs import AppServer
 
 from marl import SwarmClient
 from marl.protocol import ErrorCode
-from servers import chat_completions
+from servers.calls import chat as chat_completions
 from servers.entrypoint import ServeOptions, build_app
 
 pytestmark = pytest.mark.serial
@@ -61,7 +61,7 @@ def refused(response: httpx.Response, status: int, code: ErrorCode) -> dict:
 
 def ledger_rows(srv: LocalServer, episode_id: str) -> tuple[int, list[list[int]]]:
     """(episode rows, token ids of each sample) of one episode in the server's ledger."""
-    from servers.ledger import Ledger
+    from servers.episodes.ledger import Ledger
 
     ledger = Ledger(srv.data_dir / "ledger.sqlite")
     try:

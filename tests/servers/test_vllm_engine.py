@@ -31,8 +31,8 @@ from marl.protocol import ErrorCode, TrainConfig
 from servers.engines.vllm_http import sleep_for_training, sync_weights_waking
 from servers.engines.vllm_process import VLLM_PYTHON_ENV, vllm_python
 from servers.entrypoint import build_app, default_trainer_factory
-from servers.ledger import Ledger
-from servers.tiny_model import build_tiny_model
+from servers.episodes.ledger import Ledger
+from tiny_model import build_tiny_model
 from servers.trainers.grpo import token_logprobs
 
 pytestmark = [

@@ -11,11 +11,11 @@ import time
 import httpx
 import pytest
 
+from servers.backends import SamplingParams
 from servers.engines.vllm_engine import VLLMEngine
 from servers.engines.vllm_http import paused_refusal
 from servers.engines.vllm_process import VLLMSettings
 from servers.engines.vllm_replicas import AffinityRouter, SyncGate
-from servers.interfaces import SamplingParams
 from tests.servers.stand_in_vllm import stand_in_python
 
 pytestmark = pytest.mark.timeout(120)

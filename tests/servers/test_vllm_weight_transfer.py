@@ -45,7 +45,7 @@ from servers.engines.weight_transfer import (
     unique_tensors,
     update_metadata,
 )
-from servers.tiny_model import build_tiny_model
+from tiny_model import build_tiny_model
 
 PYTHON = Path(sys.executable)  # any existing python: the command line is only built
 NCCL = "/site-packages/nvidia/nccl/lib/libnccl.so.2"  # a trainer's NCCL library, as found (only passed on)

@@ -29,7 +29,7 @@ from servers.engines.weight_transfer import (
     replica_posts,
     unique_tensors,
 )
-from servers.tiny_model import build_tiny_model
+from tiny_model import build_tiny_model
 from tests.servers.fsdp_rank_checks import spawn_ranks
 from tests.servers.transfer_rank_checks import digest, push_to_replicas
 
