@@ -22,7 +22,7 @@ from typing import Any
 import openai
 from openai.types.chat import ChatCompletion
 
-from marl.protocol import AGENT_HEADER, ErrorCode
+from marl.protocol import AGENT_HEADER, ErrorCode, agent_headers
 
 
 class LLMAgent:
@@ -98,7 +98,7 @@ def tagged_client(client: Any, agent_tag: str | None) -> Any:
     if not hasattr(client, "with_options"):
         raise TypeError(f"agent_tag needs an OpenAI SDK client (it sets the {AGENT_HEADER} header with `with_options`);"
                         f" got {type(client).__name__!r}: set that header on it yourself and pass no agent_tag")
-    return client.with_options(default_headers={AGENT_HEADER: agent_tag})
+    return client.with_options(default_headers=agent_headers(agent_tag))
 
 
 def _context_exceeded(exc: Exception) -> bool:

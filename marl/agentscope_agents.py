@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("marl.agentscope_agents needs AgentScope: pip install -e '.[agentscope]'") from exc
 
 from marl.games.table import Seat, default_player
-from marl.protocol import AGENT_HEADER
+from marl.protocol import agent_headers
 
 __all__ = ["AgentScopePlayer", "Fallback", "agentscope_players", "role_model"]
 
@@ -86,7 +86,7 @@ def role_model(seat: Seat, fallback: Fallback | None = None) -> OpenAIChatModel:
         stream=False,
         max_retries=retries,
         formatter=OpenAIChatFormatter(),  # system/user/assistant turns: see the module docstring
-        client_kwargs={"default_headers": {AGENT_HEADER: seat.agent_tag}, "max_retries": 0, "timeout": 600},
+        client_kwargs={"default_headers": agent_headers(seat.agent_tag), "max_retries": 0, "timeout": 600},
     )
 
 

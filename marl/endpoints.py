@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from marl.protocol import EpisodeLease
+from marl.protocol import EpisodeLease, TrainConfig
 
 if TYPE_CHECKING:
     from marl.client import SwarmClient
@@ -33,8 +35,14 @@ class TrainableEndpoint:
     client: SwarmClient  # replaced when the server moves (a Ray actor restarted elsewhere)
     max_concurrency: int | None = None
     #: Synced (and the engine started) whenever the server is found OFFLINE, e.g. after a crash and restart.
-    train_config: dict | None = None
+    train_config: TrainConfig | None = None
     trainable: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.train_config, Mapping):  # the shape before 0.2: the topology's config went as a dict
+            warnings.warn("TrainableEndpoint(train_config=dict) is deprecated: pass a marl.TrainConfig",
+                          DeprecationWarning, stacklevel=3)
+            self.train_config = TrainConfig.model_validate(dict(self.train_config))
 
 
 @dataclass
@@ -85,7 +93,8 @@ class HeldLease:
 
 
 def legacy_endpoint(name: str, client: SwarmClient | None = None, base_url: str | None = None, api_key: str = "none",
-             model: str | None = None, max_concurrency: int | None = None, train_config: dict | None = None,
+             model: str | None = None, max_concurrency: int | None = None,
+             train_config: TrainConfig | None = None,
              policy_version: int | None = None, snapshot_of: str | None = None,
              snapshots: SnapshotSource | None = None) -> Endpoint:
     """The endpoint that the old one-record `Endpoint(...)` call described (kept for one release, deprecated)."""

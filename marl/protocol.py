@@ -48,6 +48,11 @@ ROUTE_METRICS = "/metrics"  # Prometheus text format, no auth (counts only, as v
 AGENT_HEADER = "X-Marl-Agent"
 #: Agent tag used when a call carries neither the header nor `user`.
 DEFAULT_AGENT = "default"
+
+
+def agent_headers(agent: str) -> dict[str, str]:
+    """The headers that tag a data-plane call with `agent` (its role): every marl client sets them through this."""
+    return {AGENT_HEADER: agent}
 #: A non-streaming chat completion's response header: `engine;dur=<ms>, marl;dur=<ms>`. `engine`: the engine's wall
 #: time for the call (waiting for a slot or a weight swap, prefill, decode); `marl`: the server's own, from its first
 #: sight of the request to its reply, less the engine's (the lease's key, the body, the prompt, the reply, recording;

@@ -52,6 +52,7 @@ from rich.table import Table
 from rich.text import Text
 
 from marl.client import SwarmClient, SwarmError
+from marl.collapse import CollapseWatch
 from marl.coordinator import Coordinator, GameSettings
 from marl.decision_log import DecisionLog
 from marl.endpoints import Endpoint, SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
@@ -216,6 +217,7 @@ class _Session:
         self.plain = not console.is_terminal  # a pipe, a log, nohup: timestamped lines instead of the live table
         self.max_failures = self.spec.run.max_failures
         self.board = _Board(run_dir / "games.jsonl", self.spec.run.games)
+        self.collapse = CollapseWatch()  # warns once when a role's replies stopped varying and its reward is flat
         self.token = ""  # the admin token of the local servers
         self.processes: dict[str, ServerProcess | RayServer] = {}
         self.endpoints: dict[str, Endpoint] = {}
@@ -357,6 +359,8 @@ class _Session:
         rewards = {role: round(mean, 3) for role, mean in self.board.recent_rewards().items()}
         self.say(f"{server}: step {status.policy_version} done; {self.board.games} games;"
                  f" recent reward {json.dumps(rewards)}", log=True)
+        for warning in self.collapse.observe(server, status.metrics):
+            self.say(f"warning: {warning}", "yellow", log=True)
 
     def _finish_earlier_commits(self, endpoints: dict[str, Endpoint], token: str) -> None:
         """A run that stopped inside a game's two-phase commit: apply its logged decision on every server of the
@@ -544,8 +548,7 @@ def _endpoint(topology: Topology, name: str, processes: dict[str, ServerProcess 
                               api_key=os.environ.get(server.api_key_env or "", "none"))
     train = server.policy_train(policy) if policy is not None else server.train
     learner = f"{name}{LEARNER_SEPARATOR}{policy}" if policy is not None else name
-    return TrainableEndpoint(learner, client=client, max_concurrency=run.per_server_concurrency,
-                             train_config=train.model_dump())
+    return TrainableEndpoint(learner, client=client, max_concurrency=run.per_server_concurrency, train_config=train)
 
 
 def _repoint(endpoint: Endpoint, url: str, token: str) -> None:

@@ -23,12 +23,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import httpx
 
 from marl.client import SwarmClient, SwarmError
-from marl.protocol import EngineState, ServerStatus
+from marl.protocol import EngineState, ServerStatus, TrainConfig
 
 log = logging.getLogger("marl.server_watch")
 
@@ -40,7 +40,7 @@ class Watched(Protocol):
     """What the monitor needs of a server: its client, and the config to sync when reviving it (None: never)."""
 
     client: SwarmClient | None
-    train_config: dict[str, Any] | None
+    train_config: TrainConfig | None
 
 
 @dataclass(frozen=True)

@@ -206,10 +206,12 @@ def trainable(name: str, url: str, **config):
     from marl import SwarmClient
     from marl.endpoints import TrainableEndpoint
 
-    config = {"batch_size": 2, "num_repeat": 2, "save_freq": 0, **config}
+    from marl.protocol import TrainConfig
+
+    train = TrainConfig.model_validate({"batch_size": 2, "num_repeat": 2, "save_freq": 0, **config})
     client = SwarmClient(url, admin_token=ADMIN)
-    client.auto_sync_train_config_and_start_engine(config)
-    return TrainableEndpoint(name, client=client, train_config=config)
+    client.auto_sync_train_config_and_start_engine(train)
+    return TrainableEndpoint(name, client=client, train_config=train)
 
 
 def ledger_samples(data_dir: Path, columns: str = "e.episode_id, e.task_id, s.agent, s.reward") -> list[tuple]:

@@ -12,12 +12,12 @@ import asyncio
 import httpx
 
 from marl.protocol import (
-    AGENT_HEADER,
     ROUTE_CHAT,
     ChatCompletionRequest,
     ChatCompletionResponse,
     EpisodeLease,
     ErrorCode,
+    agent_headers,
 )
 from marl.proxy.errors import ProxyError, upstream_error
 
@@ -45,7 +45,7 @@ class CandidateCaller:
         try:
             response = await self._http.post(
                 lease.base_url + _CHAT_PATH, json=body.model_dump(mode="json", exclude_none=True),
-                headers={"Authorization": f"Bearer {lease.api_key}", AGENT_HEADER: agent})
+                headers={"Authorization": f"Bearer {lease.api_key}", **agent_headers(agent)})
         except httpx.HTTPError as exc:
             raise ProxyError(502, ErrorCode.ENGINE_ERROR, f"the swarm server did not answer a candidate's call"
                              f" ({type(exc).__name__}: {exc or 'no detail'})") from exc

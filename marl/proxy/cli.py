@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from marl.protocol import ADMIN_TOKEN_ENV, SERVER_KEEP_ALIVE_S
+from marl.protocol import ADMIN_TOKEN_ENV, SERVER_KEEP_ALIVE_S, TrainConfig
 
 API_KEY_ENV = "MARL_PROXY_API_KEY"
 DEFAULT_PORT = 10087
@@ -136,7 +136,8 @@ def proxy_options(args: argparse.Namespace) -> Any:
         raise StartupError(str(exc)) from exc
 
 
-def check_server(url: str, admin_token: str, num_repeat: int | None, config: dict | None) -> tuple[int, str]:
+def check_server(url: str, admin_token: str, num_repeat: int | None,
+                 config: TrainConfig | None) -> tuple[int, str]:
     """(N, served model name) once the server is known to train and N fills its groups."""
     from marl.client import SwarmClient, SwarmError
 
@@ -167,7 +168,8 @@ def _options(pairs: list[str]) -> dict[str, str]:
     return options
 
 
-def _train_config(text: str) -> dict:
+def _train_config(text: str) -> TrainConfig:
+    """`--train-config`: a YAML/JSON file or inline JSON, typed here (a bad key is a ValueError naming it)."""
     path = Path(text)
     if path.is_file():
         import yaml
@@ -180,7 +182,7 @@ def _train_config(text: str) -> dict:
             raise ValueError(f"--train-config: neither a file nor JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ValueError("--train-config must be a mapping of TrainConfig fields")
-    return data
+    return TrainConfig.model_validate(data)
 
 
 def main(argv: list[str] | None = None) -> None:

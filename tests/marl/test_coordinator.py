@@ -10,7 +10,7 @@ import pytest
 from conftest import ADMIN, LocalServer, admin_http, ledger_samples, server_process, trainable, wait_state
 
 from envs.signalling import SignallingGame
-from marl import SwarmClient
+from marl import SwarmClient, TrainConfig
 from marl.coordinator import Coordinator, GameFailed, GameSettings, linked_servers_of
 from marl.endpoints import StaticEndpoint, TrainableEndpoint
 from marl.games.schedule import play_games, tasks
@@ -233,7 +233,7 @@ def test_a_server_that_keeps_failing_to_boot_is_given_up_by_the_monitor(tiny_mod
         raise RuntimeError("no trainer for you")
 
     with LocalServer(tiny_model, tmp_path / "a", trainer_factory=broken_trainer) as a:
-        config = {"batch_size": 2, "num_repeat": 2, "save_freq": 0}
+        config = TrainConfig(batch_size=2, num_repeat=2, save_freq=0)
         monitor = ServerMonitor({"a": TrainableEndpoint("a", client=SwarmClient(a.url, admin_token=ADMIN),
                                                train_config=config)}, max_revivals=2, poll_s=0.1).start()
         deadline = time.monotonic() + 60

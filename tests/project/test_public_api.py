@@ -118,3 +118,17 @@ def test_readme_docs_and_examples_import_only_names_that_exist_and_are_not_depre
             except (AttributeError, ImportError, DeprecationWarning) as exc:
                 missing.append(f"{file}: from {module} import {name}: {exc!r}")
     assert not missing, "\n".join(missing)
+
+
+def test_a_trainable_endpoint_takes_a_train_config_and_a_dict_still_works_with_a_warning():
+    """A topology's `train:` travels typed from YAML to the server; the old dict shape is converted, warning."""
+    from marl import TrainConfig
+    from marl.endpoints import TrainableEndpoint
+
+    typed = TrainConfig(batch_size=3)
+    assert TrainableEndpoint("a", client=None, train_config=typed).train_config is typed
+    with pytest.warns(DeprecationWarning, match="pass a marl.TrainConfig"):
+        old = TrainableEndpoint("a", client=None, train_config={"batch_size": 3})
+    assert old.train_config == typed
+    with pytest.raises(ValueError, match="batch_sise"):
+        TrainableEndpoint("a", client=None, train_config={"batch_sise": 3})
