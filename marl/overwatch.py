@@ -32,6 +32,7 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Static
 
 from marl.client import SwarmClient, SwarmError, SwarmRefused
+from marl.collapse import collapsed
 from marl.launch import SERVERS_FILE
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, MonitorSnapshot, StepRecord, TrainingProgress
 from marl.terminal import safe
@@ -179,12 +180,22 @@ def _reward_table(snap: MonitorSnapshot) -> RenderableType:
     table.add_column("role")
     table.add_column("reward (last step)", justify="right")
     table.add_column(f"last {min(len(steps), 30)} steps")
+    table.add_column("reply nll · same replies", justify="right")  # a policy that stops exploring: both fall/rise
     for role, mean_key, std_key in keys:
         history = [s.metrics[mean_key] for s in steps[-30:] if mean_key in s.metrics]
         last = next((s.metrics for s in reversed(steps) if mean_key in s.metrics), {})
         table.add_row(Text(safe(role)), f"{last.get(mean_key, math.nan):.3f} ± {last.get(std_key, math.nan):.3f}",
-                      sparkline(history))
+                      sparkline(history), _diversity(last, "" if role == "all" else f"/{role}"))
     return Group(table, Text(step_caption(steps[-1]), style="dim"))
+
+
+def _diversity(metrics: dict[str, float], suffix: str) -> Text:
+    """The role's reply nll and share of groups with one reply (servers.trainers.step_metrics.reply_diversity), in
+    red once its replies stopped varying."""
+    nll, same = metrics.get(f"reply_nll{suffix}"), metrics.get(f"groups_same_reply{suffix}")
+    if nll is None or same is None:
+        return Text("")
+    return Text(f"{nll:.3f} · {same:.0%}", style="red" if collapsed(nll, same) else "")
 
 
 def step_caption(step: StepRecord) -> str:

@@ -32,6 +32,9 @@ STEP_GAUGES = {
     "staleness_max": "versions behind, the oldest trained sample",
     "importance_weight_mean": "truncated importance weight of off-policy tokens, mean",
     "importance_capfrac": "share of off-policy tokens whose importance weight hit the cap",
+    # a policy that stops exploring (servers.trainers.step_metrics.reply_diversity)
+    "reply_nll": "mean -logprob of generated tokens, every group: the sampling entropy per token, estimated",
+    "groups_same_reply": "share of groups whose replies are all the same tokens",
 }
 
 

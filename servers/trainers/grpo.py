@@ -115,6 +115,7 @@ from servers.trainers.step_metrics import (  # Advantages: re-exported, what ste
     add_pass_stats,
     batch_metrics,
     idle_pass_metrics,
+    reply_diversity,
 )
 from servers.trainers.trainer_state import (
     SHARDED_DIR,
@@ -231,7 +232,7 @@ def trainable_items(batch: TrainBatch, config: GRPOConfig,
         batch.groups, normalize_std=config.normalize_advantage_std, skip_zero_variance=config.skip_zero_variance_groups
     )
     items = [(s, a) for s, a in adv.items if trained_tokens(s) > 0]
-    return items, batch_metrics(adv, items, batch.dropped_stale, start_version)
+    return items, {**batch_metrics(adv, items, batch.dropped_stale, start_version), **reply_diversity(batch.groups)}
 
 
 def grpo_step(

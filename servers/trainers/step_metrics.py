@@ -11,13 +11,18 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from servers.episodes.samples import Sample
 from servers.trainers.micro_batches import trained_tokens
 
-__all__ = ["IDLE_PASS_METRICS", "Advantages", "PassTotals", "add_pass_stats", "batch_metrics", "idle_pass_metrics"]
+if TYPE_CHECKING:
+    from servers.backends import Group
+
+__all__ = ["IDLE_PASS_METRICS", "Advantages", "PassTotals", "add_pass_stats", "batch_metrics", "idle_pass_metrics",
+           "reply_diversity"]
 
 
 @dataclass
@@ -78,6 +83,32 @@ def batch_metrics(adv: Advantages, items: Sequence[tuple[Sample, float]], droppe
     behind = [start_version - s.policy_version for s, _ in items] or [0]
     out.update(staleness_min=float(min(behind)), staleness_mean=float(np.mean(behind)),
                staleness_max=float(max(behind)))
+    return out
+
+
+def reply_diversity(groups: Sequence[Group]) -> dict[str, float]:
+    """Whether a policy still explores, from every group of the batch, trained on or not (a collapsed policy's
+    groups all have zero variance, so the pass metrics see none of them):
+
+    - `reply_nll`: the mean of -logprob over generated tokens, as the engine sampled them: the sampling policy's
+      entropy per token, estimated (it falls towards 0 as the replies stop varying);
+    - `groups_same_reply`: the share of groups of 2 or more samples whose generated tokens are all identical.
+
+    Each overall, and per agent (`reply_nll/<agent>`), so that one role's collapse shows beside another's learning.
+    """
+    nll: dict[str, list[float]] = defaultdict(list)
+    same: dict[str, list[float]] = defaultdict(list)
+    for group in groups:
+        replies = [tuple(t for t, m in zip(s.token_ids, s.loss_mask) if m) for s in group.samples]
+        for sample in group.samples:
+            nll[group.agent].extend(-lp for lp, m in zip(sample.logprobs, sample.loss_mask) if m)
+        if len(replies) > 1:
+            same[group.agent].append(float(len(set(replies)) == 1))
+    out: dict[str, float] = {}
+    for key, values in (("reply_nll", nll), ("groups_same_reply", same)):
+        every = [v for vs in values.values() for v in vs]
+        out[key] = float(np.mean(every)) if every else 0.0
+        out.update({f"{key}/{agent}": float(np.mean(vs)) for agent, vs in sorted(values.items()) if vs})
     return out
 
 
