@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
+from filelock import FileLock
 from tiny_model import build_tiny_model
 
 TOOL_NAME = "get_weather"
@@ -74,15 +76,22 @@ def build_tool_model(directory: str | Path, *, steps: int = 200, seed: int = 0) 
     return directory
 
 
-_built: dict[str, Path] = {}
-
-
 def tool_model_dir(tmp_path_factory) -> Path:
-    """The tool-calling model, built once per test session (test modules of the servers and the proxy share it)."""
-    if "dir" not in _built:
-        prebuilt = os.environ.get("MARL_TEST_TOOL_MODEL")  # a directory build_tool_model wrote: faster reruns
-        _built["dir"] = Path(prebuilt) if prebuilt else build_tool_model(tmp_path_factory.mktemp("tool-model"))
-    return _built["dir"]
+    """The tool-calling model, built once per test run: the test modules of the servers and the proxy share it, and
+    so do pytest-xdist's workers (through the run's temp dir above each worker's own, under a file lock)."""
+    prebuilt = os.environ.get("MARL_TEST_TOOL_MODEL")  # a directory build_tool_model wrote: faster reruns
+    if prebuilt:
+        return Path(prebuilt)
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    directory, done = shared / "tool-model", shared / "tool-model.built"
+    with FileLock(str(shared / "tool-model.lock")):
+        if not done.exists():
+            shutil.rmtree(directory, ignore_errors=True)  # a build an interrupted worker left half done
+            build_tool_model(directory)
+            done.touch()
+    return directory
 
 
 def agents_weather_tool(asked: list[str]):

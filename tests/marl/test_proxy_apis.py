@@ -17,8 +17,8 @@ from conftest import LocalServer, admin_http, ledger_samples, start_rolling
 from test_proxy import APP_KEY, LengthReward, N, Proxy, new_rows, running_leases, wait_for
 from tool_model import TOOL_ARGUMENTS, TOOL_NAME, TOOL_REPLY, WEATHER_TOOL, agents_weather_tool, tool_model_dir
 
-# The first test of a session builds the tool-calling model (tests/tool_model.py: 70-110 s alone on 2 cores, more
-# on a busy machine) inside its fixture, which counts against the test's timeout.
+# The first test of a run builds the tool-calling model (tests/tool_model.py: about 25 s alone on 2 cores, more on a
+# busy machine; shared by the test processes) inside its fixture, which counts against the test's timeout.
 pytestmark = pytest.mark.timeout(900)
 
 COLUMNS = "e.episode_id, s.agent, s.token_ids, s.loss_mask"

@@ -22,8 +22,8 @@ from tool_model import TOOL_ARGUMENTS, TOOL_NAME, TOOL_REPLY, WEATHER_TOOL, agen
 from servers.calls.tool_choice import ToolCallFormat, ToolTextHoldback
 from servers.episodes.ledger import Ledger
 
-# The first test of a session builds the tool-calling model (tests/tool_model.py: 70-110 s alone on 2 cores, more
-# on a busy machine) inside its fixture, which counts against the test's timeout.
+# The first test of a run builds the tool-calling model (tests/tool_model.py: about 25 s alone on 2 cores, more on a
+# busy machine; shared by the test processes) inside its fixture, which counts against the test's timeout.
 pytestmark = pytest.mark.timeout(900)
 
 CLIENT = "client-a"
