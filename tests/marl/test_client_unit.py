@@ -365,7 +365,7 @@ class HangUpServer:
 
 
 def test_a_connection_dropped_after_sending(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("marl.client._TRANSPORT_RETRY_S", 0.01)
+    monkeypatch.setattr("marl.client.core._TRANSPORT_RETRY_S", 0.01)
     with HangUpServer() as peer, SwarmClient(peer.url, ADMIN, timeout=2.0) as client:
         with pytest.raises(SwarmTimeout, match="could not reach"):
             client.end_episode("t", "e1", 1.0, timeout=0.3)  # an end is idempotent: retried until its timeout
@@ -423,7 +423,7 @@ def flaky(client: SwarmClient) -> FlakyTransport:
 def test_transport_errors_retried_only_when_safe(
     client: SwarmClient, server: StubServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("marl.client._TRANSPORT_RETRY_S", 0.01)
+    monkeypatch.setattr("marl.client.core._TRANSPORT_RETRY_S", 0.01)
     rolling(client)
     transport = flaky(client)
     transport.fail(ROUTE_STATUS, httpx.ReadTimeout, times=2)
