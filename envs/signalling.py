@@ -11,7 +11,9 @@ listener's reward), so it is rewarded for messages every guesser can decode.
 
 Optional shaping (off by default): `naming_bonus=b` adds b to the speaker's reward when its message names the
 target and no other item. A 135M model rarely names anything at first, and the listener can only learn to decode
-messages that carry the target; the bonus gets that loop going. The game's outcome (the listener's pick) is unchanged.
+messages that carry the target; the bonus gets that loop going. The game's outcome (the listener's pick) is unchanged,
+and so is the team's goal (`goal_met`, what `marl eval` counts as a win): a speaker paid its bonus while the
+listener picked wrong did not win.
 
 The same seed gives the same items, target and shuffled orders, so GRPO repeats of a task play the same game.
 Fallbacks (after `max_invalid_retries` invalid replies in a row, default 2; 0 gives one try): the speaker says
@@ -138,6 +140,13 @@ class SignallingGame(TextAECEnv):
             self.terminations[a] = True
             self.infos[a].update(target=self.target, choices=dict(self.choices), message=self.message,
                                  names_target=named)
+
+    def goal_met(self, agent: str) -> bool | None:
+        """The team's goal is the listener picking the target: the speaker met it when the listener did, each
+        observer by its own pick. The naming bonus is shaping, not the goal. None until every guesser picked."""
+        if len(self.choices) < len(self.guessers):
+            return None
+        return self.choices[agent if agent in self.guessers else self.guessers[0]] == self.target
 
     def summary(self) -> dict[str, Any]:
         """The items, the target, what the speaker said and what each guesser picked ("" for nothing)."""

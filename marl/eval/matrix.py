@@ -20,7 +20,7 @@ from typing import Any
 from rich.table import Table
 
 from marl.eval.pairings import EvalSettings, Pairing, play_pairing
-from marl.eval.stats import CONFIDENCE, RoleStats, summarize
+from marl.eval.stats import CONFIDENCE, WIN_RULES, RoleStats, summarize
 from marl.games.record import GameRecord
 from marl.plot import percent, plot_eval_matrix
 from marl.snapshots import StaticFleet
@@ -97,7 +97,19 @@ def results_table(results: Sequence[PairingResult], games: int) -> Table:
                           f"{percent(s.win_rate)} [{percent(s.win_low)}, {percent(s.win_high)}]",
                           f"{s.mean_reward:.3f} [{_number(s.reward_low)}, {_number(s.reward_high)}]",
                           percent(s.valid_reply_rate))
+    table.caption = win_rules_caption(results)
     return table
+
+
+def win_rules_caption(results: Sequence[PairingResult]) -> str:
+    """Which rule counted each role's wins (marl.eval.stats.WIN_RULES), one line per rule."""
+    roles_by_rule: dict[str, list[str]] = {}
+    for result in results:
+        for role, stats in result.roles.items():
+            if role not in roles_by_rule.setdefault(stats.win_rule, []):
+                roles_by_rule[stats.win_rule].append(role)
+    return "\n".join(f"a win of {', '.join(roles)}: {WIN_RULES.get(rule, 'by different rules in different games')}"
+                     for rule, roles in roles_by_rule.items() if rule)
 
 
 def _number(value: float) -> str:

@@ -1,8 +1,10 @@
 """Evaluation statistics: win rates with Wilson score intervals, mean rewards with Student-t intervals.
 
-A role *wins* a game when its team is the game's recorded winner; in a game without a winner (the signalling game
-records none) when its reward is positive. So in the signalling game the listener wins when it picked the target;
-the speaker also "wins" on the naming bonus alone when that shaping is on.
+A role *wins* a game by the first rule the game's record allows (`win_rule`; the table says which it used):
+1. `winner`: its team is the game's recorded winner (Werewolves: "village", "werewolves" or "draw");
+2. `goal`: the env said whether the role's goal was met (`TextAECEnv.goal_met`; the signalling game: the team's
+   goal is the listener picking the target, so a speaker does not "win" on a shaping bonus alone);
+3. `reward`: neither (an older row, or an env that says nothing): its reward was positive.
 """
 
 from __future__ import annotations
@@ -79,11 +81,27 @@ def mean_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> tu
     return mean, mean - half, mean + half
 
 
-def role_won(game: GameRecord, role: str) -> bool:
-    """Whether `role` won `game` (see the module docstring)."""
+#: what each rule counts as a win, as the table prints it
+WIN_RULES = {
+    "winner": "its team is the game's recorded winner",
+    "goal": "its goal was met, as the env defines it (a shaping bonus is no win)",
+    "reward": "its reward was positive (the env records no winner and no goals)",
+}
+
+
+def win_rule(game: GameRecord, role: str) -> str:
+    """Which rule decides whether `role` won `game` (a key of `WIN_RULES`; see the module docstring)."""
     if game.winner is not None and role in game.teams:
+        return "winner"
+    return "goal" if role in game.goals else "reward"
+
+
+def role_won(game: GameRecord, role: str) -> bool:
+    """Whether `role` won `game`, by `win_rule`."""
+    rule = win_rule(game, role)
+    if rule == "winner":
         return game.teams[role] == game.winner
-    return game.role_rewards.get(role, 0.0) > 0
+    return game.goals[role] if rule == "goal" else game.role_rewards.get(role, 0.0) > 0
 
 
 @dataclass(frozen=True)
@@ -99,6 +117,7 @@ class RoleStats:
     reward_low: float
     reward_high: float
     valid_reply_rate: float  # 1 - invalid replies / replies (NaN: no replies)
+    win_rule: str = ""  # the `WIN_RULES` key of its games ("mixed" when they differ)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -115,9 +134,11 @@ def role_stats(games: Iterable[GameRecord], role: str) -> RoleStats:
     invalid = sum(g.invalid_actions.get(role, 0) for g in played)
     win_low, win_high = wilson_interval(wins, len(played))
     mean, low, high = mean_interval([g.role_rewards[role] for g in played])
+    rules = {win_rule(g, role) for g in played}
     return RoleStats(games=len(played), wins=wins, win_rate=wins / len(played) if played else math.nan,
                      win_low=win_low, win_high=win_high, mean_reward=mean, reward_low=low, reward_high=high,
-                     valid_reply_rate=1 - invalid / replies if replies else math.nan)
+                     valid_reply_rate=1 - invalid / replies if replies else math.nan,
+                     win_rule=rules.pop() if len(rules) == 1 else "mixed" if rules else "")
 
 
 def summarize(games: Sequence[GameRecord]) -> dict[str, RoleStats]:

@@ -144,6 +144,7 @@ class GameTable:
             seconds=time.monotonic() - start,
             turns=turns,
             winner=env.winner,
+            goals=goals_by_role(env),
             teams={env.role_of(agent): env.team_of(agent) for agent in env.possible_agents},
             time=time.time(),
             co_players=self._co_players(env, leases, statics),
@@ -228,6 +229,18 @@ def _invalid_replies(env: GameEnv, agent: str) -> int | None:
     """How many invalid replies `agent` made this game, if the env counts them (`TextAECEnv.invalid_actions`)."""
     counts = getattr(env, "invalid_actions", None)
     return counts.get(agent) if isinstance(counts, Mapping) else None
+
+
+def goals_by_role(env: GameEnv) -> dict[str, bool]:
+    """Each role's goal met or not, where the env says (`goal_met`; a role of several agents: every one met it)."""
+    goal_met = getattr(env, "goal_met", None)  # an env written to the contract before goals existed has none
+    said = {agent: goal_met(agent) for agent in env.possible_agents} if goal_met is not None else {}
+    goals: dict[str, bool] = {}
+    for agent, met in said.items():
+        if met is not None:
+            role = env.role_of(agent)
+            goals[role] = goals.get(role, True) and bool(met)
+    return goals
 
 
 def close_players(players: Iterable[Any]) -> None:

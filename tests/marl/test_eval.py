@@ -11,10 +11,13 @@ import pytest
 import yaml
 from PIL import Image
 
+from envs.signalling import SignallingGame
 from marl.eval.command import main, split_arguments
-from marl.eval.pairings import plan_pairings
-from marl.eval.stats import mean_interval, role_stats, role_won, t_value, wilson_interval
+from marl.eval.matrix import PairingResult, win_rules_caption
+from marl.eval.pairings import Pairing, plan_pairings
+from marl.eval.stats import WIN_RULES, mean_interval, role_stats, role_won, t_value, wilson_interval, win_rule
 from marl.games.record import GameRecord
+from marl.games.table import goals_by_role
 from marl.plot import replot_eval_matrix
 from marl.snapshots import SnapshotError, checkpoints_of, resolve_snapshot
 from marl.topology import Topology
@@ -67,6 +70,31 @@ def test_wins_rewards_and_valid_replies_per_role():
     assert (stats.win_low, stats.win_high) == wilson_interval(2, 3)
     assert stats.mean_reward == pytest.approx(0.5) and stats.valid_reply_rate == pytest.approx(1 - 1 / 8)
     assert (stats.reward_low, stats.reward_high) == pytest.approx(mean_interval([1.0, 0.0, 0.5])[1:])
+
+
+def test_a_shaping_bonus_is_no_win_where_the_env_says_the_goal_was_missed():
+    """The signalling game pays the speaker a naming bonus even when the listener picks wrong; the team's goal (the
+    listener's pick) decides the win, and the table says so."""
+    env = SignallingGame(num_items=3, naming_bonus=0.5)
+    records = []
+    for right in (True, False):
+        env.reset(seed=3)
+        env.step(f"The {env.target}!")  # names the target: the bonus
+        env.step(env.target if right else next(item for item in env.items if item != env.target))
+        records.append(GameRecord(role_rewards=env.outcome_by_role(), goals=goals_by_role(env),
+                                  winner=env.winner, teams={env.role_of(a): env.team_of(a) for a in env.agents}))
+    assert [r.role_rewards["speaker"] for r in records] == [1.5, 0.5]  # positive both times
+    assert [win_rule(r, "speaker") for r in records] == ["goal", "goal"]
+    assert [role_won(r, "speaker") for r in records] == [True, False]
+    assert [role_won(r, "listener") for r in records] == [True, False]
+    speaker = role_stats(records, "speaker")
+    assert (speaker.wins, speaker.win_rule) == (1, "goal")
+    older = GameRecord(role_rewards={"speaker": 0.5})  # a row from before goals: a positive reward still wins
+    assert win_rule(older, "speaker") == "reward" and role_won(older, "speaker")
+    assert role_stats([*records, older], "speaker").win_rule == "mixed"
+    pairing = Pairing(seats={})
+    caption = win_rules_caption([PairingResult(pairing, [], {"speaker": speaker})])
+    assert caption == f"a win of speaker: {WIN_RULES['goal']}"
 
 
 # --- checkpoints ----------------------------------------------------------------------------------------------
@@ -141,6 +169,7 @@ def test_eval_plays_every_pairing_on_the_same_seeds(tiny_model, tmp_path, capsys
             assert game.episodes == {}  # static servers only: nothing leased, nothing recorded
         for role, stats in pairing["roles"].items():
             games = [GameRecord.model_validate(g) for g in pairing["games"]]
+            assert stats["win_rule"] == "goal"  # the signalling game says whether each role's goal was met
             assert stats["games"] == 3 and (stats["win_low"], stats["win_high"]) == pytest.approx(
                 wilson_interval(sum(role_won(g, role) for g in games), 3))
     first, again = ([(g["role_rewards"], g["replies"]) for g in p["games"]] for p in pairings[:2])

@@ -1,0 +1,155 @@
+"""Does learning hold on every seed? `marl run` a topology on several seeds, one after another, `marl eval` each run's
+initial and latest checkpoints, and count the seeds on which every trainable role improved.
+
+    python bench/seed_sweep.py topologies/signalling-lora.yaml --seeds 4,5,6
+    python bench/seed_sweep.py topologies/signalling-cpu.yaml --seeds 1 train.overlap=true --out runs/sweep-overlap
+    python bench/seed_sweep.py --smoke        # a minute: a tiny model, one step, one seed, 4 games
+
+Each seed runs `marl run FILE run.seed=S run.run_dir=OUT/seed-S [overrides]` (its output in OUT/seed-S/run.log),
+then `marl eval FILE ROLE=initial,latest... --games N --run-dir OUT/seed-S` for every role a trainable server plays
+(greedy, on the same seeds for every pairing; OUT/seed-S/eval/). A role *improved* on a seed when its win rate with
+every role at its latest checkpoint has a 95% interval wholly above its interval with every role at the initial one
+(`marl eval` says which win rule it counted by). Prints each seed's table as it finishes, then the share of seeds on
+which every role improved, and writes OUT/sweep.json. A `train.` override applies to every trainable server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
+
+from marl.topology import Topology  # noqa: E402
+
+MARL = [sys.executable, "-m", "marl"]
+
+
+def trainable_roles(topology: Topology) -> list[str]:
+    """The roles a trainable server (or a LoRA policy of one) plays: the ones a sweep judges."""
+    return [role for role, learner in topology.role_learners().items() if learner is not None]
+
+
+def server_overrides(topology: Topology, overrides: list[str]) -> list[str]:
+    """`train.X=V` becomes `servers.S.train.X=V` for every trainable server S; other overrides pass as they are."""
+    out = []
+    for item in overrides:
+        if item.startswith("train."):
+            out += [f"servers.{name}.{item}" for name in topology.trainable_servers()]
+        else:
+            out.append(item)
+    return out
+
+
+def verdict(report: dict, roles: list[str]) -> dict[str, dict]:
+    """Per role: its win rate and interval at all-initial and at all-latest, and whether it improved."""
+    pairings = report["pairings"]
+    initial = next(p for p in pairings if all(s["version"] in (0, None) for s in p["seats"].values()))
+    latest = next(p for p in pairings if all(s["version"] not in (0, None) for s in p["seats"].values()))
+    out = {}
+    for role in roles:
+        before, after = initial["roles"][role], latest["roles"][role]
+        out[role] = {"initial": before, "latest": after, "latest_label": latest["label"],
+                     "win_rule": after.get("win_rule", ""),
+                     "improved": after["win_low"] is not None and before["win_high"] is not None
+                     and after["win_low"] > before["win_high"]}
+    return out
+
+
+def run_seed(file: str, seed: int, out: Path, overrides: list[str], roles: list[str], games: int) -> dict:
+    """One seed: the run, then its evaluation; returns the seed's verdict with the two commands' wall times."""
+    run_dir = out / f"seed-{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with (run_dir / "run.log").open("w") as log:
+        run = subprocess.run([*MARL, "run", file, f"run.seed={seed}", f"run.run_dir={run_dir}", *overrides],
+                             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    run_s = time.monotonic() - started
+    if run.returncode != 0:
+        raise SystemExit(f"seed {seed}: marl run exited {run.returncode}; see {run_dir / 'run.log'}")
+    pairs = [f"{role}=initial,latest" for role in roles]
+    started = time.monotonic()
+    evaluation = subprocess.run([*MARL, "eval", file, *pairs, *overrides, "--games", str(games), "--run-dir",
+                                 str(run_dir), "--out", str(run_dir / "eval"), "--seed", str(seed)],
+                                capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if evaluation.returncode != 0:
+        raise SystemExit(f"seed {seed}: marl eval exited {evaluation.returncode}:\n{evaluation.stderr[-3000:]}")
+    report = json.loads((run_dir / "eval" / "eval.json").read_text())
+    return {"seed": seed, "run_s": run_s, "eval_s": time.monotonic() - started, "roles": verdict(report, roles)}
+
+
+def _interval(stats: dict) -> str:
+    return f"{stats['win_rate']:.0%} [{stats['win_low']:.0%}, {stats['win_high']:.0%}]"
+
+
+def print_seed(result: dict) -> None:
+    print(f"seed {result['seed']}: run {result['run_s'] / 60:.1f} min, eval {result['eval_s'] / 60:.1f} min")
+    for role, v in result["roles"].items():
+        print(f"  {role:10} initial {_interval(v['initial']):18} {v['latest_label']}: {_interval(v['latest']):18}"
+              f" mean reward {v['initial']['mean_reward']:.2f} -> {v['latest']['mean_reward']:.2f}"
+              f"  {'improved' if v['improved'] else 'NOT improved'} (wins by {v['win_rule']})", flush=True)
+
+
+def sweep(file: str, seeds: list[int], out: Path, overrides: list[str], games: int) -> list[dict]:
+    topology = Topology.load(file, [])
+    roles, overrides = trainable_roles(topology), server_overrides(topology, overrides)
+    print(f"{file}: seeds {seeds}, judging {', '.join(roles)}; {games} games per pairing; output in {out}", flush=True)
+    results = []
+    for seed in seeds:
+        results.append(run_seed(file, seed, out, overrides, roles, games))
+        print_seed(results[-1])
+    good = sum(all(v["improved"] for v in r["roles"].values()) for r in results)
+    print(f"every trainable role improved on {good} of {len(results)} seeds"
+          f" ({sum(r['run_s'] + r['eval_s'] for r in results) / 60:.0f} min in all)")
+    (out / "sweep.json").write_text(json.dumps({"file": file, "overrides": overrides, "games": games,
+                                                "seeds": results, "improved_seeds": good}, indent=1))
+    return results
+
+
+SMOKE_TOPOLOGY = """\
+name: sweep-smoke
+servers:
+  model: {{model: {model}, trainable: true, device: cpu, train: {{batch_size: 1, num_repeat: 2, save_freq: 1}}}}
+roles:
+  speaker: {{server: model}}
+  listener: {{scripted: true}}
+env: {{class: "envs.signalling:SignallingGame", args: {{num_items: 3}}}}
+run: {{max_steps: 1, repeats: 2, concurrency: 2, max_tokens: 6}}
+"""
+
+
+def smoke() -> None:
+    """One seed of a one-step run of a tiny model (the listener scripted), evaluated on 4 games."""
+    from tests.tiny_model import build_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        topology = Path(tmp) / "topology.yaml"
+        topology.write_text(SMOKE_TOPOLOGY.format(model=build_tiny_model(Path(tmp) / "tiny")))
+        (result,) = sweep(str(topology), [0], Path(tmp) / "sweep", [], games=4)
+        assert set(result["roles"]) == {"speaker"}, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("file", nargs="?", help="the topology YAML")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for every run (train.X: every server)")
+    parser.add_argument("--seeds", default="4,5,6", help="comma-separated run seeds (default 4,5,6)")
+    parser.add_argument("--games", type=int, default=128, help="games per eval pairing (default 128)")
+    parser.add_argument("--out", type=Path, help="where the runs go (default runs/sweep-<topology name>)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one step, one seed")
+    args = parser.parse_args()
+    if args.smoke:
+        return smoke()
+    if args.file is None:
+        parser.error("the topology file is required (or --smoke)")
+    out = args.out or Path("runs") / f"sweep-{Path(args.file).stem}"
+    sweep(args.file, [int(s) for s in args.seeds.split(",")], out, args.overrides, args.games)
+
+
+if __name__ == "__main__":
+    main()
