@@ -1,10 +1,10 @@
-"""Check the code's shape rules: no function over 60 lines outside tests, no class in servers/ over 250 lines.
+"""Check the code's shape rules: no function over 60 lines and no class over 250 lines, outside tests.
 
     python bench/code_shape.py            # lists offenders, exit 1 if any; also prints the longest functions
     python bench/code_shape.py --smoke    # the same report, exit 0 (the limits are tests/project/test_code_shape.py's)
 
 A function's length is its lines from `def` to its last line, docstring included. The rules are the redesign's:
-short functions read at once, and each server room stays small enough to hold in one's head.
+short functions read at once, and each class (one responsibility) stays small enough to hold in one's head.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CHECKED = ("marl", "servers", "envs", "bench", "examples")  # everything but tests/
 MAX_FUNCTION_LINES = 60
-MAX_SERVER_CLASS_LINES = 250
+MAX_CLASS_LINES = 250
 
 
 @dataclass(frozen=True)
@@ -51,27 +51,24 @@ def python_files(root: Path = ROOT) -> list[Path]:
 def offenders(root: Path = ROOT) -> list[Block]:
     found = []
     for path in python_files(root):
-        in_servers = path.relative_to(root).parts[0] == "servers"
         for block in blocks(path, root):
-            if block.kind == "function" and block.length > MAX_FUNCTION_LINES:
-                found.append(block)
-            elif block.kind == "class" and in_servers and block.length > MAX_SERVER_CLASS_LINES:
+            limit = MAX_FUNCTION_LINES if block.kind == "function" else MAX_CLASS_LINES
+            if block.length > limit:
                 found.append(block)
     return found
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--top", type=int, default=5, help="also list the N longest functions and server classes")
+    parser.add_argument("--top", type=int, default=5, help="also list the N longest functions and classes")
     parser.add_argument("--smoke", action="store_true",
                         help="check that the script runs: same report, exit 0 even with offenders")
     args = parser.parse_args()
     every = [b for p in python_files() for b in blocks(p)]
     functions = sorted((b for b in every if b.kind == "function"), key=lambda b: -b.length)
-    classes = sorted((b for b in every if b.kind == "class" and b.path.relative_to(ROOT).parts[0] == "servers"),
-                     key=lambda b: -b.length)
+    classes = sorted((b for b in every if b.kind == "class"), key=lambda b: -b.length)
     print(f"longest functions (limit {MAX_FUNCTION_LINES}):", *functions[: args.top], sep="\n  ")
-    print(f"longest classes in servers/ (limit {MAX_SERVER_CLASS_LINES}):", *classes[: args.top], sep="\n  ")
+    print(f"longest classes (limit {MAX_CLASS_LINES}):", *classes[: args.top], sep="\n  ")
     bad = offenders()
     print(f"{len(bad)} over the limits", *bad, sep="\n  " if bad else "")
     return 1 if bad and not args.smoke else 0

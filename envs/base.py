@@ -2,7 +2,8 @@
 
 An env author writes a handful of hooks; the base class does the PettingZoo plumbing (reset, observe, step, last,
 dead-agent steps, reward accumulation), lists the legal actions in every observation, asks again after an invalid
-reply, falls back after too many, and counts both per agent and per role::
+reply, falls back after too many, and counts both per agent and per role (that bookkeeping is
+`envs/invalid_replies.py`'s `InvalidReplies`)::
 
     class Guess(TextAECEnv):
         possible_agents = ["guesser"]
@@ -38,6 +39,8 @@ import numpy as np
 from gymnasium.spaces import Text
 from pettingzoo import AECEnv
 
+from envs.invalid_replies import InvalidReplies, default_reason
+
 __all__ = ["GameEnv", "InvalidAction", "RoleInfo", "TextAECEnv", "TextObservation", "match_choice", "play",
            "printable"]
 
@@ -60,6 +63,37 @@ class RoleInfo:
 
     team: str
     count: int = 1
+
+
+def count_roles(agents: Sequence[str], role_of: Callable[[str], str],
+                team_of: Callable[[str], str]) -> dict[str, RoleInfo]:
+    """The roles `agents` are dealt, with their teams and counts. A role is one team: agents of one role in two
+    teams raise ValueError (give them different roles)."""
+    counts: dict[str, int] = {}
+    teams: dict[str, str] = {}
+    for agent in agents:
+        role, team = role_of(agent), team_of(agent)
+        if teams.setdefault(role, team) != team:
+            raise ValueError(f"role {role!r} is dealt to agents of two teams ({teams[role]!r} and {team!r}, "
+                             f"{agent}): a role's agents share one team, so give them different roles")
+        counts[role] = counts.get(role, 0) + 1
+    return {role: RoleInfo(team=teams[role], count=n) for role, n in counts.items()}
+
+
+def sum_by_role(counts: Mapping[str, int], role_of: Callable[[str], str]) -> dict[str, int]:
+    """Per-agent counts summed per role."""
+    out: dict[str, int] = {}
+    for agent, n in counts.items():
+        out[role_of(agent)] = out.get(role_of(agent), 0) + n
+    return out
+
+
+def mean_by_role(values: Mapping[str, float], role_of: Callable[[str], str]) -> dict[str, float]:
+    """Per-agent values averaged per role."""
+    by_role: dict[str, list[float]] = {}
+    for agent, value in values.items():
+        by_role.setdefault(role_of(agent), []).append(value)
+    return {role: sum(v) / len(v) for role, v in by_role.items()}
 
 
 @runtime_checkable
@@ -195,12 +229,8 @@ class TextAECEnv(AECEnv):
         self.rng = random.Random()
         self.agents: list[str] = []
         self.num_moves = 0
-        self.invalid_actions: dict[str, int] = {}
-        self.replies: dict[str, int] = {}
-        self.fallbacks: dict[str, int] = {}
         self._returns: dict[str, float] = {}
-        self._invalid_streak: dict[str, int] = {}
-        self._feedback: dict[str, str] = {}
+        self._invalid = InvalidReplies()  # the reply counts and retries of this game: a new one at every reset
 
     # --- hooks ---------------------------------------------------------------------------------------------------
 
@@ -248,19 +278,10 @@ class TextAECEnv(AECEnv):
     def dealt_roles(self) -> dict[str, RoleInfo]:
         """Every role this env deals in each game, with its team and how many agents get it; valid before `reset`.
 
-        Default: counted from `role_of`/`team_of` over `possible_agents`, which suits envs whose roles do not depend
-        on the game. An env that deals roles at random (Werewolves) overrides it. A role is one team: agents of one
-        role in two teams raise ValueError (give them different roles).
+        Default: counted from `role_of`/`team_of` over `possible_agents` (`count_roles`), which suits envs whose
+        roles do not depend on the game. An env that deals roles at random (Werewolves) overrides it.
         """
-        counts: dict[str, int] = {}
-        teams: dict[str, str] = {}
-        for agent in self.possible_agents:
-            role, team = self.role_of(agent), self.team_of(agent)
-            if teams.setdefault(role, team) != team:
-                raise ValueError(f"role {role!r} is dealt to agents of two teams ({teams[role]!r} and {team!r}, "
-                                 f"{agent}): a role's agents share one team, so give them different roles")
-            counts[role] = counts.get(role, 0) + 1
-        return {role: RoleInfo(team=teams[role], count=n) for role, n in counts.items()}
+        return count_roles(self.possible_agents, self.role_of, self.team_of)
 
     def team_of(self, agent: str) -> str:
         """The team `agent` belongs to this game (default: its role)."""
@@ -271,6 +292,11 @@ class TextAECEnv(AECEnv):
         the items, the target, the message, the picks; Werewolves: the roles, the deaths, the winner). JSON values
         (str, numbers, bools, None, lists, dicts). `marl run` records it in games.jsonl; default: nothing."""
         return {}
+
+    def goal_met(self, agent: str) -> bool | None:
+        """Whether `agent` met its goal this game, where no team wins (`winner`): what `marl eval` counts as its win
+        rather than a positive reward, which shaping may pay. None (the default): the env does not say."""
+        return None
 
     def scripted_action(self, agent: str) -> str:
         """A sensible rule-based reply (scripted opponents, tests). Default: the first legal action."""
@@ -291,29 +317,26 @@ class TextAECEnv(AECEnv):
 
     def outcome_by_role(self) -> dict[str, float]:
         """The mean total reward of the agents playing each role this game."""
-        by_role: dict[str, list[float]] = {}
-        for agent, value in self._returns.items():
-            by_role.setdefault(self.role_of(agent), []).append(value)
-        return {role: sum(v) / len(v) for role, v in by_role.items()}
+        return mean_by_role(self._returns, self.role_of)
+
+    # Per agent this game, counted by `InvalidReplies`: its replies (valid or not), its invalid replies, the fallbacks
+    # played for it. Read-only views: a new game starts new counts.
+    replies = property(lambda self: self._invalid.replies)
+    invalid_actions = property(lambda self: self._invalid.invalid)
+    fallbacks = property(lambda self: self._invalid.fallbacks)
 
     @property
     def invalid_actions_by_role(self) -> dict[str, int]:
-        return self._by_role(self.invalid_actions)
+        return sum_by_role(self.invalid_actions, self.role_of)
 
     @property
     def replies_by_role(self) -> dict[str, int]:
         """Replies per role (valid or not): the valid-reply rate of a role is 1 - invalid / replies."""
-        return self._by_role(self.replies)
+        return sum_by_role(self.replies, self.role_of)
 
     @property
     def fallbacks_by_role(self) -> dict[str, int]:
-        return self._by_role(self.fallbacks)
-
-    def _by_role(self, counts: Mapping[str, int]) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for agent, n in counts.items():
-            out[self.role_of(agent)] = out.get(self.role_of(agent), 0) + n
-        return out
+        return sum_by_role(self.fallbacks, self.role_of)
 
     # --- PettingZoo API ------------------------------------------------------------------------------------------
 
@@ -338,11 +361,7 @@ class TextAECEnv(AECEnv):
         self.truncations = {a: False for a in self.agents}
         self.infos = {a: {} for a in self.agents}
         self._returns = {a: 0.0 for a in self.agents}
-        self.invalid_actions = {a: 0 for a in self.agents}
-        self.replies = {a: 0 for a in self.agents}  # every reply of a live agent, valid or not
-        self.fallbacks = {a: 0 for a in self.agents}
-        self._invalid_streak = {a: 0 for a in self.agents}
-        self._feedback = {}
+        self._invalid = InvalidReplies(self.agents)
         self._skip_agent_selection = None
         self.num_moves = 0
         self.agent_selection = self.agents[0] if self.agents else None
@@ -358,8 +377,8 @@ class TextAECEnv(AECEnv):
                 options = "\n".join(f"{i}. {label}" if self.number_options else f"- {label}"
                                      for i, label in enumerate(legal, 1))
                 text = f"{text.rstrip()}\n{options}\n{self.choice_prompt}".rstrip()
-            if agent in self._feedback:
-                text = f"{text}\n{self._feedback[agent]}"
+            if agent in self._invalid.retry_lines:
+                text = f"{text}\n{self._invalid.retry_lines[agent]}"
         text = printable(text)
         if len(text) > self.max_observation_chars:  # keep the end: the latest news and the legal actions
             text = "...\n" + text[-(self.max_observation_chars - 4):]
@@ -379,20 +398,12 @@ class TextAECEnv(AECEnv):
         except InvalidAction as exc:
             parsed, reason = None, str(exc)
         if parsed is None:
-            self.invalid_actions[agent] += 1
-            self._invalid_streak[agent] += 1
-            if self._invalid_streak[agent] <= self.max_invalid_retries:
-                left = self.max_invalid_retries - self._invalid_streak[agent] + 1
-                self._feedback[agent] = (
-                    f'Your reply "{_snippet(text)}" was not valid: {reason or self._default_reason(agent)}.'
-                    f" Try again ({left} {'try' if left == 1 else 'tries'} left)."
-                )
-                self._finish_step()
+            reason = reason or default_reason(self._legal_actions(agent), self.number_options)
+            if self._invalid.rejected(agent, _snippet(text), reason, self.max_invalid_retries):
+                self._finish_step()  # the same agent is asked again
                 return
-            self.fallbacks[agent] += 1
             parsed = self._fallback(agent)
-        self._invalid_streak[agent] = 0
-        self._feedback.pop(agent, None)
+        self._invalid.accepted(agent)
         self._apply(agent, parsed)
         self.num_moves += 1
         if self.max_steps is not None and self.num_moves >= self.max_steps:
@@ -412,14 +423,6 @@ class TextAECEnv(AECEnv):
             self.infos.setdefault(agent, {}).update(
                 role=self.role_of(agent), invalid_actions=self.invalid_actions.get(agent, 0),
                 fallbacks=self.fallbacks.get(agent, 0))
-
-    def _default_reason(self, agent: str) -> str:
-        legal = self._legal_actions(agent)
-        if legal is None:
-            return "say something"
-        if not legal:
-            return "there is nothing to choose"
-        return f"reply with one number from 1 to {len(legal)}" if self.number_options else "reply with one option"
 
     def render(self) -> str | None:
         if self.render_mode is None or not self.agents:

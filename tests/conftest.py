@@ -11,13 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from tiny_model import build_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.launch import ServerProcess, free_port
 from marl.protocol import TrainConfig
 from servers.entrypoint import ServeOptions, build_server, http_server
 from servers.http.routes import create_app
-from tiny_model import build_tiny_model
 from servers.training.lifecycle import TrainerFactory
 from tests.servers.recording_vllm import RecordingVLLM
 
@@ -205,7 +205,6 @@ def trainable(name: str, url: str, **config):
     """A coordinator `Endpoint` for the trainable server at `url`, its config synced and its engine started."""
     from marl import SwarmClient
     from marl.endpoints import TrainableEndpoint
-
     from marl.protocol import TrainConfig
 
     train = TrainConfig.model_validate({"batch_size": 2, "num_repeat": 2, "save_freq": 0, **config})

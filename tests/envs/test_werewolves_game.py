@@ -4,10 +4,10 @@ and the seer's server each receive their own linked episode, tagged with their o
 from __future__ import annotations
 
 from conftest import LocalServer, ledger_samples, trainable
+from tiny_model import build_tiny_model
 
 from envs.werewolves import Werewolves
 from marl.coordinator import Coordinator, GameSettings
-from tiny_model import build_tiny_model
 
 
 def samples(data_dir) -> list[tuple]:

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 pytest.importorskip("agentscope")
 
 from conftest import ADMIN, LocalServer
+from tiny_model import build_tiny_model
 
 from marl import EpisodeOutput, SwarmClient
 from marl.agents import ScriptedAgent
@@ -24,7 +25,6 @@ from marl.agentscope_agents import (
     role_model,
 )
 from marl.games.table import Seat
-from tiny_model import build_tiny_model
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "agentscope_werewolves.py"
 CLOCK = re.compile(r"\d{4}-\d{2}-\d{2}|\d{1,2}:\d{2}:\d{2}|current-time|timezone", re.IGNORECASE)

@@ -14,10 +14,10 @@ import sys
 
 import pytest
 import yaml
+from tiny_model import build_tiny_model
 
 from marl.games.record import read_games
 from servers.engines.vllm_process import VLLM_PYTHON_ENV, vllm_python
-from tiny_model import build_tiny_model
 
 pytestmark = [
     pytest.mark.skipif(not vllm_python().exists(),

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_model import build_tiny_model
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -23,7 +24,6 @@ from transformers import (
 from marl.protocol import FSDPConfig, GRPOConfig, TrainConfig
 from servers.backends import Group, TrainBatch
 from servers.episodes.ledger import Ledger
-from tiny_model import build_tiny_model
 from servers.trainers.fsdp import FSDPTrainer
 from servers.trainers.grpo import GRPOTrainer
 from servers.trainers.policy_model import load_policy_model, token_logprobs_and_entropy

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny_model import build_tiny_model
 
 from servers.model_files import KNOWN_MODELS, load_tokenizer, resolve_model
-from tiny_model import build_tiny_model
 
 
 def test_an_existing_directory_is_returned_as_is(tmp_path: Path) -> None:

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from tiny_model import build_tiny_model
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "plan_accuracy.py"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_model import build_tiny_model
 
 from servers.backends import GenerationChunk, SamplingParams
 from servers.engines.torch_engine import TorchEngine
-from tiny_model import build_tiny_model
 
 TEXTS = [
     "Hi",

@@ -23,6 +23,7 @@ import pytest
 import torch
 import uvicorn
 from conftest import ADMIN, admin_http, wait_state, wait_version
+from tiny_model import build_tiny_model
 from transformers import AutoModelForCausalLM
 
 from marl.cli import _serve_options, parse
@@ -32,7 +33,6 @@ from servers.engines.vllm_http import sleep_for_training, sync_weights_waking
 from servers.engines.vllm_process import VLLM_PYTHON_ENV, vllm_python
 from servers.entrypoint import build_app, default_trainer_factory
 from servers.episodes.ledger import Ledger
-from tiny_model import build_tiny_model
 from servers.trainers.grpo import token_logprobs
 
 pytestmark = [

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
+from tiny_model import build_tiny_model
 
 from marl.protocol import LoraSpec
 from servers.backends import SamplingParams
 from servers.engines.vllm_engine import VLLMEngine
 from servers.engines.vllm_lora import LoraSlots, lora_slots
 from servers.engines.vllm_process import VLLM_PYTHON_ENV, VLLMLaunch, vllm_python
-from tiny_model import build_tiny_model
 from tests.servers.test_multi_lora_engine import SEEDS, SPECS, peft_adapter, peft_logprobs
 from tests.servers.test_torch_engine import TEXTS, run_all
 

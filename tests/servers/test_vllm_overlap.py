@@ -12,10 +12,10 @@ import threading
 import openai
 import pytest
 from conftest import admin_http, begin_lease, wait_state, wait_version
+from tiny_model import build_tiny_model
 
 from marl.protocol import TrainConfig
 from servers.engines.vllm_process import VLLM_PYTHON_ENV, vllm_python
-from tiny_model import build_tiny_model
 from tests.servers.test_vllm_engine import START_TIMEOUT_S, VLLMServer, end, lease_client
 
 pytestmark = [

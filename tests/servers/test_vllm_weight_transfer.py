@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_model import build_tiny_model
 
 from marl.protocol import VLLM_WEIGHT_SYNC_MODES, FSDPConfig, TrainConfig
 from servers.engines.vllm_process import (
@@ -45,7 +46,6 @@ from servers.engines.weight_transfer import (
     unique_tensors,
     update_metadata,
 )
-from tiny_model import build_tiny_model
 
 PYTHON = Path(sys.executable)  # any existing python: the command line is only built
 NCCL = "/site-packages/nvidia/nccl/lib/libnccl.so.2"  # a trainer's NCCL library, as found (only passed on)

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_model import build_tiny_model
 
 from servers.engines import weight_transfer
 from servers.engines.vllm_process import VLLMLaunch, VLLMSettings
@@ -29,7 +30,6 @@ from servers.engines.weight_transfer import (
     replica_posts,
     unique_tensors,
 )
-from tiny_model import build_tiny_model
 from tests.servers.fsdp_rank_checks import spawn_ranks
 from tests.servers.transfer_rank_checks import digest, push_to_replicas
 
