@@ -148,6 +148,20 @@ class SignallingGame(TextAECEnv):
             return None
         return self.choices[agent if agent in self.guessers else self.guessers[0]] == self.target
 
+    def action_labels(self) -> dict[str, list[str]]:
+        """What each agent did, as a category (`marl run` shows their shares, where a collapse shows first): a
+        guesser the position it picked in its own order ("pick 2", "pick none"), the speaker whether its message
+        names the target ("names target", "names another", "names several", "names none")."""
+        labels = {}
+        for guesser, choice in self.choices.items():
+            order = self.orders[guesser]
+            labels[guesser] = [f"pick {order.index(choice) + 1}" if choice in order else "pick none"]
+        if self.message is not None:
+            named = named_options(self.message, self.items)
+            labels["speaker"] = ["names none" if not named else "names several" if len(named) > 1
+                                 else "names target" if self.items[named[0]] == self.target else "names another"]
+        return labels
+
     def summary(self) -> dict[str, Any]:
         """The items, the target, what the speaker said and what each guesser picked ("" for nothing)."""
         return {"items": list(self.items), "target": self.target, "message": self.message,

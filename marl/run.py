@@ -38,7 +38,7 @@ import secrets
 import signal
 import threading
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -110,6 +110,8 @@ class _Board:
         self.games = self.failed = self.retried = 0
         # role -> the last RECENT_GAMES rewards (bounded: a run of 100,000 games keeps no more than 50 per role)
         self.rewards: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=RECENT_GAMES))
+        # role -> what it did in those games, as the env's categories (where the env labels actions)
+        self.actions: dict[str, deque[str]] = defaultdict(lambda: deque(maxlen=RECENT_GAMES))
         self.last_error = ""
         self._file = open(games_path, "a")
 
@@ -120,6 +122,8 @@ class _Board:
             self.games += 1
             for role, reward in result.role_rewards.items():
                 self.rewards[role].append(reward)
+            for role, labels in result.actions.items():
+                self.actions[role].extend(labels)
             return self.games
 
     def failure(self, failure: FailedAttempt) -> None:
@@ -139,6 +143,14 @@ class _Board:
         """Mean reward per role over the last RECENT_GAMES games."""
         with self.lock:
             return {role: sum(v) / len(v) for role, v in sorted(self.rewards.items())}
+
+    def recent_actions(self) -> dict[str, str]:
+        """Per role, the shares of what it did over the last RECENT_GAMES games ("pick 3 80%, pick 1 20%"): a
+        role that collapsed onto one answer shows it here first."""
+        with self.lock:
+            counts = {role: Counter(labels) for role, labels in sorted(self.actions.items()) if labels}
+        return {role: ", ".join(f"{label} {n / sum(c.values()):.0%}" for label, n in c.most_common())
+                for role, c in counts.items()}
 
     def table(self, name: str, started: float, servers: dict[str, ServerView]) -> Table:
         rewards = ", ".join(f"{role} {mean:.2f}" for role, mean in self.recent_rewards().items())
@@ -357,8 +369,10 @@ class _Session:
     def _step_done(self, server: str, status: ServerStatus) -> None:
         """The monitor saw a new policy version: one line per training step, so progress shows in logs too."""
         rewards = {role: round(mean, 3) for role, mean in self.board.recent_rewards().items()}
+        actions = self.board.recent_actions()
+        shares = f"; recent actions {json.dumps(actions)}" if actions else ""
         self.say(f"{server}: step {status.policy_version} done; {self.board.games} games;"
-                 f" recent reward {json.dumps(rewards)}", log=True)
+                 f" recent reward {json.dumps(rewards)}{shares}", log=True)
         for warning in self.collapse.observe(server, status.metrics):
             self.say(f"warning: {warning}", "yellow", log=True)
 

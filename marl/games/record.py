@@ -96,6 +96,7 @@ class GameRecord(BaseModel):
     turns: int = 0
     winner: str | None = None  # the team that won, if the game has that notion
     goals: dict[str, bool] = {}  # role -> whether its goal was met, where the env says (`marl eval`'s win rule)
+    actions: dict[str, list[str]] = {}  # role -> what its agents did, as the env's categories (`action_labels`)
     teams: dict[str, str] = {}  # role -> its team this game
     time: float | None = None  # unix time the game finished (None: not recorded)
     co_players: dict[str, CoPlayer] = {}  # role -> who played it (every role of the game)

@@ -145,6 +145,7 @@ class GameTable:
             turns=turns,
             winner=env.winner,
             goals=goals_by_role(env),
+            actions=actions_by_role(env),
             teams={env.role_of(agent): env.team_of(agent) for agent in env.possible_agents},
             time=time.time(),
             co_players=self._co_players(env, leases, statics),
@@ -241,6 +242,20 @@ def goals_by_role(env: GameEnv) -> dict[str, bool]:
             role = env.role_of(agent)
             goals[role] = goals.get(role, True) and bool(met)
     return goals
+
+
+def actions_by_role(env: GameEnv) -> dict[str, list[str]]:
+    """The env's `action_labels()` (optional: what each agent did, as categories) gathered by role."""
+    labels = getattr(env, "action_labels", None)
+    try:
+        said = labels() if labels is not None else {}
+    except Exception as exc:  # noqa: BLE001 - a bug in what only describes the game must not cost it; said loudly
+        log.warning("%s.action_labels() raised %r: the game's actions are not recorded", type(env).__name__, exc)
+        return {}
+    out: dict[str, list[str]] = {}
+    for agent, labels_of_agent in said.items():
+        out.setdefault(env.role_of(agent), []).extend(str(label) for label in labels_of_agent)
+    return out
 
 
 def close_players(players: Iterable[Any]) -> None:

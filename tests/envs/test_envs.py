@@ -248,6 +248,10 @@ def test_signalling_observers_are_extra_listeners():
     assert env.outcome() == {"speaker": 2 / 3, "listener": 1.0, "observer_0": 0.0, "observer_1": 1.0}
     assert env.outcome_by_role() == {"speaker": 2 / 3, "listener": 1.0, "observer": 0.5}
     assert env.fallbacks_by_role == {"speaker": 0, "listener": 0, "observer": 1}
+    position = {g: f"pick {env.orders[g].index(env.target) + 1}" for g in ("listener", "observer_1")}
+    assert env.action_labels() == {"speaker": ["names target"], "listener": [position["listener"]],
+                                   "observer_0": ["pick none"], "observer_1": [position["observer_1"]]}
+    assert [env.goal_met(a) for a in env.possible_agents] == [True, True, False, True]
 
 
 def test_signalling_dealt_roles():
