@@ -59,7 +59,7 @@ def test_marl_run_plays_trains_and_writes_the_run_directory(tiny_model, tmp_path
         assert image.size[0] > 500
     assert "stopped 2 local servers" in result.stdout
     assert re.search(r"speaker_model: step \d done; \d+ games; recent reward", result.stdout)  # from the monitor
-    assert re.search(r"recent actions {\"listener\": \"pick [\w ]+ \d+%", result.stdout)  # each role's actions, in shares
+    assert re.search(r"recent actions {\"listener\": \"pick [\w ]+ \d+%", result.stdout)  # shares of actions
     assert all(len(g.actions["listener"]) == 1 for g in games)
     assert "valid replies" in result.stdout and "games/hour" in result.stdout  # the per-role summary
     assert all(g.replies["listener"] - g.invalid_actions["listener"] in (0, 1) for g in games)  # 1 pick or a fallback
