@@ -10,8 +10,12 @@ Read top to bottom. One `GRPOTrainer.step(batch)` does:
        A_e  = r_e - mean_g(r)                                   group-relative baseline
        A_e  = A_e / (std_g(r) + eps)   if normalize_advantage_std   (population std, eps = 1e-6)
 
-   A group whose rewards are all equal (std_g(r) <= 1e-8) carries no signal: it is counted in
-   `groups_zero_variance` and, with `skip_zero_variance_groups`, not trained on. Every sample gets its episode's A.
+   A group whose rewards are all equal (std_g(r) <= 1e-8) carries no policy-gradient signal: it is counted in
+   `groups_zero_variance` and, with `skip_zero_variance_groups`, not trained on, unless `kl_coef` > 0: then it is
+   trained with A = 0, so that the KL term still acts on it (`regularized`). Why: a policy that answers the same in
+   every episode of a group gets the same reward for each, so a collapsed policy has only such groups; skipped, it
+   never moves again (docs/design.md, "Why a policy collapses, and what pulls it back"). Every sample gets its
+   episode's A.
 
 2. **PPO-clip loss** against pi_start, the weights the step starts from (policy version V). For each token t of
    sample s with loss_mask 1 (the model's own tokens), mu_t being the logprob the inference engine recorded when it
@@ -210,9 +214,10 @@ def compute_advantages(
             out.groups_zero_variance += 1
             if skip_zero_variance:
                 continue
+            out.zero_variance_samples.update(id(sample) for sample in group.samples)
         out.groups_trained += 1
         for sample in group.samples:
-            a = rewards[sample.episode_id] - mean  # A = r - mean(group)
+            a = 0.0 if zero_variance else rewards[sample.episode_id] - mean  # A = r - mean(group)
             if normalize_std:
                 a = a / (std + eps)  # A = (r - mean) / (std + eps)
             out.items.append((sample, a))
@@ -228,10 +233,14 @@ def trainable_items(batch: TrainBatch, config: GRPOConfig,
                     start_version: int = 0) -> tuple[list[tuple[Sample, float]], dict[str, float]]:  # fmt: skip
     """Step 1: the (sample, advantage) pairs to train on (a sample without a trained token adds nothing to L) and
     the batch's metrics (rewards, groups, tokens, staleness behind `start_version`)."""
-    adv = compute_advantages(
-        batch.groups, normalize_std=config.normalize_advantage_std, skip_zero_variance=config.skip_zero_variance_groups
-    )
+    adv = compute_advantages(batch.groups, normalize_std=config.normalize_advantage_std,
+                             skip_zero_variance=config.skip_zero_variance_groups and not regularized(config))
     items = [(s, a) for s, a in adv.items if trained_tokens(s) > 0]
+    if adv.zero_variance_samples and config.skip_zero_variance_groups:
+        # Zero-variance groups trained for the KL term only: L averages over every sample, so the others' advantages
+        # are scaled by S / S_pg to keep the policy-gradient term exactly the mean over the groups with a signal.
+        signal = sum(id(s) not in adv.zero_variance_samples for s, _ in items)
+        items = [(s, a * len(items) / signal) for s, a in items] if signal else items
     return items, {**batch_metrics(adv, items, batch.dropped_stale, start_version), **reply_diversity(batch.groups)}
 
 
@@ -311,6 +320,12 @@ def micro_batch_loss(
             logprob_diff_max=float(diff.max()) if diff.numel() else 0.0,
         )
     return loss, stats, start_logp
+
+
+def regularized(config: GRPOConfig) -> bool:
+    """Whether every trained token carries a term besides the policy gradient (the KL to the initial model): then a
+    group of equal rewards is trained too (A = 0), so that the term acts on a policy whose groups all are (step 1)."""
+    return config.kl_coef > 0
 
 
 def recomputes(config: GRPOConfig) -> bool:

@@ -35,6 +35,8 @@ class Advantages:
     groups: int = 0
     groups_zero_variance: int = 0
     groups_trained: int = 0
+    #: id() of the samples of zero-variance groups trained anyway (A = 0: for the KL term only; grpo.py, step 1).
+    zero_variance_samples: set[int] = field(default_factory=set)
     #: Episode rewards per agent (one per episode of each group), for the reward metrics.
     rewards_by_agent: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
 

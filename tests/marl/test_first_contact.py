@@ -26,6 +26,7 @@ from tests.conftest import ADMIN
 STAND_IN_SERVE = """
 import os, sys, threading, time
 from pathlib import Path
+sys.path.insert(0, TESTS_DIR)  # the tiny model helper
 from servers import model_files as models
 from tiny_model import build_tiny_model
 
@@ -40,7 +41,7 @@ class StandIn:
 models.KNOWN_MODELS["stand-in"] = StandIn()
 from marl.cli import main
 main(sys.argv[1:])
-"""
+""".replace("TESTS_DIR", repr(str(Path(__file__).resolve().parents[1])))
 
 TRAIN = {"batch_size": 1, "num_repeat": 2, "save_freq": 0}
 

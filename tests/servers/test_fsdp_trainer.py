@@ -140,11 +140,15 @@ def test_two_ranks_make_the_one_process_off_policy_step(sharded, model_dir, toke
     assert_weights_close(exported(sharded, tmp_path / "w"), one.policy.state_dict(), rel=1e-4)
 
 
-def test_a_step_with_nothing_to_train_still_counts(sharded, tokenizer, model_dir):
+def test_a_step_of_zero_variance_groups_trains_only_the_kl_term(sharded, tokenizer, model_dir):
+    """kl_coef > 0: a group of equal rewards has no policy gradient but is trained for the KL term (grpo.py,
+    step 1), on the ranks as in one process; the weights start at the reference, so the KL and its gradient are 0."""
     one = GRPOTrainer(model_dir, GRPOConfig(**KNOBS))
     flat = [make_sample(tokenizer, one.policy, "Hi", c, reward=0.5, episode=f"e{i}") for i, c in enumerate("ab")]
     m = sharded.step(TrainBatch(step=1, groups=[Group("j", "t", "a", flat)]))
-    assert sharded.step_count == 1 and m["trained"] == 0.0 and m["kl_ref"] == 0.0 and m["groups_zero_variance"] == 1
+    alone = one.step(TrainBatch(step=1, groups=[Group("j", "t", "a", flat)]))
+    assert sharded.step_count == 1 and m["trained"] == 1.0 and m["groups_zero_variance"] == 1
+    assert m["pg_loss"] == 0.0 and m["kl_ref"] == pytest.approx(alone["kl_ref"], abs=1e-6)
 
 
 def test_foreign_token_ids_are_refused_before_the_ranks_start(sharded, model_dir, tokenizer):

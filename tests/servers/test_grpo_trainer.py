@@ -124,6 +124,41 @@ def test_zero_variance_groups_counted_and_skipped():
     assert [a for _, a in kept.items][:3] == [0.0, 0.0, 0.0]
 
 
+def test_with_a_kl_term_zero_variance_groups_train_for_it_and_the_policy_gradient_is_unchanged():
+    """kl_coef > 0: a zero-variance group is trained with A = 0 (the KL term acts on it), and the other samples'
+    advantages are scaled by S / S_pg, so the policy-gradient term of L (a mean over all S samples) is what it was."""
+    flat = Group("j", "t1", "a", [fake_sample("e1", 0.5), fake_sample("e2", 0.5)])
+    live = Group("j", "t3", "a", [fake_sample("e4", 1.0), fake_sample("e5", 0.0)])
+    batch = TrainBatch(step=1, groups=[flat, live])
+    plain, _ = grpo.trainable_items(batch, config())
+    with_kl, metrics = grpo.trainable_items(batch, config(kl_coef=0.1))
+    assert [s.episode_id for s, _ in plain] == ["e4", "e5"]
+    assert [s.episode_id for s, _ in with_kl] == ["e1", "e2", "e4", "e5"]
+    assert [a for _, a in with_kl[:2]] == [0.0, 0.0]
+    # pg term: (1/S) sum A' = (1/S_pg) sum A, sample by sample
+    assert [a / len(with_kl) for _, a in with_kl[2:]] == pytest.approx([a / len(plain) for _, a in plain])
+    assert metrics["groups_zero_variance"] == 1.0 and metrics["groups_trained"] == 2.0
+    unskipped, _ = grpo.trainable_items(batch, config(kl_coef=0.1, skip_zero_variance_groups=False))
+    assert [a for _, a in unskipped] == pytest.approx([0.0, 0.0, *(a for _, a in plain)])  # as before: no scaling
+
+
+def test_a_collapsed_policy_is_pulled_back_towards_the_initial_model_by_the_kl_term(model_dir, tokenizer):
+    """Every group of one reply (a policy that stopped exploring): without a KL term nothing trains; with one, the
+    step moves the policy back towards the reference, whose distribution the collapse left."""
+    trainer = GRPOTrainer(model_dir, config(learning_rate=3e-3, kl_coef=0.5))
+    for _ in range(4):  # collapse it onto "Yes." first: reward the one reply against the others
+        trainer.step(make_batch(trainer, tokenizer))
+    collapsed = completion_logprob(trainer, tokenizer, "What is 2 + 3?", "Yes.")
+    same = [make_sample(tokenizer, trainer.policy, "What is 2 + 3?", "Yes.", reward=1.0, episode=f"e{i}")
+            for i in range(4)]
+    steps = [trainer.step(TrainBatch(step=5 + i, groups=[Group("j", "t0", "a", same)])) for i in range(3)]
+    assert all(m["trained"] == 1.0 and m["groups_zero_variance"] == 1.0 for m in steps)
+    assert steps[-1]["kl_ref"] < steps[0]["kl_ref"]  # back towards the initial model
+    assert completion_logprob(trainer, tokenizer, "What is 2 + 3?", "Yes.") < collapsed
+    unregularized = GRPOTrainer(model_dir, config(learning_rate=3e-3))
+    assert unregularized.step(TrainBatch(step=1, groups=[Group("j", "t0", "a", same)]))["trained"] == 0.0
+
+
 def test_bad_sample_is_rejected():
     bad = fake_sample("e1", 1.0).model_copy(update={"logprobs": [0.0]})
     with pytest.raises(ValueError, match="must be equal"):
