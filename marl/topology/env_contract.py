@@ -2,7 +2,9 @@
 (`dealt_roles()`, the `GameEnv` contract of envs/base.py) are compared with `roles:`.
 
 - `env.args` are keyword arguments: a key the class or factory does not take is an error at `env.args.<key>`
-  (unless it takes `**kwargs`); an exception from the constructor is an error at `env.args`.
+  (unless it takes `**kwargs`); an exception from the constructor is an error at `env.args`, or, when it names the
+  argument it refuses (an `arg` attribute: `envs.textarena_env.GameRefused`), at `env.args.<arg>` (a TextArena
+  game id at `env.textarena`).
 - Every role the env deals needs a player in `roles:` (error at `roles`), and every role in `roles:` must be one the
   env deals (error at `roles.<name>`): a server whose roles are never dealt would never play.
 - `roles.<name>.count` and `.team` may be left out (the env's are taken); given, they must equal the env's.
@@ -71,7 +73,10 @@ def _construct(factory: Callable[..., Any], spec: TopologySpec, findings: Findin
     try:
         env = factory(**spec.env.args)
     except Exception as exc:  # noqa: BLE001 - any constructor error is the topology's problem to report
-        findings.bad(["env", "args"], f"constructing the env failed: {call} raised {type(exc).__name__}: {exc}")
+        if isinstance(arg := getattr(exc, "arg", None), str):  # an env's refusal that names its argument (GameRefused)
+            findings.bad(_refused_key(spec, arg), str(exc))
+        else:
+            findings.bad(["env", "args"], f"constructing the env failed: {call} raised {type(exc).__name__}: {exc}")
         return None
     # Properties are looked up on the class: they may need reset() first (TextAECEnv.replies_by_role does).
     missing = [name for name in GAME_ENV_MEMBERS if not (hasattr(type(env), name) or hasattr(env, name))]
@@ -82,6 +87,14 @@ def _construct(factory: Callable[..., Any], spec: TopologySpec, findings: Findin
                                        " envs.adapter.TextAdapter (docs/envs.md)")
         return None
     return env
+
+
+def _refused_key(spec: TopologySpec, arg: str) -> list[str]:
+    """Where an env's refusal of one argument is reported: `env.textarena` for the game of a TextArena env (named
+    there), else `env.args.<arg>`."""
+    if arg == "game" and spec.env.textarena is not None:
+        return ["env", "textarena"]
+    return ["env", "args", arg]
 
 
 def _dealt_roles(env: Any, findings: Findings) -> dict[str, RoleInfo] | None:

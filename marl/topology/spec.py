@@ -545,10 +545,32 @@ class RoleSpec(_Spec):
         return self
 
 
+#: The env class that plays a TextArena game id (`env.textarena`).
+TEXTARENA_CLASS = "envs.textarena_env:TextArenaEnv"
+
+
 class EnvSpec(_Spec):
     class_path: str = Field(alias="class", description="Import path of the env: 'module:Class' or 'module:factory'"
                                                        " (a function that returns the env).")
+    textarena: str | None = Field(None, description="A TextArena game id (SecretMafia-v0, KuhnPoker-v0), instead of"
+                                  " class: played by envs.textarena_env:TextArenaEnv, env.args its arguments"
+                                  " (num_players, shared_role, teams, game_args).")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the env class or factory.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _textarena_game(cls, data: Any) -> Any:
+        """`textarena: ID` is `class: envs.textarena_env:TextArenaEnv` with `args.game: ID`."""
+        if not isinstance(data, dict) or data.get("textarena") is None:
+            return data
+        game, args = data["textarena"], data.get("args") or {}
+        if data.get("class", TEXTARENA_CLASS) != TEXTARENA_CLASS:
+            raise rule_error(f"both class: {data['class']} and textarena: {game}; an env is a class or a TextArena"
+                             " game id, not both: remove one")
+        if not isinstance(args, dict) or args.get("game", game) != game:
+            raise rule_error(f"args.game ({args.get('game') if isinstance(args, dict) else args!r}) is not textarena:"
+                             f" {game}: remove args.game (textarena: names the game)")
+        return {**data, "class": TEXTARENA_CLASS, "args": {"game": game, **args}}
 
     @field_validator("class_path")
     @classmethod
@@ -563,7 +585,8 @@ class EnvSpec(_Spec):
 
     @property
     def qualname(self) -> str:
-        return self.class_path.partition(":")[2]
+        """The env's name in messages: the TextArena game id, or the class (factory) name."""
+        return self.textarena or self.class_path.partition(":")[2]
 
 
 class RaySpec(_Spec):
