@@ -16,13 +16,15 @@ from collections.abc import Mapping
 
 COLLAPSE_SAME_REPLY = 0.9  # share of groups with a single reply at or above which a role has collapsed
 COLLAPSE_REPLY_NLL = 0.05  # nats per generated token at or below which it has too
-FLAT_STEPS = 3  # collapsed on this many steps in a row ...
-FLAT_REWARD = 0.05  # ... while its mean reward moved less than this: stuck
+COLLAPSE_ACTION_SHARE = 0.8  # share of its recent moves under one label at or above which it has too
+FLAT_STEPS = 3  # collapsed on this many steps in a row, while the mean reward of these steps ...
+FLAT_REWARD = 0.05  # ... is not above the mean of the steps before them by more than this: stuck
 
 
-def collapsed(reply_nll: float, groups_same_reply: float) -> bool:
-    """Whether a role's replies stopped varying (one step's metrics)."""
-    return groups_same_reply >= COLLAPSE_SAME_REPLY or reply_nll <= COLLAPSE_REPLY_NLL
+def collapsed(reply_nll: float, groups_same_reply: float, top_action_share: float = 0.0) -> bool:
+    """Whether a role's replies stopped varying: one step's metrics, and the share of its commonest move."""
+    return (groups_same_reply >= COLLAPSE_SAME_REPLY or reply_nll <= COLLAPSE_REPLY_NLL
+            or top_action_share >= COLLAPSE_ACTION_SHARE)
 
 
 def roles_in(metrics: Mapping[str, float]) -> list[str]:
@@ -31,28 +33,42 @@ def roles_in(metrics: Mapping[str, float]) -> list[str]:
 
 
 class CollapseWatch:
-    """Follows each learner's steps and says, once per learner and role, when a role is collapsed and flat."""
+    """Follows each learner's steps and says, once per learner and role, when a role is collapsed and not gaining."""
 
     def __init__(self, steps: int = FLAT_STEPS, flat_reward: float = FLAT_REWARD):
         self.steps, self.flat_reward = steps, flat_reward
-        self._history: dict[tuple[str, str], deque[tuple[bool, float]]] = defaultdict(lambda: deque(maxlen=steps))
+        self._history: dict[tuple[str, str], deque[tuple[bool, float]]] = defaultdict(lambda: deque(maxlen=2 * steps))
         self._warned: set[tuple[str, str]] = set()
 
-    def observe(self, learner: str, metrics: Mapping[str, float]) -> list[str]:
-        """The warnings one step of `learner` raises (each learner and role warns at most once per run)."""
+    def observe(self, learner: str, metrics: Mapping[str, float],
+                actions: Mapping[str, Mapping[str, int]] | None = None) -> list[str]:
+        """The warnings one step of `learner` raises (each learner and role warns at most once per run). `actions`:
+        per role, how often it made each labelled move lately (where the env labels them)."""
         warnings = []
         for role in roles_in(metrics):
             nll, same = metrics[f"reply_nll/{role}"], metrics.get(f"groups_same_reply/{role}", 0.0)
+            moves = (actions or {}).get(role) or {}
+            top = max(moves.values()) / sum(moves.values()) if moves else 0.0
             reward = metrics.get(f"reward_mean/{role}", metrics.get("reward_mean", 0.0))
             history = self._history[learner, role]
-            history.append((collapsed(nll, same), reward))
-            rewards = [r for _, r in history]
-            stuck = (len(history) == self.steps and all(c for c, _ in history)
-                     and max(rewards) - min(rewards) < self.flat_reward)
-            if stuck and (learner, role) not in self._warned:
+            history.append((collapsed(nll, same, top), reward))
+            if self._stuck(history) and (learner, role) not in self._warned:
                 self._warned.add((learner, role))
+                label = max(moves, key=moves.get) if moves else None
+                what = f"{top:.0%} of its recent moves were {label!r}" if top >= COLLAPSE_ACTION_SHARE else (
+                    f"{same:.0%} of its groups had one reply (reply nll {nll:.3f})")
                 warnings.append(
-                    f"{learner}: role {role} may have collapsed: {same:.0%} of its groups had one reply (reply nll"
-                    f" {nll:.3f}) for {self.steps} steps while its mean reward stayed at {reward:.3f}. Groups of"
-                    " identical replies teach GRPO nothing: see docs/training.md, \"A policy that stops exploring\".")
+                    f"{learner}: role {role} may have collapsed: {what} for {self.steps} steps while its mean reward"
+                    f" did not rise ({reward:.3f}). Groups of identical replies teach GRPO nothing: see"
+                    " docs/training.md, \"A policy that stops exploring\".")
         return warnings
+
+    def _stuck(self, history: deque[tuple[bool, float]]) -> bool:
+        """Collapsed on the last `steps` steps, and their mean reward no higher than the steps' before (or, early in
+        a run, than the first of them)."""
+        recent = list(history)[-self.steps:]
+        if len(recent) < self.steps or not all(c for c, _ in recent):
+            return False
+        before = list(history)[: -self.steps] or recent[:1]
+        mean = lambda rows: sum(r for _, r in rows) / len(rows)  # noqa: E731
+        return mean(recent) - mean(before) < self.flat_reward

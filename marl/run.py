@@ -144,13 +144,16 @@ class _Board:
         with self.lock:
             return {role: sum(v) / len(v) for role, v in sorted(self.rewards.items())}
 
+    def action_counts(self) -> dict[str, Counter[str]]:
+        """Per role, how often it made each labelled move over the last RECENT_GAMES games."""
+        with self.lock:
+            return {role: Counter(labels) for role, labels in sorted(self.actions.items()) if labels}
+
     def recent_actions(self) -> dict[str, str]:
         """Per role, the shares of what it did over the last RECENT_GAMES games ("pick 3 80%, pick 1 20%"): a
         role that collapsed onto one answer shows it here first."""
-        with self.lock:
-            counts = {role: Counter(labels) for role, labels in sorted(self.actions.items()) if labels}
         return {role: ", ".join(f"{label} {n / sum(c.values()):.0%}" for label, n in c.most_common())
-                for role, c in counts.items()}
+                for role, c in self.action_counts().items()}
 
     def table(self, name: str, started: float, servers: dict[str, ServerView]) -> Table:
         rewards = ", ".join(f"{role} {mean:.2f}" for role, mean in self.recent_rewards().items())
@@ -373,7 +376,7 @@ class _Session:
         shares = f"; recent actions {json.dumps(actions)}" if actions else ""
         self.say(f"{server}: step {status.policy_version} done; {self.board.games} games;"
                  f" recent reward {json.dumps(rewards)}{shares}", log=True)
-        for warning in self.collapse.observe(server, status.metrics):
+        for warning in self.collapse.observe(server, status.metrics, self.board.action_counts()):
             self.say(f"warning: {warning}", "yellow", log=True)
 
     def _finish_earlier_commits(self, endpoints: dict[str, Endpoint], token: str) -> None:

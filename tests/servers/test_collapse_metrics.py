@@ -79,9 +79,21 @@ def test_the_watch_warns_once_when_a_role_is_collapsed_and_its_reward_flat():
     assert watch.observe("team.listener", _step(1.0, 0.01, 0.33)) == []  # once per learner and role
 
 
+def test_the_watch_sees_a_collapse_in_what_the_replies_mean_while_their_tokens_still_vary():
+    """"2", "2." and invalid ramblings differ as tokens; the env's labels say the listener picks 2 whatever it hears."""
+    watch, moves = CollapseWatch(steps=3), {"listener": {"pick 2": 9, "pick none": 1}}
+    assert watch.observe("team.listener", _step(0.0, 1.4, 0.25), moves) == []
+    assert watch.observe("team.listener", _step(0.0, 1.4, 0.20), moves) == []
+    (warning,) = watch.observe("team.listener", _step(0.0, 1.4, 0.25), moves)
+    assert "90% of its recent moves were 'pick 2'" in warning
+    quiet = CollapseWatch(steps=3)
+    assert all(quiet.observe("a", _step(0.0, 1.4, 0.25), {"listener": {"pick 1": 4, "pick 2": 3, "pick 3": 3}}) == []
+               for _ in range(5))
+
+
 def test_the_watch_stays_quiet_while_a_collapsed_role_still_gains_or_a_role_still_explores():
     rising, exploring = CollapseWatch(steps=3), CollapseWatch(steps=3)
     for i in range(6):
         assert rising.observe("a", _step(1.0, 0.01, 0.3 + 0.1 * i)) == []
         assert exploring.observe("a", _step(0.2, 0.8, 0.33)) == []
-    assert collapsed(0.01, 0.0) and collapsed(0.9, 0.9) and not collapsed(0.5, 0.5)
+    assert collapsed(0.01, 0.0) and collapsed(0.9, 0.9) and collapsed(1.0, 0.0, 0.85) and not collapsed(0.5, 0.5, 0.5)
