@@ -142,7 +142,7 @@ def main() -> None:
     parser.add_argument("--games", type=int, default=128, help="games per eval pairing (default 128)")
     parser.add_argument("--out", type=Path, help="where the runs go (default runs/sweep-<topology name>)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, one step, one seed")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # overrides may come before or after the options
     if args.smoke:
         return smoke()
     if args.file is None:
