@@ -38,6 +38,7 @@ class Lease:
     client_id: str
     generation: int
     patience_s: float
+    policy_version: int = 0  # the version serving when the lease began (a silent agent's sample carries it)
     created_at: float = field(default_factory=time.monotonic)
     last_active: float = field(default_factory=time.monotonic)
     inflight: int = 0  # data-plane calls running now: a lease is never idle while the model works for it
@@ -107,7 +108,8 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self.by_episode)
 
-    def open(self, *, client_id: str, generation: int, patience_s: float, max_leases: int) -> Lease:
+    def open(self, *, client_id: str, generation: int, patience_s: float, max_leases: int,
+             policy_version: int = 0) -> Lease:
         if len(self.by_episode) >= max_leases:
             raise NoFreeSlot
         lease = Lease(
@@ -116,6 +118,7 @@ class LeaseTable:
             client_id=client_id,
             generation=generation,
             patience_s=patience_s,
+            policy_version=policy_version,
         )
         self.by_episode[lease.episode_id] = lease
         self._by_key[lease.key] = lease

@@ -158,7 +158,8 @@ class EpisodeRecorder:
         lease.sealed = True
         try:
             await self._drained(lease)
-            samples = merge_calls(episode_id, _finite_calls(lease), body.reward, body.agent_rewards)
+            samples = merge_calls(episode_id, _finite_calls(lease), body.reward, body.agent_rewards,
+                                  policy_version=lease.policy_version)
             recorded = await self._written(write(lease, body, samples, digest))
         except BaseException as exc:
             lease.sealed = False  # nothing was recorded: the lease goes on, and the client may retry

@@ -68,7 +68,8 @@ class RolloutPool:
                           retry_after_s=0.5, state=state)
         try:
             lease = self.leases.open(client_id=client_id, generation=self._lifecycle.generation,
-                                     patience_s=config.lease_patience_s, max_leases=config.max_leases)
+                                     patience_s=config.lease_patience_s, max_leases=config.max_leases,
+                                     policy_version=self._lifecycle.policy_version)
         except NoFreeSlot:
             raise Refusal(503, ErrorCode.NO_FREE_SLOT, f"all {config.max_leases} lease slots are taken; wait for one"
                           " to end (train.max_leases)", retry_after_s=0.5, state=state) from None

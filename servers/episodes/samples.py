@@ -8,6 +8,11 @@ exactly once, with a loss mask that is 1 on generated tokens and 0 on everything
 
 Calls are merged only within one agent tag, and only when the new prompt extends a sample token for token; anything
 else (another agent, a retry that diverges, an unrelated conversation) starts a sample of its own.
+
+An agent named in the episode's `agent_rewards` that made no call (a villager killed before it spoke) gets an empty
+sample: no token, so nothing to train on, but its episode counts in the agent's GRPO group and its reward joins the
+group's baseline. Without it a game where some role may stay silent would leave that role's groups short of
+`num_repeat` episodes for ever, and the policy would never train.
 """
 
 from __future__ import annotations
@@ -90,9 +95,11 @@ class _Building:
 
 
 def merge_calls(
-    episode_id: str, calls: list[CallRecord], reward: float, agent_rewards: dict[str, float] | None = None
+    episode_id: str, calls: list[CallRecord], reward: float, agent_rewards: dict[str, float] | None = None,
+    policy_version: int = 0,
 ) -> list[Sample]:
-    """Merge an episode's calls (in the order they were made) into samples; each gets its agent's reward."""
+    """Merge an episode's calls (in the order they were made) into samples; each gets its agent's reward. Every
+    agent of `agent_rewards` without a call gets an empty sample at `policy_version` (the episode's)."""
     building: list[_Building] = []
     for call in calls:
         candidates = [b for b in building if b.agent == call.agent and b.extends(call.prompt_ids)]
@@ -103,6 +110,8 @@ def merge_calls(
             building.append(target)
         target.append(call)
     rewards = agent_rewards or {}
+    called = {b.agent for b in building}
+    building += [_Building(agent=agent, policy_version=policy_version) for agent in rewards if agent not in called]
     return [
         Sample(
             episode_id=episode_id,

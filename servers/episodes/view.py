@@ -89,7 +89,10 @@ def render_sample(sample: Sample, tokenizer: Any, index: int, total: int) -> Tex
     text.append(f"--- sample {index}/{total} · agent {safe(sample.agent)} · reward {sample.reward:g} · "
                 f"policy v{sample.policy_version} · {sample.num_calls} calls · {len(sample.token_ids)} tokens "
                 f"({trained} trained, {sum(1 for *_, m in spans(sample.loss_mask) if m)} spans)\n", style="bold")
-    if not sample.token_ids:
+    if not sample.num_calls:
+        text.append("(its agent made no call this episode: the sample counts in its group, with no token)\n",
+                    style="dim")
+    elif not sample.token_ids:
         text.append("(its tokens were compacted once trained: train.keep_sample_tokens_steps)\n", style="dim")
     for start, end, m in spans(sample.loss_mask):
         if not m:

@@ -101,8 +101,9 @@ def reply_diversity(groups: Sequence[Group]) -> dict[str, float]:
     nll: dict[str, list[float]] = defaultdict(list)
     same: dict[str, list[float]] = defaultdict(list)
     for group in groups:
-        replies = [tuple(t for t, m in zip(s.token_ids, s.loss_mask) if m) for s in group.samples]
-        for sample in group.samples:
+        spoken = [s for s in group.samples if trained_tokens(s)]  # a silent agent's empty sample is no reply
+        replies = [tuple(t for t, m in zip(s.token_ids, s.loss_mask) if m) for s in spoken]
+        for sample in spoken:
             nll[group.agent].extend(-lp for lp, m in zip(sample.logprobs, sample.loss_mask) if m)
         if len(replies) > 1:
             same[group.agent].append(float(len(set(replies)) == 1))

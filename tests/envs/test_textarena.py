@@ -1,7 +1,7 @@
 """TextArena games as marl envs (`envs/textarena_env.py`): four games of different kinds under PettingZoo's
 `api_test` and played to the end by scripted players, TextArena's invalid moves and rewards, seeds, a topology that
-names a game by id (and refuses an unknown id, a bad player count, a game that needs the internet), and one
-`marl run` of Kuhn Poker on tiny models."""
+names a game by id (and refuses an unknown id, a bad player count, a game that needs the internet), and a
+`marl run` of each of the four on a tiny model."""
 
 from __future__ import annotations
 
@@ -169,14 +169,23 @@ def test_a_topology_refuses_an_unknown_id_a_bad_player_count_and_an_online_game_
 
 # --- marl run on tiny models ------------------------------------------------------------------------------------
 
-@pytest.mark.heavy  # boots two servers (tests/conftest.py's HEAVY_FILES marks whole files)
-def test_marl_run_of_kuhn_poker_records_each_seats_episodes_with_textarenas_rewards(tiny_model, tmp_path):
-    spec = {"name": "tiny-kuhn",
-            "servers": {f"{seat}_model": {"model": str(tiny_model), "trainable": True, "device": "cpu",
-                                          "train": {"job": "kuhn", "batch_size": 1, "num_repeat": 2, "save_freq": 0}}
-                        for seat in ("player_0", "player_1")},
-            "roles": {"player_0": {"server": "player_0_model"}, "player_1": {"server": "player_1_model"}},
-            "env": {"textarena": "KuhnPoker-v0", "args": {"game_args": {"max_rounds": 1}}},
+#: Per game: the roles a model plays in the `marl run` test (the rest scripted) and TextArena args that keep it short.
+RUN_GAMES = {"SecretMafia-v0": (("mafia", "villager"), {"num_players": 6, "game_args": {"discussion_rounds": 1}}),
+             "KuhnPoker-v0": (("player_0", "player_1"), {"game_args": {"max_rounds": 1}}),
+             "IteratedPrisonersDilemma-v0": (("player_0", "player_1"), {"game_args": {"num_rounds": 1}}),
+             "SimpleNegotiation-v0": (("player_0", "player_1"), {"game_args": {"max_turns": 2}})}
+
+
+@pytest.mark.heavy  # boots a server (tests/conftest.py's HEAVY_FILES marks whole files)
+@pytest.mark.parametrize("game", list(RUN_GAMES))
+def test_marl_run_of_two_games_records_each_roles_episodes_with_textarenas_rewards(game, tiny_model, tmp_path):
+    played, args = RUN_GAMES[game]
+    dealt = TextArenaEnv(game, **args).dealt_roles()
+    spec = {"name": "tiny-textarena",
+            "servers": {"model": {"model": str(tiny_model), "trainable": True, "device": "cpu",
+                                  "train": {"job": "ta", "batch_size": 1, "num_repeat": 2, "save_freq": 0}}},
+            "roles": {role: {"server": "model"} if role in played else {"scripted": True} for role in dealt},
+            "env": {"textarena": game, "args": args},
             "run": {"games": 2, "repeats": 2, "concurrency": 2, "max_tokens": 8, "run_dir": str(tmp_path / "run")}}
     (tmp_path / "topology.yaml").write_text(yaml.safe_dump(spec))
     result = subprocess.run([sys.executable, "-m", "marl.cli", "run", str(tmp_path / "topology.yaml")],
@@ -184,16 +193,21 @@ def test_marl_run_of_kuhn_poker_records_each_seats_episodes_with_textarenas_rewa
     assert result.returncode == 0, result.stdout + result.stderr
     games = read_games(tmp_path / "run" / "games.jsonl")
     assert len(games) == 2
-    for game in games:
-        assert game.summary["game"] == "KuhnPoker-v0" and set(game.role_rewards) == {"player_0", "player_1"}
-        assert game.role_rewards == {a: float(r) for a, r in game.summary["rewards"].items()}  # TextArena's
-    for seat in ("player_0", "player_1"):  # each seat's server holds its episodes, rewarded as TextArena said
-        data_dir = tmp_path / "run" / "servers" / f"{seat}_model"
-        recorded = {g.episodes[f"{seat}_model"]: g.role_rewards[seat] for g in games}
-        assert dict(ledger_episodes(data_dir)) == pytest.approx(recorded)
-        samples = ledger_samples(data_dir)  # a seat that never moved (the other lost by invalid moves) has none
-        assert all(reward == pytest.approx(recorded[episode]) for episode, _, _, reward in samples), samples
-    assert any(ledger_samples(tmp_path / "run" / "servers" / f"{seat}_model") for seat in ("player_0", "player_1"))
+    for record in games:
+        assert record.summary["game"] == game and set(record.role_rewards) == set(dealt)
+        seats = record.summary["roles"]  # seat -> role
+        for role in dealt:  # TextArena's rewards, by role: the mean over the seats dealt it
+            rewards = [float(r) for seat, r in record.summary["rewards"].items() if seats[seat] == role]
+            assert record.role_rewards[role] == pytest.approx(sum(rewards) / len(rewards))
+    # The server's ledger holds every game's episode, and a sample for each role it played (an empty one for a
+    # role that never moved, say a villager killed at night), rewarded as TextArena said.
+    recorded = {g.episodes["model"]: g for g in games}
+    samples = ledger_samples(tmp_path / "run" / "servers" / "model")
+    assert {episode for episode, *_ in samples} == set(recorded)
+    for episode, record in recorded.items():
+        assert {agent for ep, _, agent, _ in samples if ep == episode} == set(played)
+        assert all(reward == pytest.approx(record.role_rewards[agent]) for ep, _, agent, reward in samples
+                   if ep == episode)
 
 
 def ledger_episodes(data_dir) -> list[tuple[str, float]]:

@@ -36,6 +36,10 @@ def test_reply_diversity_counts_groups_of_one_reply_and_the_nll_per_role():
     assert m["groups_same_reply"] == pytest.approx(1 / 3)
     assert m["reply_nll/listener"] == pytest.approx((0.01 * 3 + 0.5) / 4)
     assert m["reply_nll/speaker"] == pytest.approx(1.5)
+    silent = Sample(episode_id="g", agent=speak, token_ids=[], loss_mask=[], logprobs=[], reward=0.0,
+                    policy_version=0, num_calls=0)  # a role that made no call: no reply, so no "same" reply either
+    groups.append(Group("j", "t2", speak, [silent, silent.model_copy(update={"episode_id": "h"})]))
+    assert reply_diversity(groups) == m
 
 
 def _play(http, task: str, reward: float, temperature: float, max_tokens: int) -> None:

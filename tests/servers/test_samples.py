@@ -37,6 +37,15 @@ def test_two_interleaved_agents_are_two_samples():
     assert samples[1].token_ids == [1, 3, 20, 5, 21] and samples[1].loss_mask == [0, 0, 1, 0, 1]
 
 
+def test_an_agent_rewarded_without_a_call_gets_an_empty_sample_at_the_episodes_version():
+    samples = merge_calls("ep", [call("a", [1], [2])], reward=0.5, agent_rewards={"a": 1.0, "b": -1.0},
+                          policy_version=3)
+    assert [(s.agent, s.num_calls, s.reward) for s in samples] == [("a", 1, 1.0), ("b", 0, -1.0)]
+    assert samples[1].token_ids == samples[1].loss_mask == samples[1].logprobs == []
+    assert samples[1].policy_version == 3
+    assert len(merge_calls("ep", [call("a", [1], [2])], reward=0.5)) == 1  # only agents named in agent_rewards
+
+
 def test_same_tokens_from_another_agent_do_not_merge():
     first, second = call("a", [1, 2], [3]), call("b", [1, 2, 3, 4], [5])
     assert len(merge_calls("ep", [first, second], reward=0.0)) == 2

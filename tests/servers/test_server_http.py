@@ -113,6 +113,27 @@ def test_multi_turn_conversation_merges_into_one_sample(rolling):
     assert (listener.agent, listener.num_calls, listener.reward) == ("listener", 1, 0.0)
 
 
+def test_an_agent_that_made_no_call_still_counts_in_its_group(local_server):
+    """A role named in agent_rewards that never called (a villager killed before it spoke) gets an empty sample:
+    its group reaches num_repeat episodes and the step trains (else that role's groups never complete)."""
+    with local_server() as srv, admin_http(srv.url) as http:
+        start_rolling(http, batch_size=2, num_repeat=2, save_freq=0)  # both groups of task t0 must complete
+        silent = []
+        for listener_calls in (True, False):
+            lease = begin(http)
+            for agent in ("speaker", "listener")[: 1 + listener_calls]:
+                openai.OpenAI(base_url=lease["base_url"], api_key=lease["api_key"]).chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, user=agent)
+            r = end(http, lease["episode_id"], agent_rewards={"speaker": 1.0, "listener": float(listener_calls)})
+            assert r.status_code == 200 and r.json()["samples"] == 2, r.text
+            silent = samples(srv, lease["episode_id"])
+        listener = next(s for s in silent if s.agent == "listener")
+        assert (listener.num_calls, listener.token_ids, listener.reward) == (0, [], 0.0)
+        metrics = wait_version(http, 1)["metrics"]
+        assert metrics["groups"] == 2 and metrics["groups_trained"] == 1  # the speaker's rewards are equal
+        assert metrics["reward_mean/listener"] == pytest.approx(0.5)
+
+
 def test_lease_expiry_requeues_and_kills_the_key(local_server):
     with local_server() as srv, admin_http(srv.url) as http:
         start_rolling(http, batch_size=100, lease_patience_s=0.5)
