@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -81,15 +81,22 @@ def _policies(flags: list[str]) -> dict:
 
 
 def _placement(args: argparse.Namespace):
-    """--engine-gpus, --trainer-gpus, --trainer-nodes, --rendezvous-port as a `Placement` (ValueError: bad flag)."""
+    """--engine-gpus, --trainer-gpus, --ray-group, --ray-address as a `Placement` (ValueError: bad flag)."""
     from servers.placement import Placement
 
     gpus = {key: tuple(value) for key in ("engine_gpus", "trainer_gpus") if (value := getattr(args, key)) is not None}
     if gpus and args.device == "cpu":
         raise ValueError(f"{', '.join('--' + key.replace('_', '-') for key in gpus)}: --device cpu uses no GPU")
-    if args.trainer_nodes < 1:
-        raise ValueError(f"--trainer-nodes: must be >= 1, got {args.trainer_nodes}")
-    return Placement(**gpus, nodes=args.trainer_nodes, rendezvous_port=args.rendezvous_port)
+    if args.trainer_nodes not in (None, 1):
+        raise ValueError("--trainer-nodes: deprecated; ranks on other machines are Ray actors in the server's"
+                         " placement group now (--ray-group, which `marl run` with run.ray passes; docs/ray.md)")
+    for flag in ("trainer_nodes", "rendezvous_port"):
+        if getattr(args, flag) is not None:
+            warnings.warn(f"--{flag.replace('_', '-')} is deprecated and not used (ranks on other machines are Ray"
+                          " actors now: docs/ray.md)", DeprecationWarning, stacklevel=2)
+    if args.ray_address and not args.ray_group:
+        raise ValueError("--ray-address: only with --ray-group")
+    return Placement(**gpus, ray_group=args.ray_group, ray_address=args.ray_address)
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -102,17 +109,13 @@ def _gpu_list(text: str) -> list[int]:
 
 
 def _trainer_node(args: argparse.Namespace) -> None:
-    # server-side, like `serve`: this machine runs ranks of a server's trainer
-    from marl.protocol import ADMIN_TOKEN_ENV
-    from servers.trainers.fsdp_nodes import run_trainer_node
-
-    token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
-    if not token:
-        print(f"marl trainer-node: give the server's admin token (--admin-token or ${ADMIN_TOKEN_ENV})",
-              file=sys.stderr)
-        sys.exit(2)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_trainer_node(args.server, args.port, args.node_rank, token.encode(), once=args.once)
+    """Deprecated: the ranks of other machines are Ray actors now (docs/ray.md)."""
+    print("marl trainer-node is deprecated and no longer runs ranks: a trainer's ranks on other machines are Ray actors"
+          " in the server's placement group now. Start a Ray cluster (`ray start --head` here, `ray start"
+          " --address=HEAD:6379` on each other machine), give the server placement.nodes and the trainer's"
+          " rank_resources, and run `marl run FILE run.ray.address=auto` (docs/ray.md, \"A cluster of your own\").",
+          file=sys.stderr)
+    sys.exit(2)
 
 
 #: The `VLLMSettings` that `--vllm-KEY` flags set (--vllm-arg, repeated, gives extra_args).
@@ -313,8 +316,6 @@ def _add_vllm_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def _add_placement_flags(serve: argparse.ArgumentParser) -> None:
-    from marl.protocol import TRAINER_RENDEZVOUS_PORT
-
     gpus = serve.add_argument_group("Placement", "Which of the GPUs this server sees its engine and trainer ranks use,"
                                     " e.g. 0,1 or 0-7; a topology server's placement: sets them (docs/architecture.md,"
                                     " \"Placement\"). Left out: the engine on GPU 0, trainer rank r on GPU r.")
@@ -322,25 +323,21 @@ def _add_placement_flags(serve: argparse.ArgumentParser) -> None:
                       help="the engine's GPUs (vLLM: tensor x data parallel size of them; torch: one)")
     gpus.add_argument("--trainer-gpus", type=_gpu_list, metavar="GPUS",
                       help="the trainer's GPUs on each node, one FSDP rank each (trainer grpo: one)")
-    gpus.add_argument("--trainer-nodes", type=int, default=1, metavar="N",
-                      help="machines the FSDP ranks span; each other one runs `marl trainer-node` (default 1)")
-    gpus.add_argument("--rendezvous-port", type=int, default=TRAINER_RENDEZVOUS_PORT, metavar="PORT",
-                      help=f"with --trainer-nodes > 1: where other nodes connect (default {TRAINER_RENDEZVOUS_PORT})")
+    gpus.add_argument("--ray-group", metavar="NAME", help="the server's Ray placement group (marl run with run.ray"
+                      " makes it): its FSDP ranks are Ray actors in bundles 1.. of it, on the nodes Ray reserved")
+    gpus.add_argument("--ray-address", metavar="ADDR", help="with --ray-group: the Ray cluster's GCS address"
+                      " (default: the cluster of this node)")
+    gpus.add_argument("--trainer-nodes", type=int, help=argparse.SUPPRESS)  # deprecated: Ray places the ranks
+    gpus.add_argument("--rendezvous-port", type=int, help=argparse.SUPPRESS)  # deprecated: not used
 
 
 def _add_trainer_node(sub: argparse._SubParsersAction) -> None:
-    from marl.protocol import TRAINER_RENDEZVOUS_PORT
-
-    node = sub.add_parser("trainer-node", help="run this machine's ranks of a server's FSDP trainer (multi-node)",
-                          description="Join the FSDP trainer of a server started with --trainer-nodes N (a topology's"
-                                      " placement.nodes) as node N-1 or lower: this machine runs its share of the"
-                                      " ranks, for every trainer the server starts, until interrupted.")
-    node.add_argument("--server", required=True, metavar="HOST", help="the server's machine, as this one reaches it")
-    node.add_argument("--port", type=int, default=TRAINER_RENDEZVOUS_PORT,
-                      help=f"the server's --rendezvous-port (default {TRAINER_RENDEZVOUS_PORT})")
-    node.add_argument("--node-rank", type=int, required=True, metavar="N", help="this node's number, 1 .. nodes-1")
-    node.add_argument("--admin-token", help="the server's admin token (default: $MARL_ADMIN_TOKEN)")
-    node.add_argument("--once", action="store_true", help="leave after the first trainer's ranks exit")
+    node = sub.add_parser("trainer-node", help="deprecated: ranks on other machines are Ray actors (docs/ray.md)",
+                          description="Deprecated: a trainer's ranks on other machines are Ray actors in the"
+                                      " server's placement group now (run.ray, docs/ray.md). Prints what to do.")
+    for flag in ("--server", "--port", "--node-rank", "--admin-token"):  # the old flags, accepted for one release
+        node.add_argument(flag, help=argparse.SUPPRESS)
+    node.add_argument("--once", action="store_true", help=argparse.SUPPRESS)
     node.set_defaults(func=_trainer_node)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from marl.protocol import TRAINER_RENDEZVOUS_PORT, LoraSpec, gpu_list_text
+from marl.protocol import LoraSpec, gpu_list_text
 from marl.topology.spec import PlacementSpec, VLLMSpec
 
 #: glibc malloc settings for server processes (the environment overrides them): few arenas, so the tensors that the
@@ -90,11 +90,12 @@ class ServerProcess:
     """One `marl serve` subprocess; its output goes to `log_path`.
 
     `host`: the interface it listens on (default: loopback only). `vllm`: a topology server's `vllm:` section, passed
-    as `--vllm-*` flags; `placement` as --engine-gpus, --trainer-gpus, --trainer-nodes; `adapter` (with `static`): a
-    PEFT adapter directory served on `model`. `engine`: torch, vllm or simulated (benchmarks; `simulated_speed` then
-    runs its delays that many times faster). `environment`: more variables
-    for it (a Ray actor's CUDA_VISIBLE_DEVICES). `die_with_parent`: on Linux, the server is killed
-    when the thread that started it dies (a Ray actor's, marl/ray_cluster.py: a restarted actor must never find the
+    as `--vllm-*` flags; `placement` as --engine-gpus, --trainer-gpus; `ray_group`: (the name of the server's Ray
+    placement group, the cluster's GCS address), where its trainer's ranks go (--ray-group, --ray-address);
+    `adapter` (with `static`): a PEFT adapter directory served on `model`. `engine`: torch, vllm or simulated
+    (benchmarks; `simulated_speed` then runs its delays that many times faster). `environment`: more variables for it
+    (a Ray actor's CUDA_VISIBLE_DEVICES). `die_with_parent`: on Linux, the server is killed when the thread that
+    started it dies (a Ray actor's, marl/ray_cluster.py: a restarted actor must never find the
     old server still on its data dir); that thread must live as long as the server.
     """
 
@@ -103,7 +104,8 @@ class ServerProcess:
                  prefix_cache_gb: float | None = None, engine: str = "torch", vllm: VLLMSpec | None = None,
                  placement: PlacementSpec | None = None, host: str = "127.0.0.1", die_with_parent: bool = False,
                  environment: Mapping[str, str] | None = None, policies: Mapping[str, LoraSpec] | None = None,
-                 adapter: Path | None = None, simulated_speed: float | None = None):
+                 adapter: Path | None = None, simulated_speed: float | None = None,
+                 ray_group: tuple[str, str] | None = None):
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
@@ -130,6 +132,8 @@ class ServerProcess:
             self.args += vllm_flags(vllm)
         if placement is not None:
             self.args += placement_flags(placement)
+        if ray_group is not None:  # (placement group, GCS address): its trainer's ranks are Ray actors there
+            self.args += ["--ray-group", ray_group[0], "--ray-address", ray_group[1]]
         for name, lora in (policies or {}).items():
             self.args += ["--policy", f"{name}={lora.model_dump_json()}"]
         self.extra_environment = dict(environment or {})
@@ -219,11 +223,7 @@ def placement_flags(placement: PlacementSpec) -> list[str]:
         flags += ["--engine-gpus", gpu_list_text(placement.engine_gpus)]
     if placement.trainer_gpus is not None:
         flags += ["--trainer-gpus", gpu_list_text(placement.trainer_gpus)]
-    if placement.nodes > 1:
-        flags += ["--trainer-nodes", str(placement.nodes)]
-        if placement.rendezvous_port != TRAINER_RENDEZVOUS_PORT:
-            flags += ["--rendezvous-port", str(placement.rendezvous_port)]
-    return flags
+    return flags  # placement.nodes: Ray places the ranks (run.ray: marl/topology/bundles.py), not the server
 
 
 class ServerWatch:

@@ -115,8 +115,8 @@ VLLM_SHARED_GPU_UTILIZATION = 0.5
 VLLM_OWN_GPU_UTILIZATION = 0.9
 
 # Placement: which GPUs a server's engine and trainer ranks use (a topology server's `placement:`, which `marl run`
-# passes as `marl serve --engine-gpus 0 --trainer-gpus 1,2 --trainer-nodes N`; docs/architecture.md, "Placement").
-#: Where a trainer whose ranks span several nodes listens for the other nodes (`marl trainer-node` connects there).
+# passes as `marl serve --engine-gpus 0 --trainer-gpus 1,2`; docs/architecture.md, "Placement").
+#: Deprecated, not used: where `marl trainer-node` connected (ranks on other machines are Ray actors now).
 TRAINER_RENDEZVOUS_PORT = 29500
 
 

@@ -34,12 +34,15 @@ from typing import Any
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from marl.endpoints import StaticEndpoint
 from marl.games.record import GameRecord
 from marl.games.table import GameFailed, GameTable
 from marl.launch import MAX_RESTARTS, ServerProcess, ServerWatch
 from marl.topology import Problem, TopologyError
+from marl.topology.bundles import RayBundles
 from marl.topology.spec import RaySpec
 
 log = logging.getLogger("marl.ray_cluster")
@@ -54,9 +57,12 @@ _WATCH_S = 1.0  # how often an actor checks its server process
 class _ServerActor:
     """One `marl serve` on the node Ray placed this actor on; it lives and dies with its server process."""
 
-    def __init__(self, options: dict[str, Any]):
+    def __init__(self, options: dict[str, Any], group: str):
+        # its trainer's ranks go into the bundles after its own, started by the server (servers.trainers.ray_ranks)
+        address = ray.get_runtime_context().gcs_address
         self.process = ServerProcess(host=ray.util.get_node_ip_address(), die_with_parent=True,
-                                     environment=server_gpu_environment(ray.get_gpu_ids()), **options).start()
+                                     environment=server_gpu_environment(ray.get_gpu_ids()), ray_group=(group, address),
+                                     **options).start()  # fmt: skip
         self.process.wait_healthy()
         self.incarnation = uuid.uuid4().hex  # new at every (re)start: how the driver tells a restart
         self.stopping = False
@@ -102,8 +108,9 @@ class RayServer:
     """`marl run`'s handle on one server actor: the URL and node of its current incarnation."""
 
     def __init__(self, name: str, actor: ray.actor.ActorHandle, actor_name: str, log_path: Path,
-                 report: Callable[[str], None]):
+                 report: Callable[[str], None], group: PlacementGroup | None = None):
         self.name, self.actor, self.actor_name, self.log_path, self.report = name, actor, actor_name, log_path, report
+        self.group = group  # the server's placement group (its actor in bundle 0, its trainer's ranks after it)
         self.url = self.node_id = self.incarnation = ""
         self.restarts = 0
         self._asking: ray.ObjectRef | None = None  # a `where` call not answered yet
@@ -143,6 +150,8 @@ class RayServer:
         except RayError as exc:  # dead or restarting: its server went (or goes) with it
             log.info("could not stop server %s through its actor: %s", self.name, _last_line(exc))
         ray.kill(self.actor, no_restart=True)
+        if self.group is not None:
+            remove_placement_group(self.group)
 
 
 class RaySupervisor(ServerWatch):
@@ -195,24 +204,26 @@ class RayCluster:
         self.run_id = f"{run_name}-{uuid.uuid4().hex[:8]}"
         self.servers: dict[str, RayServer] = {}
 
-    def launch(self, name: str, options: dict[str, Any], resources: Mapping[str, float] | None) -> RayServer:
-        """Make the actor of server `name` (`options`: `ServerProcess`'s); it starts its server in the background
-        (`RayServer.wait_healthy` waits for it). Raises `TopologyError` if no node of the cluster has `resources`."""
-        wanted = {"CPU": 1.0, **(resources or {})}
-        _check_placeable(name, wanted)
+    def launch(self, name: str, options: dict[str, Any], bundles: RayBundles) -> RayServer:
+        """Make server `name`'s placement group (`bundles`: its actor's, then one per trainer rank) and its actor in
+        bundle 0 (`options`: `ServerProcess`'s); the actor starts its server in the background
+        (`RayServer.wait_healthy` waits for it). Raises `TopologyError`, naming the key, if the cluster cannot hold
+        the group."""
+        actor_name = f"{self.run_id}.{name}"
+        group = _placement_group(name, actor_name, bundles)
         options = {**options, "data_dir": Path(options["data_dir"]).resolve(),
                    "log_path": Path(options["log_path"]).resolve()}
         if Path(options["model"]).exists():  # a local directory: the same path on the node (a shared filesystem)
             options["model"] = str(Path(options["model"]).resolve())
-        actor_name = f"{self.run_id}.{name}"
-        custom = {key: amount for key, amount in wanted.items() if key not in ("CPU", "GPU", "memory")}
+        wanted = bundles.bundles[0]
         actor = _ServerActor.options(
-            name=actor_name, max_restarts=MAX_RESTARTS, max_task_retries=0, num_cpus=wanted["CPU"],
-            num_gpus=wanted.get("GPU", 0), memory=wanted.get("memory"), resources=custom,
-        ).remote(options)
+            name=actor_name, max_restarts=MAX_RESTARTS, max_task_retries=0, **_actor_resources(wanted),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+        ).remote(options, actor_name)
+        ranks = f" and {bundles.ranks} trainer ranks of {_amounts(bundles.bundles[1])}" if bundles.ranks else ""
         self.report(f"started Ray actor {actor_name} for server {name} ({options['model']}), asking for"
-                    f" {_amounts(wanted)}")
-        self.servers[name] = RayServer(name, actor, actor_name, options["log_path"], self.report)
+                    f" {_amounts(wanted)}{ranks}")
+        self.servers[name] = RayServer(name, actor, actor_name, options["log_path"], self.report, group)
         return self.servers[name]
 
     def supervisor(self, *, report: Callable[[str], None], on_restart: Callable[[str], None]) -> RaySupervisor:
@@ -234,15 +245,55 @@ class RayCluster:
         ray.shutdown()
 
 
-def _check_placeable(name: str, wanted: Mapping[str, float]) -> None:
-    """Fail now, naming the key, rather than wait forever for a node that does not exist."""
+def _placement_group(name: str, group_name: str, bundles: RayBundles) -> PlacementGroup:
+    """The server's placement group, once Ray has reserved it; `TopologyError` naming the key if no node (or, with
+    STRICT_PACK, no single node) can hold it, or it is not reserved within `_START_TIMEOUT_S`."""
+    _check_placeable(name, bundles)
+    group = placement_group([dict(b) for b in bundles.bundles], strategy=bundles.strategy, name=group_name)
+    ready, _ = ray.wait([group.ready()], timeout=_START_TIMEOUT_S)
+    if not ready:
+        remove_placement_group(group)
+        raise TopologyError([Problem(f"servers.{name}.resources", f"Ray did not reserve the server's placement group"
+                                     f" ({_amounts(bundles.total())} in {len(bundles.bundles)} bundles,"
+                                     f" {bundles.strategy}) within {_START_TIMEOUT_S:g}s: other work holds those"
+                                     " resources (`ray status`)")])
+    return group
+
+
+def _check_placeable(name: str, bundles: RayBundles) -> None:
+    """Fail now, naming the key, rather than wait forever for nodes that do not exist."""
     nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
-    if any(all(node.get(key, 0.0) >= amount for key, amount in wanted.items()) for node in nodes):
-        return
     have = sorted({key for node in nodes for key in node if not key.startswith("node:")})
-    message = (f"no node of the Ray cluster has {_amounts(wanted)} (the {len(nodes)} nodes have: {', '.join(have)});"
-               " give it resources that one node has, or add such a node (ray start --resources=...)")
-    raise TopologyError([Problem(f"servers.{name}.resources", message)])
+    nodes_have = f"(the {len(nodes)} nodes have: {', '.join(have)})"
+
+    def fits(wanted: Mapping[str, float]) -> bool:
+        return any(all(node.get(key, 0.0) >= amount for key, amount in wanted.items()) for node in nodes)
+
+    problem = None
+    if not fits(bundles.bundles[0]):
+        problem = Problem(f"servers.{name}.resources", f"no node of the Ray cluster has {_amounts(bundles.bundles[0])}"
+                          f" {nodes_have}; give it resources that one node has, or add such a node (ray start"
+                          " --resources=...)")
+    elif bundles.ranks and not fits(bundles.bundles[1]):
+        problem = Problem(f"servers.{name}.rank_resources", f"no node of the Ray cluster has"
+                          f" {_amounts(bundles.bundles[1])} for a trainer rank {nodes_have}; give rank_resources"
+                          " that a node has, or add such nodes")
+    elif bundles.strategy == "STRICT_PACK" and not fits(bundles.total()):
+        problem = Problem(f"servers.{name}.placement.nodes", f"no node of the Ray cluster holds the server and its"
+                          f" {bundles.ranks} trainer ranks together ({_amounts(bundles.total())}) {nodes_have}; let"
+                          " them span machines (placement.nodes: 2 or more), or ask for less")
+    elif not all(sum(node.get(key, 0.0) for node in nodes) >= amount for key, amount in bundles.total().items()):
+        problem = Problem(f"servers.{name}.rank_resources", f"the Ray cluster has less than the server and its"
+                          f" {bundles.ranks} trainer ranks ask for ({_amounts(bundles.total())}) {nodes_have}")
+    if problem is not None:
+        raise TopologyError([problem])
+
+
+def _actor_resources(wanted: Mapping[str, float]) -> dict[str, Any]:
+    """Ray's actor options for `wanted` (a bundle's resources)."""
+    custom = {key: amount for key, amount in wanted.items() if key not in ("CPU", "GPU", "memory")}
+    return {"num_cpus": wanted.get("CPU", 1.0), "num_gpus": wanted.get("GPU", 0), "memory": wanted.get("memory"),
+            "resources": custom}
 
 
 def _amounts(resources: Mapping[str, float]) -> str:

@@ -75,6 +75,7 @@ from marl.protocol import ADMIN_TOKEN_ENV, EngineState, ServerStatus
 from marl.server_watch import ServerMonitor, ServerView
 from marl.terminal import safe
 from marl.topology import Problem, ServerKind, ServerSpec, Topology, TopologyError
+from marl.topology.bundles import ray_bundles
 from marl.topology.graph import LEARNER_SEPARATOR
 from marl.topology.spec import VLLMSpec
 from marl.two_phase import redrive
@@ -288,7 +289,7 @@ class _Session:
                        engine=server.engine or "torch", vllm=server.vllm, placement=server.placement,
                        policies={name: policy.lora for name, policy in (server.policies or {}).items()})
         if self.cluster is not None:
-            return self.cluster.launch(name, options, server.resources)
+            return self.cluster.launch(name, options, ray_bundles(server))
         if server.port is not None and port_in_use("127.0.0.1", server.port):
             raise ServerStartError(f"servers.{name}.port: port {server.port} is taken (address already in use): stop"
                                    f" what listens there, or change servers.{name}.port (or remove it: a free port is"

@@ -88,40 +88,37 @@ def torch_engine_factory(device: str | None, prefix_cache_gb: float | None = Non
     return build
 
 
-def _grpo_trainer(model_dir: Path, section, device: str | None, placement: Placement, authkey: bytes) -> Trainer:
+def _grpo_trainer(model_dir: Path, section, device: str | None, placement: Placement) -> Trainer:
     from servers.trainers.grpo import GRPOTrainer
 
-    if placement.nodes > 1 or len(placement.trainer_gpus or ()) > 1:
-        raise ValueError("trainer grpo trains in one process on one GPU: give it one --trainer-gpus GPU and no"
-                         " --trainer-nodes, or sync trainer: fsdp (one rank per GPU)")
+    if len(placement.trainer_gpus or ()) > 1:
+        raise ValueError("trainer grpo trains in one process on one GPU: give it one --trainer-gpus GPU, or sync"
+                         " trainer: fsdp (one rank per GPU)")
     return GRPOTrainer(model_dir, section, device=placement.trainer_device(device))  # in this process: cuda:<gpu>
 
 
-def _fsdp_trainer(model_dir: Path, section, device: str | None, placement: Placement, authkey: bytes) -> Trainer:
+def _fsdp_trainer(model_dir: Path, section, device: str | None, placement: Placement) -> Trainer:
     from servers.trainers.fsdp import FSDPTrainer
 
-    # the admin token lets the ranks of other nodes in (placement.nodes > 1)
-    return FSDPTrainer(model_dir, section, device=device, placement=placement, authkey=authkey)
+    return FSDPTrainer(model_dir, section, device=device, placement=placement)
 
 
-#: `TrainConfig.trainer` -> how to build that trainer from the model dir, its config section, the device, the
-#: placement and the server's admin token.
+#: `TrainConfig.trainer` -> how to build that trainer from the model dir, its config section, the device and the
+#: placement.
 TRAINERS = {"grpo": _grpo_trainer, "fsdp": _fsdp_trainer}
 
 
-def default_trainer_factory(device: str | None, placement: Placement | None = None,
-                            authkey: bytes = b"") -> TrainerFactory:  # fmt: skip
+def default_trainer_factory(device: str | None, placement: Placement | None = None) -> TrainerFactory:
     """Builds the trainer the synced config names (`config.trainer`), with its section (e.g. `config.grpo`)."""
     placement = placement or Placement()
 
     def build(model_dir: Path, config: TrainConfig) -> Trainer:
-        return TRAINERS[config.trainer](model_dir, config.trainer_section, device, placement, authkey)
+        return TRAINERS[config.trainer](model_dir, config.trainer_section, device, placement)
 
     return build
 
 
-def lora_trainer_factory(device: str | None, placement: Placement | None = None,
-                         authkey: bytes = b"") -> PolicyTrainerFactory:  # fmt: skip
+def lora_trainer_factory(device: str | None, placement: Placement | None = None) -> PolicyTrainerFactory:
     """Builds the trainer of a server's LoRA policies, the kind their configs name (one for all of them: the
     topology checks it), each policy with its config's section of that trainer."""
     placement = placement or Placement()
@@ -135,8 +132,7 @@ def lora_trainer_factory(device: str | None, placement: Placement | None = None,
         if kinds == {"fsdp"}:
             from servers.trainers.fsdp_lora import FSDPLoraTrainer
 
-            # the admin token lets the ranks of other nodes in (placement.nodes > 1)
-            return FSDPLoraTrainer(model_dir, sections, device=device, placement=placement, authkey=authkey)
+            return FSDPLoraTrainer(model_dir, sections, device=device, placement=placement)
         from servers.trainers.lora_grpo import LoraGRPOTrainer
 
         return LoraGRPOTrainer(model_dir, sections, device=placement.trainer_device(device))
@@ -213,7 +209,7 @@ def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None 
                               data_dir=options.resolved_data_dir(), resolve_model=resolve,
                               engine_factory=engine_factory, public_url=options.public_url,
                               trainer_factory=policy_trainer_factory or lora_trainer_factory(
-                                  options.device, options.placement, token.encode()))
+                                  options.device, options.placement))
     elif options.static:
         server = StaticServer(model=options.model, served_name=served_name, resolve_model=resolve,
                               engine_factory=engine_factory, adapter=options.adapter and Path(options.adapter))
@@ -221,7 +217,7 @@ def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None 
         server = TrainableServer(model=options.model, served_name=served_name, data_dir=options.resolved_data_dir(),
                                  resolve_model=resolve, engine_factory=engine_factory,
                                  trainer_factory=trainer_factory or default_trainer_factory(
-                                     options.device, options.placement, token.encode()),
+                                     options.device, options.placement),
                                  public_url=options.public_url)
     return server, token
 

@@ -1,11 +1,12 @@
-"""Which GPUs a server's engine and trainer ranks use (`marl serve --engine-gpus/--trainer-gpus/--trainer-nodes`).
+"""Which GPUs a server's engine and trainer ranks use (`marl serve --engine-gpus/--trainer-gpus`), and under Ray the
+placement group its ranks go into (`--ray-group`).
 
 Indices count the GPUs this server process sees: all of the machine's, or those of its own CUDA_VISIBLE_DEVICES
 (under Ray, the GPUs Ray gave its actor). A process the server starts (vLLM, a trainer rank) gets the GPUs it may
 use as CUDA_VISIBLE_DEVICES, mapped through the server's own list, so index 1 under CUDA_VISIBLE_DEVICES=4,5 is
 physical GPU 5. In this process (the torch engine, the one-process trainer) an index is simply `cuda:<index>`.
 
-Nothing set is the behaviour from before placement existed: the engine on GPU 0, rank r on GPU r, one node.
+Nothing set is the behaviour from before placement existed: the engine on GPU 0, rank r on GPU r, one machine.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from marl.protocol import TRAINER_RENDEZVOUS_PORT, gpu_list_text
+from marl.protocol import gpu_list_text
 
 __all__ = ["Placement", "visible_devices"]
 
@@ -37,19 +38,19 @@ def visible_devices(gpus: Sequence[int], environ: Mapping[str, str] | None = Non
 
 @dataclass(frozen=True)
 class Placement:
-    """A server's GPUs (None: the default) and how many nodes its trainer's ranks span."""
+    """A server's GPUs (None: the default), and under Ray the placement group its trainer's ranks go into."""
 
     engine_gpus: tuple[int, ...] | None = None
     trainer_gpus: tuple[int, ...] | None = None
-    nodes: int = 1
-    rendezvous_port: int = TRAINER_RENDEZVOUS_PORT  # with nodes > 1: where `marl trainer-node` connects
+    #: The name of the server's Ray placement group (`marl serve --ray-group`): its trainer's ranks are Ray actors in
+    #: bundles 1.. of it (servers.trainers.ray_ranks), on whatever nodes Ray reserved them. None: local processes.
+    ray_group: str | None = None
+    ray_address: str | None = None  # the Ray cluster's GCS address (None: the cluster of this node)
 
     def __post_init__(self) -> None:
         for name in ("engine_gpus", "trainer_gpus"):
             if (gpus := getattr(self, name)) is not None:
                 object.__setattr__(self, name, tuple(gpus))
-        if self.nodes < 1:
-            raise ValueError(f"nodes must be >= 1, got {self.nodes}")
 
     def shares_gpu(self) -> bool:
         """Do the engine and the trainer use a GPU in common? (by default both take GPU 0)"""

@@ -14,6 +14,8 @@ Decisions (also in the messages):
 - `run.eval_every` evaluates checkpoints too: every trainable server must be local and save checkpoints.
 - Under `run.ray`, a local server sees only the GPUs its actor asks for (`resources: {GPU: n}`; none without it):
   `device: cuda` needs some, and its `placement` GPUs index those n.
+- Trainer ranks on several machines are Ray actors (`placement.nodes` > 1 needs `run.ray`); under `run.ray` each
+  rank has its own bundle (`rank_resources`, GPU included), so `placement.trainer_gpus` of an FSDP trainer is refused.
 - A local server's model is a directory on this machine or an alias (`check_local_models`): checked where the
   topology is checked against this machine (`check_env`: `marl topology show`, `marl run`), not by `marl plan`,
   which sizes a topology meant for other machines.
@@ -50,7 +52,7 @@ class Findings:
 def check_spec(spec: TopologySpec, findings: Findings) -> None:
     """Run every check; fills in the defaults of `run.repeats` and `run.run_dir`."""
     for check in (check_names, check_role_players, check_role_policies, check_unused_servers, check_repeats, check_stop,
-                  check_urls, check_past_of, check_eval_every, check_ray_gpus):
+                  check_urls, check_past_of, check_eval_every, check_ray_gpus, check_ray_ranks):
         check(spec, findings)
     if spec.run.run_dir is None:
         spec.run.run_dir = Path("runs") / spec.name
@@ -263,6 +265,31 @@ def check_ray_gpus(spec: TopologySpec, findings: Findings) -> None:
                                                          f" resources.GPU, numbered from 0, but placement uses GPU"
                                                          f" {max(placed)}: ask for resources: {{GPU:"
                                                          f" {max(placed) + 1}}} or more, or renumber")
+
+
+def check_ray_ranks(spec: TopologySpec, findings: Findings) -> None:
+    """Trainer ranks on other machines are Ray actors in the server's placement group (marl/topology/bundles.py)."""
+    for name, server in spec.servers.items():
+        placement = server.placement
+        if placement is not None and placement.rendezvous_port is not None:
+            findings.warn(["servers", name, "placement", "rendezvous_port"], "deprecated and not used: ranks on other"
+                          " machines are Ray actors now (run.ray, docs/ray.md); remove it")
+        if not server.is_local or server.kind is ServerKind.PAST_SNAPSHOTS:
+            continue
+        fsdp = bool(server.trainable and server.train and server.train.trainer == "fsdp")
+        if spec.run.ray is None:
+            if placement is not None and placement.nodes > 1:
+                findings.bad(["servers", name, "placement", "nodes"], f"{placement.nodes} machines need run.ray:"
+                             " the trainer's ranks on other machines are Ray actors (docs/ray.md); add run.ray:"
+                             " {address: auto}, or nodes: 1")
+            continue
+        if server.rank_resources is not None and not fsdp:
+            findings.bad(["servers", name, "rank_resources"], "only a trainer with ranks has them: set"
+                         " train.trainer: fsdp, or remove rank_resources")
+        if fsdp and placement is not None and placement.trainer_gpus is not None:
+            findings.bad(["servers", name, "placement", "trainer_gpus"], "under run.ray each trainer rank is a Ray"
+                         " actor with its own GPU (rank_resources: {GPU: 1} by default on GPUs): remove"
+                         " trainer_gpus, and set train.fsdp.ranks")
 
 
 def check_local_models(spec: TopologySpec, findings: Findings) -> None:

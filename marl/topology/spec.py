@@ -27,7 +27,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from marl.protocol import (
-    TRAINER_RENDEZVOUS_PORT,
     VLLM_DTYPES,
     VLLM_MANAGED_FLAGS,
     VLLM_WEIGHT_SYNC_MODES,
@@ -161,10 +160,11 @@ class PlacementSpec(_Spec):
     trainer_gpus: GPUIndices | None = Field(None, description="GPUs of the trainer, one rank per GPU on each node:"
                                             " train.fsdp.ranks = nodes x their number (ranks defaults to it); one"
                                             " for trainer: grpo (default: rank r on GPU r).")
-    nodes: int = Field(1, ge=1, description="Machines the trainer's ranks span (trainer_gpus on each). The server's"
-                       " machine is node 0; each other runs `marl trainer-node --server HOST --node-rank N`.")
-    rendezvous_port: int = Field(TRAINER_RENDEZVOUS_PORT, ge=1, le=65535, description="With nodes > 1: the port"
-                                 " where the server waits for the other nodes' ranks (`marl trainer-node`).")
+    nodes: int = Field(1, ge=1, description="Machines the trainer's ranks may span, under run.ray: 1 packs the"
+                       " server and its ranks onto one node, more lets Ray place them on as few nodes as hold them"
+                       " (each rank its own bundle: rank_resources). For `marl plan`: nodes x trainer_gpus ranks.")
+    rendezvous_port: int | None = Field(None, ge=1, le=65535, description="Deprecated, not used: ranks on other"
+                                        " machines are Ray actors now (run.ray), not `marl trainer-node`.")
 
     @model_validator(mode="after")
     def _unique(self) -> PlacementSpec:
@@ -213,6 +213,10 @@ class ServerSpec(_Spec):
         None, description="Local, with run.ray: what the server's Ray actor asks of a node: CPU (default 1), GPU,"
                           " memory (bytes) or any custom resource, e.g. {GPU: 1} or {node_b: 1} (docs/ray.md)."
                           " Without run.ray it is not used.")
+    rank_resources: dict[str, Annotated[float, Field(ge=0)]] | None = Field(
+        None, description="Local, with run.ray and train.trainer: fsdp: what each trainer rank's Ray actor asks (its"
+                          " bundle of the server's placement group): default {CPU: 1}, plus {GPU: 1} on GPUs; a"
+                          " custom resource pins ranks to nodes (docs/ray.md). Without run.ray it is not used.")
     # external OpenAI endpoint
     url: str | None = Field(None, description="External: OpenAI base URL, e.g. http://host:8000/v1.")
     api_key_env: str | None = Field(None, description="External: environment variable holding the API key.")
@@ -467,10 +471,7 @@ def _trainer_gpu_rules(s: ServerSpec, p: PlacementSpec) -> list[Rule]:
         return [(gpus, f"train.fsdp.ranks is {ranks}, but nodes x len(trainer_gpus) = {p.nodes} x {per_node} ="
                        f" {p.nodes * per_node} ranks (one per GPU): make them equal, or leave train.fsdp.ranks"
                        " out (it defaults to that)")]
-    if not per_node and ranks % p.nodes:
-        return [(nodes, f"train.fsdp.ranks = {ranks} does not split evenly over {p.nodes} nodes: give a multiple"
-                        " of nodes, or trainer_gpus (ranks = nodes x their number)")]
-    return []
+    return []  # without trainer_gpus, Ray places each rank where a bundle fits (marl/topology/bundles.py)
 
 
 def _default_ranks(s: ServerSpec) -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,13 +43,16 @@ from servers.episodes.samples import Sample
 from servers.placement import Placement
 from servers.trainers.device_memory import memory_metrics
 from servers.trainers.fsdp_model import compute_dtype
-from servers.trainers.fsdp_ranks import RankFailure, RankGroup, RankLayout
+from servers.trainers.fsdp_ranks import RankFailure, RankGroup
 from servers.trainers.fsdp_worker import PassResult, RankSpec
 from servers.trainers.grpo import grpo_step
 from servers.trainers.micro_batches import check_token_ids, pack_micro_batches
 from servers.trainers.policy_model import resolve_dtype
 from servers.trainers.step_metrics import PassTotals, add_pass_stats
 from servers.trainers.trainer_state import copy_tokenizer, restore_rng_states, rng_states
+
+if TYPE_CHECKING:
+    from servers.trainers.ray_ranks import RayRankGroup
 
 __all__ = ["FSDPConfig", "FSDPTrainer", "RankFailure", "plan_micro_batches", "rank_numerics", "start_ranks",
            "train_on_ranks"]
@@ -81,33 +84,43 @@ def rank_numerics(config: FSDPConfig, device: str | torch.device | None, dtype: 
     return str(compute_dtype(config.mixed_precision, device_type, resolve_dtype(dtype)))
 
 
-def rank_layout(ranks: int, placement: Placement, authkey: bytes | None) -> RankLayout:
-    """`fsdp.ranks` laid out by the server's placement: nodes x trainer GPUs (or ranks / nodes per node)."""
-    per_node = len(placement.trainer_gpus) if placement.trainer_gpus else ranks // placement.nodes
-    if per_node * placement.nodes != ranks:
-        raise ValueError(f"fsdp.ranks={ranks}, but the server's placement gives {placement.nodes} node(s) x"
-                         f" {per_node} trainer GPUs = {per_node * placement.nodes} ranks: make them equal")
-    return RankLayout(per_node, placement.nodes, placement.trainer_gpus, placement.rendezvous_port, authkey)
+def check_rank_gpus(ranks: int, placement: Placement) -> tuple[int, ...] | None:
+    """The server's trainer GPUs for `fsdp.ranks` local ranks (one each), or ValueError if they are not as many."""
+    gpus = placement.trainer_gpus
+    if gpus is not None and len(gpus) != ranks:
+        raise ValueError(f"fsdp.ranks={ranks}, but the server's placement gives {len(gpus)} trainer GPUs (one rank"
+                         " each): make them equal")
+    return gpus
 
 
 def start_ranks(model_dir: Path, config: FSDPConfig, *, device: str | torch.device | None,
                 dtype: torch.dtype | str | None, threads_per_rank: int | None, timeout_s: float,
-                placement: Placement | None, authkey: bytes | None, **spec_fields: Any) -> RankGroup:  # fmt: skip
-    """`config.ranks` rank processes laid out by `placement`, each started with a `RankSpec` (plus `spec_fields`)."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device_type = torch.device(device).type
-    layout = rank_layout(config.ranks, placement or Placement(), authkey)
-    gpus_needed = max(layout.trainer_gpus) + 1 if layout.trainer_gpus else layout.local_world_size
+                placement: Placement | None, **spec_fields: Any) -> RankGroup | RayRankGroup:  # fmt: skip
+    """`config.ranks` ranks, each started with a `RankSpec` (plus `spec_fields`): processes of this server, or with
+    `placement.ray_group` Ray actors in the server's placement group (servers.trainers.ray_ranks)."""
+    placement = placement or Placement()
+
+    def spec(device_type: str, threads: int | None) -> RankSpec:
+        return RankSpec(model_dir=str(model_dir), config=config, world_size=config.ranks, device_type=device_type,
+                        dtype=None if dtype is None else str(dtype), threads=threads, timeout_s=timeout_s,
+                        **spec_fields)  # fmt: skip
+
+    if placement.ray_group is not None:  # ray is imported only here: a server without Ray never imports it
+        from servers.trainers.ray_ranks import RayRankGroup, rank_bundle
+
+        bundle = rank_bundle(placement.ray_group, placement.ray_address)  # each rank's: a GPU, or CPUs
+        device_type = torch.device(device).type if device is not None else "cuda" if bundle.get("GPU") else "cpu"
+        threads = threads_per_rank or (max(1, int(bundle.get("CPU", 1))) if device_type == "cpu" else None)
+        return RayRankGroup(spec(device_type, threads), group=placement.ray_group, start_timeout_s=timeout_s)
+    device_type = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
+    gpus = check_rank_gpus(config.ranks, placement)
+    gpus_needed = max(gpus) + 1 if gpus else config.ranks
     if device_type == "cuda" and torch.cuda.device_count() < gpus_needed:
         raise ValueError(f"fsdp.ranks={config.ranks} on this node needs GPUs 0..{gpus_needed - 1};"
                          f" {torch.cuda.device_count()} visible")
-    if device_type == "cpu" and threads_per_rank is None:  # this node's ranks share its cores
-        threads_per_rank = max(1, (os.cpu_count() or 1) // layout.local_world_size)
-    spec = RankSpec(model_dir=str(model_dir), config=config, world_size=config.ranks, device_type=device_type,
-                    dtype=None if dtype is None else str(dtype), threads=threads_per_rank, timeout_s=timeout_s,
-                    **spec_fields)  # fmt: skip
-    return RankGroup(spec, start_timeout_s=timeout_s, layout=layout)
+    if device_type == "cpu" and threads_per_rank is None:  # the ranks share this machine's cores
+        threads_per_rank = max(1, (os.cpu_count() or 1) // config.ranks)
+    return RankGroup(spec(device_type, threads_per_rank), start_timeout_s=timeout_s, trainer_gpus=gpus)
 
 
 def train_on_ranks(ranks: RankGroup, items: list[tuple[Sample, float]], tokens_trained: float, config: GRPOConfig,
@@ -153,14 +166,13 @@ class FSDPTrainer(Trainer):
         threads_per_rank: int | None = None,
         timeout_s: float = 600.0,
         placement: Placement | None = None,
-        authkey: bytes | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.config = config  # read at every step: a caller may swap it between steps (not `ranks`)
         self._with_ref = config.kl_coef > 0  # the ranks hold the frozen reference iff asked for at start
         self.numerics = rank_numerics(config, device, dtype)  # bf16 on CUDA by default (`mixed_precision`)
         self.ranks = start_ranks(self.model_dir, config, device=device, dtype=dtype, threads_per_rank=threads_per_rank,
-                                 timeout_s=timeout_s, placement=placement, authkey=authkey)  # fmt: skip
+                                 timeout_s=timeout_s, placement=placement)  # fmt: skip
         self.vocab_size = int(self.ranks.started[0]["vocab_size"])
         self.step_count = 0
 

@@ -61,7 +61,7 @@ class _Policy:
 
 class FSDPLoraTrainer(PolicyStates):
     """GRPO + PPO-clip on LoRA policies of one frozen base sharded over `fsdp.ranks` processes (CPU gloo, or a GPU
-    each). `threads_per_rank`, `timeout_s`, `placement`, `authkey`: as `FSDPTrainer`'s. `serve_dtype`: the dtype
+    each). `threads_per_rank`, `timeout_s`, `placement`: as `FSDPTrainer`'s. `serve_dtype`: the dtype
     `adapter_weights` hands out (None: the master weights')."""
 
     def __init__(
@@ -76,7 +76,6 @@ class FSDPLoraTrainer(PolicyStates):
         threads_per_rank: int | None = None,
         timeout_s: float = 600.0,
         placement: Placement | None = None,
-        authkey: bytes | None = None,
     ) -> None:
         if not policies:
             raise ValueError("FSDPLoraTrainer needs at least one policy")
@@ -89,7 +88,7 @@ class FSDPLoraTrainer(PolicyStates):
         self.numerics = rank_numerics(settings, device, dtype)  # as `FSDPTrainer.numerics`
         self.ranks = start_ranks(self.model_dir, settings,
                                  device=device, dtype=dtype, threads_per_rank=threads_per_rank, timeout_s=timeout_s,
-                                 placement=placement, authkey=authkey, lora=dict(policies), seed=seed,
+                                 placement=placement, lora=dict(policies), seed=seed,
                                  shard_class=ShardedLoraPolicies)  # fmt: skip
         self.vocab_size = int(self.ranks.started[0]["vocab_size"])
 

@@ -1,17 +1,17 @@
 """One rank of the FSDP2 trainer: its process's main loop and its shard of the policy.
 
-A rank is a process spawned by `servers.trainers.fsdp_ranks.RankGroup` (or, on another node, by `marl trainer-node`:
-servers.trainers.fsdp_nodes). Where it runs is a `RankPlace`, torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), which it exports before anything touches CUDA, together with its node's
-trainer GPUs as CUDA_VISIBLE_DEVICES (all of them: NCCL sees its peers on the node; LOCAL_RANK picks the rank's
-own, `cuda:LOCAL_RANK`). It joins the torch.distributed group (gloo on CPU, nccl on one GPU per rank), builds its
-shard of the policy without ever holding the whole model (servers.trainers.fsdp_model: meta device, `fully_shard`
-with the mixed-precision policy, rank 0's weights broadcast), and then serves commands from the server over its
-pipe: ("train", plan, S, config, start_version), ("export", dir), ("save", dir, ...), ("load", dir). Each answer
-is ("ok", result) or ("error", traceback); rank 0 also sends ("progress", done, total) after every micro-batch. A
+A rank is a process spawned by `servers.trainers.fsdp_ranks.RankGroup`, or a Ray actor in the server's placement group
+(servers.trainers.ray_ranks, possibly on another machine). Where it runs is a `RankPlace`, torchrun's variables (RANK,
+LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), which it exports before anything touches CUDA,
+together with its node's trainer GPUs as CUDA_VISIBLE_DEVICES (all of them: NCCL sees its peers on the node; LOCAL_RANK
+picks the rank's own, `cuda:LOCAL_RANK`). It joins the torch.distributed group (gloo on CPU, nccl on one GPU per rank),
+builds its shard of the policy without ever holding the whole model (servers.trainers.fsdp_model: meta device,
+`fully_shard` with the mixed-precision policy, rank 0's weights broadcast), and then serves commands from the server
+over its pipe: ("train", plan, S, config, start_version), ("export", dir), ("save", dir, ...), ("load", dir). Each
+answer is ("ok", result) or ("error", traceback); rank 0 also sends ("progress", done, total) after every micro-batch. A
 group of LoRA policies (`RankSpec.lora`) runs the class its spec names instead (`RankSpec.shard_class`:
-`servers.trainers.fsdp_lora_rank.ShardedLoraPolicies`, which builds on this module): the same passes
-(`train_passes`) over one policy's adapter at a time, its own commands.
+`servers.trainers.fsdp_lora_rank.ShardedLoraPolicies`, which builds on this module): the same passes (`train_passes`)
+over one policy's adapter at a time, its own commands.
 
 The GRPO math is the one-process trainer's (`servers.trainers.grpo.micro_batch_loss`); what is sharded-specific:
 
@@ -35,9 +35,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -71,6 +70,15 @@ PassResult = tuple[dict[str, float], float, bool]
 #: A padding pass trains on this (two tokens, the second "trained", advantage 0), with its loss multiplied by 0.
 _PADDING = [(Sample(episode_id="padding", agent="padding", token_ids=[0, 0], loss_mask=[0, 1], logprobs=[0.0, 0.0],
                     reward=0.0, policy_version=0, num_calls=1), 0.0)]  # fmt: skip
+
+
+class RankPipe(Protocol):
+    """A rank's end of its pipe to the server: a multiprocessing Pipe's end (a local rank), or the queues of its Ray
+    actor (servers.trainers.ray_ranks)."""
+
+    def send(self, message: Any) -> None: ...
+
+    def recv(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -136,7 +144,7 @@ def enter_place(place: RankPlace, world_size: int) -> None:
     os.environ.update(place.environment(world_size))
 
 
-def run_rank(place: RankPlace, spec: RankSpec, conn: Connection) -> None:
+def run_rank(place: RankPlace, spec: RankSpec, conn: RankPipe) -> None:
     """The process of one rank: join the group, shard the policy, answer commands until told to close."""
     try:
         enter_place(place, spec.world_size)
@@ -164,7 +172,7 @@ def run_rank(place: RankPlace, spec: RankSpec, conn: Connection) -> None:
             dist.destroy_process_group()
 
 
-def _serve(policy: ShardedPolicy, conn: Connection) -> None:
+def _serve(policy: ShardedPolicy, conn: RankPipe) -> None:
     """Answer commands until "close". After each one the rank empties its allocator's cache before it answers, so
     the memory a step or a gather peaked at is free before the server wakes an engine on this GPU
     (servers.trainers.device_memory); "memory" answers the last command's reading (before and after the release)."""
@@ -185,7 +193,7 @@ def _serve(policy: ShardedPolicy, conn: Connection) -> None:
         conn.send(("ok", result))
 
 
-def _send_quietly(conn: Connection, message: tuple) -> None:
+def _send_quietly(conn: RankPipe, message: tuple) -> None:
     try:
         conn.send(message)
     except OSError:

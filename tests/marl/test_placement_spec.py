@@ -60,7 +60,7 @@ AT = "servers.speaker_model.placement"
     ({"trainer_gpus": [0, 1]}, {"train": {**TRAIN, "trainer": "grpo"}}, "trainer_gpus", "trainer: grpo trains in"
                                                                                         " one process on one GPU"),
     ({"nodes": 2}, {"train": {**TRAIN, "trainer": "grpo"}}, "nodes", "trainer: grpo trains on one machine"),
-    ({"nodes": 3}, {}, "nodes", "train.fsdp.ranks = 2 does not split evenly over 3 nodes"),
+    ({"nodes": 3}, {}, "nodes", "3 machines need run.ray: the trainer's ranks on other machines are Ray actors"),
     ({"trainer_gpus": [1]}, {"trainable": False, "train": None}, "trainer_gpus", "a static server does not train"),
     ({"engine_gpu": [1]}, {}, "engine_gpu", "did you mean 'engine_gpus'?"),
 ])  # fmt: skip
@@ -82,8 +82,12 @@ def test_a_past_of_server_takes_no_placement():
 
 
 def test_fsdp_ranks_default_to_one_per_trainer_gpu_on_each_node():
-    spec = load(topology({"trainer_gpus": [4, 5, 6, 7], "nodes": 2, "engine_gpus": [0]}))
-    assert spec.servers["speaker_model"].train.fsdp.ranks == 8
+    remote = topology()
+    remote["servers"]["speaker_model"] = {"swarm_url": "http://box-a:10086", "trainable": True, "train": TRAIN,
+                                          "placement": {"trainer_gpus": [4, 5, 6, 7], "nodes": 2, "engine_gpus": [0]}}
+    assert load(remote).servers["speaker_model"].train.fsdp.ranks == 8  # its machines, for `marl plan`
+    spec = load(topology({"trainer_gpus": [4, 5, 6, 7], "engine_gpus": [0]}))
+    assert spec.servers["speaker_model"].train.fsdp.ranks == 4
     given = load(topology({"trainer_gpus": [1, 2]}, train={**TRAIN, "fsdp": {"ranks": 2}}))
     assert given.servers["speaker_model"].train.fsdp.ranks == 2
     assert load(topology()).servers["speaker_model"].train.fsdp.ranks == 2  # no placement: the default, as before
@@ -117,13 +121,20 @@ def serve_options_of(data: dict, name: str = "speaker_model"):
 
 
 def test_marl_run_passes_the_placement_to_marl_serve():
-    argv, options = serve_options_of(topology({"gpu_memory_gb": 80, "engine_gpus": [0], "trainer_gpus": [1, 2, 3],
-                                               "nodes": 2, "rendezvous_port": 29511}))
-    assert argv[argv.index("--engine-gpus"):] == ["--engine-gpus", "0", "--trainer-gpus", "1,2,3",
-                                                  "--trainer-nodes", "2", "--rendezvous-port", "29511"]
-    assert options.placement == Placement(engine_gpus=(0,), trainer_gpus=(1, 2, 3), nodes=2, rendezvous_port=29511)
+    argv, options = serve_options_of(topology({"gpu_memory_gb": 80, "engine_gpus": [0], "trainer_gpus": [1, 2, 3]}))
+    assert argv[argv.index("--engine-gpus"):] == ["--engine-gpus", "0", "--trainer-gpus", "1,2,3"]
+    assert options.placement == Placement(engine_gpus=(0,), trainer_gpus=(1, 2, 3))
     argv, options = serve_options_of(topology())
     assert not any("gpus" in arg or "nodes" in arg for arg in argv) and options.placement == Placement()
+
+
+def test_the_ray_group_flags_reach_the_placement_and_the_old_node_flags_are_deprecated():
+    options = _serve_options(parse(["serve", "--model", "m", "--ray-group", "run-1.team", "--ray-address", "h:6379"]))
+    assert options.placement == Placement(ray_group="run-1.team", ray_address="h:6379")
+    with pytest.warns(DeprecationWarning, match="--rendezvous-port is deprecated"):
+        assert _serve_options(parse(["serve", "--model", "m", "--rendezvous-port", "29511"])).placement == Placement()
+    with pytest.raises(ValueError, match="--trainer-nodes: deprecated; ranks on other machines are Ray actors"):
+        _serve_options(parse(["serve", "--model", "m", "--trainer-nodes", "2"]))
 
 
 def test_marl_serve_refuses_bad_gpu_flags_naming_them():
@@ -147,11 +158,15 @@ def test_a_server_process_starts_with_the_environment_it_is_given(tmp_path):
 
 
 def test_under_ray_a_server_places_only_the_gpus_its_actor_asks_for():
-    data = topology({"engine_gpus": [0], "trainer_gpus": [1, 2]}, resources={"GPU": 2}, device="cuda")
+    data = topology({"engine_gpus": [0], "trainer_gpus": [1]}, resources={"GPU": 1}, device="cuda",
+                    train={**TRAIN, "trainer": "grpo"})
     data["run"]["ray"] = {"address": "local"}
     found = problems(data)
-    assert "ask for resources: {GPU: 3} or more" in found[AT]
-    data["servers"]["speaker_model"]["resources"] = {"GPU": 3}
+    assert "ask for resources: {GPU: 2} or more" in found[AT]
+    data["servers"]["speaker_model"]["resources"] = {"GPU": 2}
     load(data)
+    fsdp = topology({"engine_gpus": [0], "trainer_gpus": [1, 2]}, resources={"GPU": 3}, device="cuda")
+    fsdp["run"]["ray"] = {"address": "local"}  # an FSDP trainer's ranks have GPUs of their own bundles
+    assert "each trainer rank is a Ray actor with its own GPU" in problems(fsdp)[f"{AT}.trainer_gpus"]
     del data["servers"]["speaker_model"]["resources"]
     assert "add resources: {GPU: n}" in problems(data)["servers.speaker_model.device"]

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -44,9 +45,9 @@ TOPOLOGY = {
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """Two Ray nodes on this machine: the head has resource node_a, the other node_b. Started once (this module is
-    its only user, so it stops when the module's tests are done, not at the end of the whole session). This process
-    is a driver too (to find and kill actors); the fixture stops only the nodes it started."""
+    """Two Ray nodes on this machine: the head has resource node_a, the other node_b, each one rank_slot. Started once
+    (this module is its only user, so it stops when the module's tests are done, not at the end of the whole
+    session). This process is a driver too (to find and kill actors); the fixture stops only the nodes it started."""
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
@@ -54,10 +55,11 @@ def ray_cluster():
     with pytest.MonkeyPatch.context() as env:
         for key, value in RAY_ENV.items():
             env.setenv(key, value)
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1},
-                                                                "include_dashboard": False})
+        # rank_slot: one trainer rank per node (rank_resources that force two ranks onto two nodes)
+        head = {"num_cpus": 2, "resources": {"node_a": 1, "rank_slot": 1}, "include_dashboard": False}
+        cluster = Cluster(initialize_head=True, head_node_args=head)
         try:
-            cluster.add_node(num_cpus=2, resources={"node_b": 1})
+            cluster.add_node(num_cpus=2, resources={"node_b": 1, "rank_slot": 1})
             cluster.wait_for_nodes()
             ray.init(address=cluster.address, log_to_driver=False)
             yield cluster
@@ -221,6 +223,149 @@ def test_sigterm_stops_the_run_and_its_actors_and_leaves_the_cluster_up(ray_clus
     assert proc.returncode == 130, output
     assert "stopped 2 local servers" in output
     assert_torn_down(servers)
+
+
+# --- FSDP ranks as Ray actors in the server's placement group --------------------------------------------------------
+
+FSDP_TRAIN = {"job": "tiny", "batch_size": 1, "num_repeat": 2, "save_freq": 1, "trainer": "fsdp",
+              "fsdp": {"ranks": 2, "learning_rate": 1e-3}}
+FSDP_TOPOLOGY = {
+    "name": "tiny-ray-ranks",
+    "servers": {"team": {"trainable": True, "device": "cpu", "train": FSDP_TRAIN, "resources": {"node_a": 1},
+                         "rank_resources": {"CPU": 1, "rank_slot": 1}, "placement": {"nodes": 2}}},
+    "roles": {"speaker": {"server": "team"}, "listener": {"server": "team"}},
+    "env": {"class": "envs.signalling:SignallingGame", "args": {"num_items": 3}},
+    "run": {"max_steps": 2, "repeats": 2, "concurrency": 2, "max_tokens": 6},
+}
+
+
+def write_fsdp_topology(tmp_path: Path, tiny_model: Path) -> Path:
+    spec = json.loads(json.dumps(FSDP_TOPOLOGY))
+    spec["servers"]["team"]["model"] = str(tiny_model)
+    spec["run"]["run_dir"] = str(tmp_path / "run")
+    path = tmp_path / "fsdp.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def rank_nodes(group_prefix: str) -> dict[int, str]:
+    """The node of each rank bundle (1..) of the live placement group whose name starts with `group_prefix`."""
+    import ray
+
+    for group in ray.util.placement_group_table().values():
+        if group["name"].startswith(group_prefix) and group["state"] == "CREATED":
+            return {i: node for i, node in group["bundles_to_node_id"].items() if i > 0}
+    return {}
+
+
+def rank_actors(rank: int) -> list[str]:
+    import ray
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if f".rank{rank}." in a["name"]]
+
+
+def test_rank_places_follow_where_ray_put_the_ranks():
+    pytest.importorskip("ray")
+    from servers.trainers.ray_ranks import RankWhere, rank_places
+
+    wheres = [RankWhere("a", "10.0.0.1", (4,)), RankWhere("b", "10.0.0.2", (0,)), RankWhere("a", "10.0.0.1", (6,)),
+              RankWhere("b", "10.0.0.2", (1,))]
+    places = rank_places(wheres, "10.0.0.1", 1234)
+    assert [(p.rank, p.local_rank, p.local_world_size) for p in places] == [(0, 0, 2), (1, 0, 2), (2, 1, 2), (3, 1, 2)]
+    assert [p.cuda_visible_devices for p in places] == ["4,6", "0,1", "4,6", "0,1"]  # a node's ranks see theirs
+    assert {(p.master_addr, p.master_port) for p in places} == {("10.0.0.1", 1234)}
+    assert rank_places([RankWhere("a", "h")], "h", 1)[0].cuda_visible_devices is None  # the CPU: gloo
+
+
+@needs_ray
+def test_two_ranks_on_two_ray_nodes_make_the_one_process_step(ray_cluster, tmp_path):
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from marl.protocol import FSDPConfig, GRPOConfig
+    from servers.placement import Placement
+    from servers.trainers.fsdp import FSDPTrainer
+    from servers.trainers.grpo import GRPOTrainer
+    from tests.servers.test_grpo_trainer import make_batch
+    from tests.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny")
+    knobs = dict(learning_rate=1e-3, micro_batch_tokens=40, kl_coef=0.05, ppo_epochs=2)
+    group = placement_group([{"CPU": 0.1}, *[{"CPU": 1, "rank_slot": 1}] * 2], strategy="PACK", name="step-test")
+    ray.get(group.ready(), timeout=60)
+    try:
+        sharded = FSDPTrainer(model, FSDPConfig(ranks=2, **knobs), placement=Placement(ray_group="step-test"))
+        try:
+            assert len({where.node_id for where in sharded.ranks.wheres}) == 2  # one rank on each node
+            one = GRPOTrainer(model, GRPOConfig(**knobs))
+            batch = make_batch(one, AutoTokenizer.from_pretrained(model), step=1)
+            m_sharded, m_one = sharded.step(batch), one.step(batch)
+            got = AutoModelForCausalLM.from_pretrained(sharded.export_weights(tmp_path / "w")).state_dict()
+        finally:
+            sharded.close()
+    finally:
+        remove_placement_group(group)
+    want = one.policy.state_dict()
+    for name, tensor in want.items():
+        assert float((got[name] - tensor).norm() / tensor.norm()) <= 1e-5, name
+    assert m_sharded["loss"] == pytest.approx(m_one["loss"], rel=1e-5)
+
+
+@needs_ray
+def test_a_run_trains_with_ranks_on_two_nodes_and_survives_a_killed_rank(ray_cluster, tiny_model, tmp_path):
+    """`trainer: fsdp, ranks: 2` under run.ray: the server's ranks are Ray actors in its placement group, one on
+    each node; a rank actor killed mid-run fails the step, the server's engine is started again on a new group that
+    resumes from the checkpoint, and the run finishes with every episode recorded once and trained at most once."""
+    import ray
+
+    proc = start_run(write_fsdp_topology(tmp_path, tiny_model), f"run.ray.address={ray_cluster.address}",
+                     "run.max_steps=4")  # steps after the kill: it must not come after the run's last step
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "servers" / "team" / "metrics.jsonl"
+    wait_for(proc, lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, "a first step")
+    nodes = rank_nodes("tiny-ray-ranks")
+    assert len(set(nodes.values())) == 2, nodes  # rank 0 on one node, rank 1 on the other
+    ray.kill(ray.get_actor(rank_actors(1)[0], namespace="marl"), no_restart=True)
+    output = finish(proc)
+    assert proc.returncode == 0, output
+    assert "and 2 trainer ranks of CPU: 1, rank_slot: 1" in output
+    assert json.loads(metrics.read_text().splitlines()[-1])["step"] >= 4  # (games in flight may add a step)
+    log = (run_dir / "logs" / "team.log").read_text()
+    assert "rank 1 died" in log, log[-3000:]  # the step failed on the killed rank, and the run went on
+    db = sqlite3.connect(run_dir / "servers" / "team" / "ledger.sqlite")
+    episodes = [row[0] for row in db.execute("SELECT episode_id FROM episodes")]
+    consumed = db.execute("SELECT consumed_step, COUNT(*) FROM samples WHERE consumed_step > 0"  # -1: stale
+                          " GROUP BY consumed_step").fetchall()
+    db.close()
+    assert len(episodes) == len(set(episodes)) >= 2  # each step trains one group (task, role) of 2 episodes
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [s["step"] for s in steps] == sorted({s["step"] for s in steps})  # each step trained once
+    # every claimed sample belongs to a step that happened (the failed step's claim went back to the pool, and the
+    # step was taken again from the checkpoint before it); each sample row has one consumed_step: never two steps
+    assert {step for step, _ in consumed} <= {s["step"] for s in steps} and all(n >= 1 for _, n in consumed)
+    assert_torn_down(servers_file(run_dir))
+
+
+@pytest.mark.parametrize("override, key, fragment", [
+    ("servers.team.placement.nodes=1", "servers.team.placement.nodes", "holds the server and its 2 trainer ranks"),
+    ("servers.team.train.fsdp.ranks=3", "servers.team.rank_resources", "less than the server and its 3"),
+    ("servers.team.rank_resources={CPU: 1, GPU: 1}", "servers.team.rank_resources", "for a trainer rank"),
+])
+@needs_ray
+def test_a_placement_group_the_cluster_cannot_hold_is_refused_at_its_key(ray_cluster, tiny_model, tmp_path, override,
+                                                                        key, fragment):
+    proc = start_run(write_fsdp_topology(tmp_path, tiny_model), f"run.ray.address={ray_cluster.address}", override)
+    output = finish(proc, timeout=120)
+    assert proc.returncode == 2, output
+    assert key in output and fragment in output, output
+
+
+def test_marl_trainer_node_is_deprecated_and_says_what_to_do():
+    result = subprocess.run([sys.executable, "-m", "marl.cli", "trainer-node", "--server", "h", "--node-rank", "1"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "deprecated" in result.stderr and "run.ray.address=auto" in result.stderr
 
 
 class _FakeServer:

@@ -114,7 +114,7 @@ def test_shipped_cpu_topology():
     assert topo.static_endpoints() == []
     assert spec.servers["speaker_model"].kind is ServerKind.LOCAL_TRAINABLE
     assert spec.servers["speaker_model"].train == TrainConfig(job="signalling", batch_size=2, num_repeat=8,
-                                                              learning_rate=4e-5, micro_batch_tokens=1024)
+                                                              learning_rate=4e-5, micro_batch_tokens=1024, kl_coef=0.1)
     assert topo.server_of("speaker") == "speaker_model" and topo.server_of("listener") == "listener_model"
     assert spec.env.class_path == "envs.signalling:SignallingGame"
     assert spec.env.args == {"num_items": 3, "naming_bonus": 0.5, "max_invalid_retries": 0}

@@ -1,31 +1,22 @@
-"""Placement on the server's side: every process a server starts sees only its GPUs, and a trainer's ranks span two
-nodes. Real processes throughout; the GPUs are CUDA_VISIBLE_DEVICES values (this machine has none: what is checked
-is what each child process sees, and a real training step over two "nodes" on 127.0.0.1 with gloo)."""
+"""Placement on the server's side: every process a server starts sees only its GPUs. Real processes throughout; the
+GPUs are CUDA_VISIBLE_DEVICES values (this machine has none: what is checked is what each child process sees). Ranks
+on other machines are Ray actors: tests/marl/test_ray.py."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
 import sys
-import time
-from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
-from marl.launch import free_port
-from marl.protocol import GRPOConfig, TrainConfig
+from marl.protocol import TrainConfig
 from servers.engines.vllm_process import VLLMLaunch
 from servers.entrypoint import ServeOptions, default_trainer_factory, vllm_placement
 from servers.placement import Placement, visible_devices
-from servers.trainers.fsdp import FSDPConfig, FSDPTrainer, RankFailure
-from servers.trainers.fsdp_nodes import NodeJob, NodeRendezvous
-from servers.trainers.fsdp_worker import RankPlace, RankSpec
-from servers.trainers.grpo import GRPOTrainer
-from tests.servers.test_fsdp_trainer import KNOBS, assert_weights_close, exported, two_group_batch
+from servers.trainers.fsdp import FSDPConfig, FSDPTrainer
+from servers.trainers.fsdp_worker import RankPlace
+from tests.servers.test_fsdp_trainer import KNOBS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -75,82 +66,6 @@ def test_a_users_allocator_setting_reaches_the_ranks(monkeypatch):
     assert place.environment(1)["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
 
 
-def start_trainer_node(port: int, node_rank: int, visible: str, *, token: str = TOKEN,
-                       once: bool = True) -> subprocess.Popen:  # fmt: skip
-    """`marl trainer-node` as a user runs it on the second machine (here: this one, seeing other GPUs)."""
-    env = {**os.environ, "MARL_ADMIN_TOKEN": token, "CUDA_VISIBLE_DEVICES": visible}
-    return subprocess.Popen([sys.executable, "-m", "marl.cli", "trainer-node", "--server", "127.0.0.1", "--port",
-                             str(port), "--node-rank", str(node_rank), *(["--once"] if once else [])], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-
-
-def test_a_second_node_joins_and_steps_as_the_one_node_group(one_node, model_dir, tmp_path):
-    port = free_port()
-    node = start_trainer_node(port, 1, visible="6,7")
-    try:
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-            two_nodes = FSDPTrainer(model_dir, FSDPConfig(ranks=2, **KNOBS), device="cpu", threads_per_rank=1,
-                                    placement=Placement(trainer_gpus=(1,), nodes=2, rendezvous_port=port),
-                                    authkey=TOKEN.encode(), timeout_s=120)  # fmt: skip
-        try:
-            assert place_of(two_nodes, 0)["CUDA_VISIBLE_DEVICES"] == "5"  # GPU 1 of the server's 4,5
-            remote = place_of(two_nodes, 1)
-            assert remote["CUDA_VISIBLE_DEVICES"] == "7"  # GPU 1 of that node's own 6,7
-            assert (remote["RANK"], remote["LOCAL_RANK"], remote["WORLD_SIZE"], remote["LOCAL_WORLD_SIZE"]) == (
-                "1", "0", "2", "1")
-            assert remote["MASTER_ADDR"] == "127.0.0.1" and remote["MASTER_PORT"] == place_of(two_nodes, 0)[
-                "MASTER_PORT"]
-            assert two_nodes.ranks.pids and len(two_nodes.ranks.pids) == 1  # only rank 0 is this node's process
-
-            reference = GRPOTrainer(model_dir, GRPOConfig(**KNOBS))
-            batch = two_group_batch(reference, AutoTokenizer.from_pretrained(model_dir))
-            m_two, m_one = two_nodes.step(batch), one_node.step(batch)
-            # the same split, the same gloo reductions: only the transport differs
-            assert_weights_close(exported(two_nodes, tmp_path / "two"), exported(one_node, tmp_path / "one"),
-                                 rel=1e-6)  # fmt: skip
-            for key in ("loss", "pg_loss", "kl", "entropy", "grad_norm", "micro_batches", "tokens_trained"):
-                assert m_two[key] == pytest.approx(m_one[key], rel=1e-6, abs=1e-9), key
-        finally:
-            two_nodes.close()
-        assert node.wait(timeout=60) == 0, node.stdout.read()  # its ranks left with the group, and so did it
-    finally:
-        if node.poll() is None:
-            node.kill()
-            node.wait()
-
-
-def test_a_node_that_never_joins_fails_the_start_naming_the_command(model_dir):
-    started = time.monotonic()
-    with pytest.raises(RankFailure, match=r"trainer nodes \[1\] did not join: run `marl trainer-node"):
-        FSDPTrainer(model_dir, FSDPConfig(ranks=2, **KNOBS), device="cpu", threads_per_rank=1, timeout_s=3,
-                    placement=Placement(nodes=2, rendezvous_port=free_port()), authkey=TOKEN.encode())  # fmt: skip
-    assert time.monotonic() - started < 60
-
-
-def test_the_rendezvous_admits_only_the_admin_token_and_known_nodes(model_dir):
-    port = free_port()
-    door = NodeRendezvous(port, TOKEN.encode())
-    silent = socket.create_connection(("127.0.0.1", port))  # says nothing: must not hold the door shut
-    try:
-        with pytest.raises(AuthenticationError):
-            Client(("127.0.0.1", port), authkey=b"wrong")
-        job = NodeJob(RankSpec(model_dir=str(model_dir), config=FSDPConfig(ranks=2), world_size=2, device_type="cpu"),
-                      node_rank=0, local_world_size=1, store_port=1, trainer_gpus=(0,))  # fmt: skip
-        with Client(("127.0.0.1", port), authkey=TOKEN.encode()) as stranger:
-            stranger.send(("node", 5))  # nodes are 1 .. nodes-1
-            with Client(("127.0.0.1", port), authkey=TOKEN.encode()) as node:
-                node.send(("node", 1))
-                with pytest.raises(TimeoutError):  # no rank ever joins: only the two hellos are answered
-                    door.gather(job, nodes=2, deadline=time.monotonic() + 2)
-                kind, answer = node.recv()
-                assert kind == "job" and answer.node_rank == 1 and answer.trainer_gpus == (0,)
-            assert stranger.recv()[0] == "refused"
-    finally:
-        silent.close()
-        door.close()
-
-
 def launch_for(options: ServeOptions, model_dir: Path) -> VLLMLaunch:
     return VLLMLaunch(model_dir, 64, device="cuda", python=Path(sys.executable), **vllm_placement(options))
 
@@ -175,45 +90,8 @@ def test_vllm_sees_only_its_engine_gpus_and_sleeps_only_beside_its_trainer(model
     assert not static.sleeps_between_steps
 
 
-def test_a_busy_rendezvous_port_and_a_grpo_trainer_on_two_nodes_are_refused_naming_the_fix(model_dir):
-    taken = socket.create_server(("0.0.0.0", 0))
-    try:
-        with pytest.raises(OSError, match=r"set placement.rendezvous_port \(marl serve --rendezvous-port\)"):
-            FSDPTrainer(model_dir, FSDPConfig(ranks=2), device="cpu", authkey=TOKEN.encode(),
-                        placement=Placement(nodes=2, rendezvous_port=taken.getsockname()[1]))  # fmt: skip
-    finally:
-        taken.close()
+def test_a_grpo_trainer_on_several_gpus_is_refused_naming_the_fix(model_dir):
     with pytest.raises(ValueError, match="trainer grpo trains in one process on one GPU"):
-        default_trainer_factory("cpu", Placement(nodes=2))(model_dir, TrainConfig())
-
-
-def test_a_server_trains_over_two_nodes_and_the_node_rejoins_each_new_trainer(local_server):
-    """The server's trainer (built at every engine start, as `marl serve` builds it) on two nodes: a step through
-    the server, then a stop and a start: the same `marl trainer-node` process serves the new group too."""
-    from tests.conftest import ADMIN, admin_http, play_episode, wait_state, wait_version
-
-    port = free_port()
-    node = start_trainer_node(port, 1, visible="3", token=ADMIN, once=False)
-    trainers = default_trainer_factory("cpu", Placement(nodes=2, rendezvous_port=port), ADMIN.encode())
-    try:
-        with local_server(trainer_factory=trainers) as srv, admin_http(srv.url) as http:
-            config = TrainConfig(batch_size=1, num_repeat=2, save_freq=0, trainer="fsdp",
-                                 fsdp={"ranks": 2, "learning_rate": 1e-3})  # fmt: skip
-            assert http.post("/control/config", json=config.model_dump(mode="json")).status_code == 200
-            assert http.post("/control/start").status_code == 200
-            status = wait_state(http, "ROLLING", "OFFLINE", timeout=180)  # two groups of processes to start
-            assert status["state"] == "ROLLING", (status.get("last_error"), node.poll())
-            first = srv.server.lifecycle.trainer
-            assert place_of(first, 1)["RANK"] == "1" and place_of(first, 1)["CUDA_VISIBLE_DEVICES"] == "3"
-            play_episode(http, "t0", 1.0), play_episode(http, "t0", 0.0)
-            wait_version(http, 1, timeout=180)
-            assert http.post("/control/stop").status_code == 200
-            wait_state(http, "OFFLINE")
-            assert http.post("/control/start").status_code == 200
-            wait_state(http, "ROLLING", timeout=180)
-            again = srv.server.lifecycle.trainer
-            assert again is not first and place_of(again, 1)["RANK"] == "1"  # rank 1 came back, from the node
-        assert node.poll() is None  # it waits for the server's next trainer
-    finally:
-        node.terminate()
-        node.wait(timeout=30)
+        default_trainer_factory("cpu", Placement(trainer_gpus=(0, 1)))(model_dir, TrainConfig())
+    with pytest.raises(ValueError, match="fsdp.ranks=2, but the server's placement gives 1 trainer GPUs"):
+        FSDPTrainer(model_dir, FSDPConfig(ranks=2), device="cpu", placement=Placement(trainer_gpus=(1,)))
