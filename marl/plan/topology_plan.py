@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from marl.protocol import VLLM_OWN_GPU_UTILIZATION
+from marl.topology.bundles import RayBundles, ray_bundles
 from marl.topology.problems import Problem
 
 from .architecture import Architecture, UnknownModel, architecture_of
@@ -274,6 +275,8 @@ def _plan_on_host(name: str, server: Any, arch: Architecture, spec: Any) -> Serv
     if not plan.problems:
         plan.notes.append(f"torch engine sized for {TORCH_ENGINE_TOKENS_PER_SEQUENCE}-token conversations"
                           if server.engine != "vllm" else "vLLM's CPU build: KV cache from vllm.kv_cache_gb (1 GiB)")
+    if server.is_local and spec.run.ray is not None and server.past_of is None:
+        plan.notes.append(bundles_note(ray_bundles(server)))
     return plan
 
 
@@ -289,8 +292,14 @@ class _GPUs:
     shared: set[int]
 
 
-def _gpus(server: Any, setting: TrainerSetting | None, replicas: int) -> _GPUs:
-    """The placement's GPUs, or what `marl serve` does without one: the engine on GPUs 0.., rank r on GPU r."""
+def _gpus(server: Any, setting: TrainerSetting | None, replicas: int, bundles: RayBundles | None = None) -> _GPUs:
+    """The placement's GPUs, or what `marl serve` does without one: the engine on GPUs 0.., rank r on GPU r. Under
+    run.ray (`bundles`) each rank has the GPU of its own bundle: numbered after the server's, never shared."""
+    if bundles is not None:
+        engine = list(range(max(replicas, int(bundles.bundles[0].get("GPU", 0)))))
+        per_rank = int(bundles.bundles[1].get("GPU", 0)) if bundles.ranks else 0
+        trainer = list(range(len(engine), len(engine) + bundles.ranks)) if per_rank else []
+        return _GPUs(engine, trainer, set())
     placement = getattr(server, "placement", None)
     engine = list(getattr(placement, "engine_gpus", None) or range(replicas))
     trainer = list(getattr(placement, "trainer_gpus", None) or (range(setting.ranks) if setting else []))
@@ -335,7 +344,8 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
     uses_vllm = server.engine == "vllm" or not server.is_local
     v = server.vllm
     replicas = (v.tensor_parallel_size * v.data_parallel_size) if v is not None else 1
-    gpus = _gpus(server, setting, replicas)
+    bundles = ray_bundles(server) if server.is_local and spec.run.ray is not None else None  # as marl run places it
+    gpus = _gpus(server, setting, replicas, bundles)
     way = _weights_way(server, uses_vllm, setting, gpus)
     if setting is not None:  # its group's communicator (ranks > 1), and rank 0's to vLLM over nccl
         setting = replace(setting, nccl_communicators=int(setting.ranks > 1) + int(way == "nccl"))
@@ -372,8 +382,21 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
     _disk(plan, server, arch, setting, weights_through_disk=way == "disk", weight_bytes=weight_bytes)
     if setting is not None:
         plan.notes.append(_trainer_note(arch, setting))
+    if bundles is not None:
+        plan.notes.append(bundles_note(bundles))
     _box(plan, key, server, arch, setting, gpus, sleeps=sleeps)
     return plan
+
+
+def bundles_note(bundles: RayBundles) -> str:
+    """The server's Ray placement group, as `marl run` asks Ray for it (marl/topology/bundles.py)."""
+    ranks = f"; bundles 1-{bundles.ranks}: a trainer rank each, {_resources(bundles.bundles[1])}" * bool(bundles.ranks)
+    return (f"Ray placement group ({bundles.strategy}): bundle 0: the server and its engine,"
+            f" {_resources(bundles.bundles[0])}{ranks}")
+
+
+def _resources(bundle: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{key}: {amount:g}" for key, amount in bundle.items()) + "}"
 
 
 def _save_load(load: DeviceLoad, arch: Architecture, s: TrainerSetting) -> Parts:

@@ -195,6 +195,22 @@ def test_vllms_share_beside_a_trainer_rank_is_sized_by_the_plan_and_passed_by_ma
     assert topology.spec.servers["a"].vllm.gpu_memory_utilization == utilization_beside(resident, 80e9) == 0.35
 
 
+def test_under_ray_the_plan_reads_the_placement_group_each_rank_on_a_gpu_of_its_own():
+    data = {"name": "t", "servers": {"a": {
+                "model": "Qwen/Qwen2.5-7B-Instruct", "device": "cuda", "engine": "vllm", "trainable": True,
+                "resources": {"GPU": 2}, "placement": {"gpu_memory_gb": 80, "nodes": 2},
+                "vllm": {"data_parallel_size": 2, "max_model_len": 8192},
+                "train": {"batch_size": 1, "num_repeat": 2, "trainer": "fsdp",
+                          "fsdp": {"ranks": 4, "gradient_checkpointing": True, "micro_batch_tokens": 8192}}}},
+            "roles": {"speaker": {"server": "a"}, "listener": {"server": "a"}},
+            "env": {"class": "envs.signalling:Signalling"}, "run": {"games": 1, "ray": {"address": "auto"}}}
+    plan = plan_topology(Topology.from_dict(data, check_env=False).spec).servers[0]
+    assert "vLLM on GPUs 0,1, 4 trainer ranks on GPUs 2-5" in plan.summary  # a rank's GPU is its bundle's
+    assert "Ray placement group (PACK): bundle 0: the server and its engine, {CPU: 1, GPU: 2}; bundles 1-4: a" \
+           " trainer rank each, {CPU: 1, GPU: 1}" in plan.notes
+    assert "vllm.gpu_memory_utilization" in plan.defaults and plan.defaults["vllm.gpu_memory_utilization"] == 0.9
+
+
 @pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                              "up_proj", "down_proj")], ids=["qv", "all-linear"])
 def test_lora_parameters_are_peft_s(targets):
