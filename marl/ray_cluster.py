@@ -57,11 +57,12 @@ _WATCH_S = 1.0  # how often an actor checks its server process
 class _ServerActor:
     """One `marl serve` on the node Ray placed this actor on; it lives and dies with its server process."""
 
-    def __init__(self, options: dict[str, Any], group: str):
-        # its trainer's ranks go into the bundles after its own, started by the server (servers.trainers.ray_ranks)
-        address = ray.get_runtime_context().gcs_address
+    def __init__(self, options: dict[str, Any], group: str | None):
+        # its trainer's ranks go into the bundles after its own (`group`), started by the server
+        # (servers.trainers.ray_ranks); None: a server without ranks
+        ranks = None if group is None else (group, ray.get_runtime_context().gcs_address)
         self.process = ServerProcess(host=ray.util.get_node_ip_address(), die_with_parent=True,
-                                     environment=server_gpu_environment(ray.get_gpu_ids()), ray_group=(group, address),
+                                     environment=server_gpu_environment(ray.get_gpu_ids()), ray_group=ranks,
                                      **options).start()  # fmt: skip
         self.process.wait_healthy()
         self.incarnation = uuid.uuid4().hex  # new at every (re)start: how the driver tells a restart
@@ -219,7 +220,7 @@ class RayCluster:
         actor = _ServerActor.options(
             name=actor_name, max_restarts=MAX_RESTARTS, max_task_retries=0, **_actor_resources(wanted),
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-        ).remote(options, actor_name)
+        ).remote(options, actor_name if bundles.ranks else None)
         ranks = f" and {bundles.ranks} trainer ranks of {_amounts(bundles.bundles[1])}" if bundles.ranks else ""
         self.report(f"started Ray actor {actor_name} for server {name} ({options['model']}), asking for"
                     f" {_amounts(wanted)}{ranks}")

@@ -188,7 +188,8 @@ def vllm_placement(options: ServeOptions) -> dict:
     return {"shares_gpu": not options.static and placement.shares_gpu(),
             "cuda_visible_devices": None if gpus is None else visible_devices(gpus),
             "engine_gpus": placement.engine_gpus,
-            "trainer_gpus": () if options.static else placement.node_trainer_gpus()}
+            "trainer_gpus": () if options.static else placement.node_trainer_gpus(),
+            "ranks_elsewhere": not options.static and placement.ray_group is not None}
 
 
 def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None = None,

@@ -53,13 +53,14 @@ class Placement:
                 object.__setattr__(self, name, tuple(gpus))
 
     def shares_gpu(self) -> bool:
-        """Do the engine and the trainer use a GPU in common? (by default both take GPU 0)"""
-        return bool(set(self.engine_gpus or (0,)) & set(self.trainer_gpus or (0,)))
+        """Do the engine and the trainer use a GPU in common? (by default both take GPU 0; never under Ray, where
+        each rank has the GPU of its own bundle)"""
+        return bool(set(self.engine_gpus or (0,)) & set(self.node_trainer_gpus()))
 
     def node_trainer_gpus(self) -> tuple[int, ...]:
-        """The trainer's GPUs on the server's machine (node 0, ranks 0..n-1 in this order), as `shares_gpu` counts
-        them: GPU 0 by default."""
-        return self.trainer_gpus or (0,)
+        """The trainer's GPUs among the server's own (ranks 0..n-1 in this order), as `shares_gpu` counts them: GPU
+        0 by default; none under Ray (its ranks' GPUs are their bundles')."""
+        return () if self.ray_group is not None else self.trainer_gpus or (0,)
 
     def engine_device(self, device: str | None) -> str | None:
         """The in-process engine's torch device: `cuda:<first engine GPU>` when GPUs are placed and the device is

@@ -345,8 +345,9 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
     v = server.vllm
     replicas = (v.tensor_parallel_size * v.data_parallel_size) if v is not None else 1
     bundles = ray_bundles(server) if server.is_local and spec.run.ray is not None else None  # as marl run places it
-    gpus = _gpus(server, setting, replicas, bundles)
-    way = _weights_way(server, uses_vllm, setting, gpus)
+    ranked = bundles if bundles is not None and bundles.ranks else None  # ranks in bundles of their own
+    gpus = _gpus(server, setting, replicas, ranked)
+    way = _weights_way(server, uses_vllm, setting, gpus, ray=ranked is not None)
     if setting is not None:  # its group's communicator (ranks > 1), and rank 0's to vLLM over nccl
         setting = replace(setting, nccl_communicators=int(setting.ranks > 1) + int(way == "nccl"))
     plan = ServerPlan(name, f"{arch.name} ({arch.parameter_count() / 1e9:.1f}B), "
@@ -390,7 +391,9 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
 
 def bundles_note(bundles: RayBundles) -> str:
     """The server's Ray placement group, as `marl run` asks Ray for it (marl/topology/bundles.py)."""
-    ranks = f"; bundles 1-{bundles.ranks}: a trainer rank each, {_resources(bundles.bundles[1])}" * bool(bundles.ranks)
+    ranks = ""
+    if bundles.ranks:
+        ranks = f"; bundles 1-{bundles.ranks}: a trainer rank each, {_resources(bundles.bundles[1])}"
     return (f"Ray placement group ({bundles.strategy}): bundle 0: the server and its engine,"
             f" {_resources(bundles.bundles[0])}{ranks}")
 
@@ -454,14 +457,18 @@ def _ids(gpus: list[int]) -> str:
     return ",".join(map(str, gpus)) if gpus else "-"
 
 
-def _weights_way(server: Any, uses_vllm: bool, setting: TrainerSetting | None, gpus: _GPUs) -> str | None:
+def _weights_way(server: Any, uses_vllm: bool, setting: TrainerSetting | None, gpus: _GPUs, *,
+                 ray: bool = False) -> str | None:  # fmt: skip
     """How the weights reach the engine after a step: vLLM's way (marl/plan/box.py), the torch engine's tensors in
-    the process (one-process trainer) or a directory (FSDP ranks); None: nothing trains."""
+    the process (one-process trainer) or a directory (FSDP ranks); None: nothing trains. Under Ray (`ray`) `auto`
+    is the disk: the ranks are actors that may run on other machines (servers/engines/vllm_process.py)."""
     if setting is None:
         return None
     if not uses_vllm:
         return "disk" if setting.sharded else "in process"
     mode = getattr(server.vllm, "weight_sync", "auto") if server.vllm is not None else "auto"
+    if ray and mode == "auto" and setting.sharded:
+        return "disk"
     return weight_sync_way(mode, on_cpu=False, engine_gpus=gpus.engine, trainer_gpus=gpus.trainer)
 
 

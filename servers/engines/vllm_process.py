@@ -222,6 +222,9 @@ class VLLMLaunch:
     engine_gpus: tuple[int, ...] | None = None  # None: the first tensor x data parallel size GPUs vLLM sees
     trainer_gpus: tuple[int, ...] | None = None  # None: GPU 0 when `shares_gpu`, else none
     nccl_library: str | None = field(default_factory=trainer_nccl_library)  # vLLM's VLLM_NCCL_SO_PATH for nccl
+    #: The trainer's ranks are Ray actors in the server's placement group, maybe on other machines (`--ray-group`):
+    #: `auto` sends the weights through the disk (a shared filesystem), since a push meets its ranks on this machine.
+    ranks_elsewhere: bool = False
 
     def __post_init__(self) -> None:
         for name in ("engine_gpus", "trainer_gpus"):
@@ -278,6 +281,8 @@ class VLLMLaunch:
         `auto_weight_sync`'s pick for this device and placement."""
         if self.settings.weight_sync != "auto":
             return self.settings.weight_sync
+        if self.ranks_elsewhere and not self.on_cpu:
+            return "disk"
         engine, trainer = self.gpu_layout
         return auto_weight_sync(cuda=not self.on_cpu, engine_gpus=engine, trainer_gpus=trainer,
                                 nccl_library=self.nccl_library is not None)
@@ -291,6 +296,8 @@ class VLLMLaunch:
             return "weight_sync is disk"
         if self.on_cpu:
             return "the CPU build has no weight-transfer engine"
+        if self.ranks_elsewhere:
+            return "the trainer's ranks are Ray actors that may run on other machines (a push meets them on this one)"
         engine, trainer = self.gpu_layout
         if set(engine) & set(trainer):
             return (f"vLLM's GPUs {list(engine)} are partly the trainer's {list(trainer)}: ipc needs all of them to be"

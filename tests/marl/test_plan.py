@@ -209,6 +209,10 @@ def test_under_ray_the_plan_reads_the_placement_group_each_rank_on_a_gpu_of_its_
     assert "Ray placement group (PACK): bundle 0: the server and its engine, {CPU: 1, GPU: 2}; bundles 1-4: a" \
            " trainer rank each, {CPU: 1, GPU: 1}" in plan.notes
     assert "vllm.gpu_memory_utilization" in plan.defaults and plan.defaults["vllm.gpu_memory_utilization"] == 0.9
+    assert plan.weights == "disk"  # a rank may run on another machine: vLLM reloads from the shared filesystem
+    data["servers"]["a"].update(trainable=False, train=None, placement={"gpu_memory_gb": 80})
+    static = plan_topology(Topology.from_dict(data, check_env=False).spec).servers[0]
+    assert "Ray placement group (STRICT_PACK): bundle 0: the server and its engine, {CPU: 1, GPU: 2}" in static.notes
 
 
 @pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",

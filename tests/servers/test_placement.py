@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from marl.protocol import TrainConfig
-from servers.engines.vllm_process import VLLMLaunch
+from servers.engines.vllm_process import VLLMLaunch, VLLMSettings
 from servers.entrypoint import ServeOptions, default_trainer_factory, vllm_placement
 from servers.placement import Placement, visible_devices
 from servers.trainers.fsdp import FSDPConfig, FSDPTrainer
@@ -88,6 +88,23 @@ def test_vllm_sees_only_its_engine_gpus_and_sleeps_only_beside_its_trainer(model
     assert default.sleeps_between_steps and default.environment()["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     static = launch_for(ServeOptions(**serve, static=True, placement=Placement(engine_gpus=(1,))), model_dir)
     assert not static.sleeps_between_steps
+
+
+def test_under_ray_vllm_has_its_gpus_to_itself_and_the_weights_go_through_the_disk(model_dir, monkeypatch):
+    """--ray-group: the FSDP ranks are Ray actors with GPUs of their own bundles, maybe on other machines: vLLM does
+    not sleep for them, and `auto` sends the weights through the shared filesystem (a push meets ranks here)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    options = ServeOptions(model="m", port=1, engine="vllm", device="cuda",
+                           placement=Placement(engine_gpus=(0, 1), ray_group="run.team"))
+    launch = VLLMLaunch(model_dir, 64, device="cuda", python=Path(sys.executable), nccl_library="libnccl.so.2",
+                        settings=VLLMSettings(data_parallel_size=2), **vllm_placement(options))  # fmt: skip
+    assert not launch.sleeps_between_steps and launch.gpu_layout == ((0, 1), ())
+    assert launch.weight_sync == "disk" and "Ray actors" in launch.disk_reason
+    alone = VLLMLaunch(model_dir, 64, device="cuda", python=Path(sys.executable), nccl_library="libnccl.so.2",
+                       settings=VLLMSettings(data_parallel_size=2),
+                       **vllm_placement(ServeOptions(model="m", port=1, engine="vllm", device="cuda",
+                                                     placement=Placement(engine_gpus=(0, 1), trainer_gpus=(2,)))))
+    assert alone.weight_sync == "nccl"  # the same GPUs without Ray: ranks on this machine, pushed over NCCL
 
 
 def test_a_grpo_trainer_on_several_gpus_is_refused_naming_the_fix(model_dir):
