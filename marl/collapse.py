@@ -17,6 +17,10 @@ from collections.abc import Mapping
 COLLAPSE_SAME_REPLY = 0.9  # share of groups with a single reply at or above which a role has collapsed
 COLLAPSE_REPLY_NLL = 0.05  # nats per generated token at or below which it has too
 COLLAPSE_ACTION_SHARE = 0.8  # share of its recent moves under one label at or above which it has too
+#: The label an env gives a reply it refused (`action_labels`, docs/envs.md): not a move the policy chose, so never
+#: the "one label" of a collapse (a model that cannot play yet is mostly refused, with replies that still vary: the
+#: reply metrics see a collapse in those).
+INVALID_LABEL = "invalid"
 FLAT_STEPS = 3  # collapsed on this many steps in a row, while the mean reward of these steps ...
 FLAT_REWARD = 0.05  # ... is not above the mean of the steps before them by more than this: stuck
 
@@ -48,13 +52,14 @@ class CollapseWatch:
         for role in roles_in(metrics):
             nll, same = metrics[f"reply_nll/{role}"], metrics.get(f"groups_same_reply/{role}", 0.0)
             moves = (actions or {}).get(role) or {}
-            top = max(moves.values()) / sum(moves.values()) if moves else 0.0
+            chosen = {label: n for label, n in moves.items() if label != INVALID_LABEL}
+            top = max(chosen.values()) / sum(moves.values()) if chosen else 0.0  # a share of every labelled move
             reward = metrics.get(f"reward_mean/{role}", metrics.get("reward_mean", 0.0))
             history = self._history[learner, role]
             history.append((collapsed(nll, same, top), reward))
             if self._stuck(history) and (learner, role) not in self._warned:
                 self._warned.add((learner, role))
-                label = max(moves, key=moves.get) if moves else None
+                label = max(chosen, key=chosen.get) if chosen else None
                 what = f"{top:.0%} of its recent moves were {label!r}" if top >= COLLAPSE_ACTION_SHARE else (
                     f"{same:.0%} of its groups had one reply (reply nll {nll:.3f})")
                 warnings.append(

@@ -93,6 +93,10 @@ def test_the_watch_sees_a_collapse_in_what_the_replies_mean_while_their_tokens_s
     quiet = CollapseWatch(steps=3)
     assert all(quiet.observe("a", _step(0.0, 1.4, 0.25), {"listener": {"pick 1": 4, "pick 2": 3, "pick 3": 3}}) == []
                for _ in range(5))
+    # a model that cannot play yet: its replies refused (label "invalid") are not one answer it settled on
+    learning = CollapseWatch(steps=3)
+    assert all(learning.observe("a", _step(0.0, 1.4, -0.4), {"listener": {"invalid": 87, "[check]": 13}}) == []
+               for _ in range(5))
 
 
 def test_the_watch_stays_quiet_while_a_collapsed_role_still_gains_or_a_role_still_explores():
