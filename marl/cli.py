@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-import warnings
 from pathlib import Path
 
 
@@ -91,9 +90,9 @@ def _placement(args: argparse.Namespace):
         raise ValueError("--trainer-nodes: deprecated; ranks on other machines are Ray actors in the server's"
                          " placement group now (--ray-group, which `marl run` with run.ray passes; docs/ray.md)")
     for flag in ("trainer_nodes", "rendezvous_port"):
-        if getattr(args, flag) is not None:
-            warnings.warn(f"--{flag.replace('_', '-')} is deprecated and not used (ranks on other machines are Ray"
-                          " actors now: docs/ray.md)", DeprecationWarning, stacklevel=2)
+        if getattr(args, flag) is not None:  # said on stderr: Python hides a DeprecationWarning of a console script
+            print(f"marl serve: warning: --{flag.replace('_', '-')} is deprecated and not used (ranks on other"
+                  " machines are Ray actors now: docs/ray.md)", file=sys.stderr)
     if args.ray_address and not args.ray_group:
         raise ValueError("--ray-address: only with --ray-group")
     return Placement(**gpus, ray_group=args.ray_group, ray_address=args.ray_address)

@@ -77,6 +77,8 @@ CLIENT_KEEP_ALIVE_S = 60
 DEFAULT_MAX_BODY_MB = 16.0
 #: Longest id a client may choose (client_id, task_id, game_id, an agent tag).
 MAX_ID_LENGTH = 512
+#: Agent tags an episode's end may reward (`agent_rewards`): each listed agent is at least one ledger row.
+MAX_AGENT_REWARDS = 1024
 #: The model aliases `marl serve --model` builds into its cache (servers/model_files.py `KNOWN_MODELS`), named here so
 #: that `marl topology show` can check a local server's model without importing servers/.
 MODEL_ALIASES = ("smollm2-135m",)
@@ -577,7 +579,9 @@ class EndEpisodeRequest(_Strict):
     task_id: Id = Field(description="Episodes of the same task form a GRPO group (per agent).")
     reward: Real
     agent_rewards: dict[Annotated[str, Field(max_length=MAX_ID_LENGTH)], Real] | None = Field(
-        None, description="Reward per agent tag; agents not listed get `reward`."
+        None, max_length=MAX_AGENT_REWARDS,
+        description="Reward per agent tag; agents not listed get `reward`. An agent listed that made no call in"
+                    " the episode gets an empty sample (no token): it counts in its GRPO group, as its baseline.",
     )
     metadata: dict[str, Any] = {}
 

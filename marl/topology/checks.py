@@ -29,6 +29,7 @@ from typing import Any
 
 from marl.protocol import MODEL_ALIASES
 
+from .bundles import on_gpus, ray_bundles, server_ranks
 from .locate import Locator
 from .problems import Problem, did_you_mean
 from .spec import NAME_RE, NAME_RULE, PastOfSpec, ServerKind, ServerSpec, TopologySpec
@@ -276,20 +277,44 @@ def check_ray_ranks(spec: TopologySpec, findings: Findings) -> None:
                           " machines are Ray actors now (run.ray, docs/ray.md); remove it")
         if not server.is_local or server.kind is ServerKind.PAST_SNAPSHOTS:
             continue
-        fsdp = bool(server.trainable and server.train and server.train.trainer == "fsdp")
         if spec.run.ray is None:
             if placement is not None and placement.nodes > 1:
                 findings.bad(["servers", name, "placement", "nodes"], f"{placement.nodes} machines need run.ray:"
                              " the trainer's ranks on other machines are Ray actors (docs/ray.md); add run.ray:"
                              " {address: auto}, or nodes: 1")
             continue
-        if server.rank_resources is not None and not fsdp:
-            findings.bad(["servers", name, "rank_resources"], "only a trainer with ranks has them: set"
-                         " train.trainer: fsdp, or remove rank_resources")
-        if fsdp and placement is not None and placement.trainer_gpus is not None:
-            findings.bad(["servers", name, "placement", "trainer_gpus"], "under run.ray each trainer rank is a Ray"
-                         " actor with its own GPU (rank_resources: {GPU: 1} by default on GPUs): remove"
-                         " trainer_gpus, and set train.fsdp.ranks")
+        for key, message in _ray_rank_problems(server):
+            findings.bad(["servers", name, *key], message)
+
+
+def _ray_rank_problems(server: ServerSpec) -> list[tuple[tuple[str, ...], str]]:
+    """What a local server's placement group cannot be under run.ray, by key."""
+    ranks, bundles = server_ranks(server), ray_bundles(server)
+    problems = [((key,), "Ray refuses a bundle that asks for nothing: ask for some CPU (or another resource)")
+                for key, bundle in (("resources", bundles.bundles[0]), ("rank_resources", bundles.bundles[-1]))
+                if not any(bundle.values()) and (key == "resources" or ranks)]
+    if server.rank_resources is not None and not ranks:
+        problems.append((("rank_resources",), "only a trainer with ranks has them: set train.trainer: fsdp, or"
+                                              " remove rank_resources"))
+    if not ranks:
+        return problems
+    gpus = bundles.bundles[1].get("GPU", 0)
+    if on_gpus(server) and gpus != 1:
+        problems.append((("rank_resources", "GPU"), f"each trainer rank runs on one GPU of its own, but its bundle"
+                                                    f" asks for {gpus:g}: GPU: 1"))
+    elif not on_gpus(server) and gpus:
+        problems.append((("rank_resources", "GPU"), "the server runs on the CPU (device: cpu, or no GPU in"
+                                                    " resources): its ranks would not use a GPU; remove it"))
+    if server.placement is not None and server.placement.trainer_gpus is not None:
+        problems.append((("placement", "trainer_gpus"), "under run.ray each trainer rank is a Ray actor with its own"
+                                                        " GPU (rank_resources: {GPU: 1} by default on GPUs): remove"
+                                                        " trainer_gpus, and set train.fsdp.ranks"))
+    sync = server.vllm.weight_sync if server.vllm is not None else "auto"
+    if sync in ("nccl", "ipc") and server.placement is not None and server.placement.nodes > 1:
+        problems.append((("vllm", "weight_sync"), f"{sync} meets the trainer's ranks on the server's machine, but"
+                                                  " placement.nodes lets them run on others: weight_sync: auto or"
+                                                  " disk (a shared filesystem)"))
+    return problems
 
 
 def check_local_models(spec: TopologySpec, findings: Findings) -> None:

@@ -292,7 +292,7 @@ def _placement_rules(s: ServerSpec) -> list[Rule]:
         which = "url" if s.kind is ServerKind.EXTERNAL_OPENAI else "swarm_url"
         rules += [((key,), f"{key} only applies to a local server that `marl run` starts, but this server is remote"
                            f" ({which}: is set): remove {key}, or remove {which} to run it locally")
-                  for key in ("device", "port", "prefix_cache_gb", "engine", "resources")
+                  for key in ("device", "port", "prefix_cache_gb", "engine", "resources", "rank_resources")
                   if getattr(s, key) is not None]  # vllm: and placement: describe the remote machine (marl plan)
     else:
         rules += [((key,), f"{key} only applies to remote servers (url: or swarm_url:); `marl run` makes its own"
@@ -344,9 +344,8 @@ def _past_of_rules(s: ServerSpec) -> list[Rule]:
                                       f" is a past of, servers.{s.past_of.server}, is the one that trains)"))
     if s.port is not None:
         rules.append((("port",), "a past_of server runs one process per snapshot, each on a free port: remove port"))
-    if s.resources is not None:
-        rules.append((("resources",), "a past_of server's snapshots run on the machine of `marl run`, not as Ray"
-                                      " actors: remove resources"))
+    rules += [((key,), f"a past_of server's snapshots run on the machine of `marl run`, not as Ray actors: remove"
+                       f" {key}") for key in ("resources", "rank_resources") if getattr(s, key) is not None]
     return rules
 
 

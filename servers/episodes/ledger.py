@@ -93,17 +93,26 @@ class GroupKey:
 
 @dataclass
 class PoolCounts:
-    """Pending episodes per group (oldest group first, as `Ledger.pool_groups`) and in all."""
+    """Pending episodes per group (oldest group first, as `Ledger.pool_groups`) and in all; `silent`: the groups
+    whose every sample is an agent's empty one (no call: servers.episodes.samples), which nothing can train on."""
 
     groups: dict[GroupKey, int]
     episodes: int
+    silent: set[GroupKey]
 
-    def add(self, groups: list[GroupKey]) -> None:
-        """One more episode, with samples in `groups` (each once, in the order of its samples; none: it adds nothing
-        to the pool)."""
-        for key in groups:
+    def add(self, groups: list[tuple[GroupKey, bool]]) -> None:
+        """One more episode, with samples in `groups` (each once, in the order of its samples, with whether the agent
+        called the model in it; none: it adds nothing to the pool)."""
+        for key, called in groups:
+            if key not in self.groups and not called:
+                self.silent.add(key)
+            elif called:
+                self.silent.discard(key)
             self.groups[key] = self.groups.get(key, 0) + 1  # a new group goes last: its oldest sample is the newest
         self.episodes += bool(groups)
+
+    def trainable(self) -> dict[GroupKey, int]:
+        return {key: n for key, n in self.groups.items() if key not in self.silent}
 
 
 @dataclass(frozen=True)
@@ -153,7 +162,8 @@ class Ledger:
                 if name not in columns:
                     self.db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
         self._pool: PoolCounts | None = None  # None: count in SQLite at the next read (module docstring)
-        self._inserted: list[list[GroupKey]] = []  # the groups of each episode the open transaction inserted
+        # the groups of each episode the open transaction inserted, with whether its agent called the model there
+        self._inserted: list[list[tuple[GroupKey, bool]]] = []
 
     def close(self) -> None:
         self.db.close()
@@ -205,7 +215,11 @@ class Ledger:
              json.dumps(agent_rewards) if agent_rewards is not None else None, json.dumps(metadata), num_calls,
              time.time(), request_digest, trainable_tokens(samples)),
         )
-        self._inserted.append(list(dict.fromkeys(GroupKey(job, task_id, s.agent) for s in samples)))  # in id order
+        called: dict[GroupKey, bool] = {}  # in id order
+        for s in samples:
+            key = GroupKey(job, task_id, s.agent)
+            called[key] = called.get(key, False) or s.num_calls > 0
+        self._inserted.append(list(called.items()))
         self.db.executemany(
             "INSERT INTO samples (episode_id, job, task_id, agent, reward, policy_version, num_calls, num_tokens,"
             " token_ids, loss_mask, logprobs, versions, consumed_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?,"
@@ -231,8 +245,10 @@ class Ledger:
     # --- the pool ----------------------------------------------------------------------------------------------
 
     def pool_groups(self) -> dict[GroupKey, int]:
-        """Episodes per (job, task, agent) group among samples not yet consumed, oldest group first."""
-        return dict(self._counts().groups)
+        """Episodes per (job, task, agent) group among samples not yet consumed, oldest group first; a group of empty
+        samples only (its agent never called the model: nothing to train on) is left out until one that called
+        joins it (and leaves the pool as stale, else)."""
+        return self._counts().trainable()
 
     def pending_episodes(self) -> int:
         """Episodes with a sample not yet consumed."""
@@ -240,7 +256,7 @@ class Ledger:
 
     def _counts(self) -> PoolCounts:
         if self._pool is None:
-            self._pool = PoolCounts(self.count_pool_groups(), self.count_pending_episodes())
+            self._pool = self._count_pool()
         return self._pool
 
     def count_pending_episodes(self) -> int:
@@ -250,11 +266,16 @@ class Ledger:
 
     def count_pool_groups(self) -> dict[GroupKey, int]:
         """`pool_groups` counted in SQLite (what the kept counts must always equal)."""
+        return self._count_pool().trainable()
+
+    def _count_pool(self) -> PoolCounts:
         rows = self.db.execute(
-            "SELECT job, task_id, agent, COUNT(DISTINCT episode_id) FROM samples WHERE consumed_step IS NULL"
-            " GROUP BY job, task_id, agent ORDER BY MIN(id)"
+            "SELECT job, task_id, agent, COUNT(DISTINCT episode_id), MAX(num_calls) FROM samples WHERE consumed_step"
+            " IS NULL GROUP BY job, task_id, agent ORDER BY MIN(id)"
         ).fetchall()
-        return {GroupKey(job, task, agent): n for job, task, agent, n in rows}
+        return PoolCounts({GroupKey(job, task, agent): n for job, task, agent, n, _ in rows},
+                          self.count_pending_episodes(),
+                          {GroupKey(job, task, agent) for job, task, agent, _, calls in rows if not calls})
 
     def drop_stale(self, min_version: int) -> int:
         """Take samples older than `min_version` out of the pool (never silently: returns how many)."""

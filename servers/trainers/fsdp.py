@@ -170,10 +170,11 @@ class FSDPTrainer(Trainer):
         self.model_dir = Path(model_dir)
         self.config = config  # read at every step: a caller may swap it between steps (not `ranks`)
         self._with_ref = config.kl_coef > 0  # the ranks hold the frozen reference iff asked for at start
-        self.numerics = rank_numerics(config, device, dtype)  # bf16 on CUDA by default (`mixed_precision`)
         self.ranks = start_ranks(self.model_dir, config, device=device, dtype=dtype, threads_per_rank=threads_per_rank,
                                  timeout_s=timeout_s, placement=placement)  # fmt: skip
         self.vocab_size = int(self.ranks.started[0]["vocab_size"])
+        # bf16 on CUDA by default (`mixed_precision`), as the ranks' own device says (under Ray: their bundles')
+        self.numerics = rank_numerics(config, self.ranks.started[0]["device"], dtype)
         self.step_count = 0
 
     def step(self, batch: TrainBatch) -> dict[str, float]:

@@ -85,12 +85,12 @@ class FSDPLoraTrainer(PolicyStates):
         self._lock = threading.RLock()  # one call at a time: the policies share the ranks
         self._states = {name: _Policy(spec, config) for name, (spec, config) in policies.items()}
         settings = rank_settings({n: c for n, (_, c) in policies.items()})
-        self.numerics = rank_numerics(settings, device, dtype)  # as `FSDPTrainer.numerics`
         self.ranks = start_ranks(self.model_dir, settings,
                                  device=device, dtype=dtype, threads_per_rank=threads_per_rank, timeout_s=timeout_s,
                                  placement=placement, lora=dict(policies), seed=seed,
                                  shard_class=ShardedLoraPolicies)  # fmt: skip
         self.vocab_size = int(self.ranks.started[0]["vocab_size"])
+        self.numerics = rank_numerics(settings, self.ranks.started[0]["device"], dtype)  # as `FSDPTrainer.numerics`
 
     def step(self, policy: str, batch: TrainBatch) -> dict[str, float]:
         with self._lock:

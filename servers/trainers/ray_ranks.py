@@ -97,9 +97,15 @@ class _RankActor:
         return RankWhere(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), gpus)
 
     def start(self, place: RankPlace, spec: RankSpec) -> None:
-        self.thread = threading.Thread(target=run_rank, args=(place, spec, self.pipe), name=f"fsdp-rank-{place.rank}",
+        self.thread = threading.Thread(target=self._run, args=(place, spec), name=f"fsdp-rank-{place.rank}",
                                        daemon=True)  # fmt: skip
         self.thread.start()
+
+    def _run(self, place: RankPlace, spec: RankSpec) -> None:
+        try:
+            run_rank(place, spec, self.pipe)
+        finally:  # whatever ended it (close, or an exit no answer reports): a server still waiting hears of it
+            self.pipe.send(("error", f"rank {place.rank}'s thread ended"))
 
     def leave(self, timeout_s: float) -> None:
         """Tell the rank to close and wait for it (it leaves its process group), at most `timeout_s`."""
@@ -118,7 +124,8 @@ def rank_bundle(group: str, address: str | None = None) -> dict[str, float]:
     """Join the Ray cluster at `address` (None: this node's) if not yet, and read what each rank of placement group
     `group` has (bundle 1: the trainer's ranks have alike bundles)."""
     if not ray.is_initialized():
-        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False)
+        # log_to_driver: the ranks' output (a CUDA or NCCL abort) lands in this server's log, as a local rank's does
+        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=True)
     bundles = ray.util.get_placement_group(group).bundle_specs
     if len(bundles) < 2:
         raise ValueError(f"the placement group {group} has no bundle for a trainer rank (the server's alone): its"
@@ -140,18 +147,28 @@ class RayRankGroup:
                              f" {spec.world_size} ranks (fsdp.ranks): sync the topology's train.fsdp.ranks")
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # binds every interface
         # named (group.rankR.<new id>) so that `ray list actors` or a test finds each rank of this group
-        incarnation = uuid.uuid4().hex[:8]
-        self._actors = [_rank_actor(placement_group, 1 + rank, bundles[1 + rank], f"{group}.rank{rank}.{incarnation}")
-                        for rank in range(self.world_size)]  # fmt: skip
-        deadline = time.monotonic() + start_timeout_s
-        wheres = self._get([actor.where.remote() for actor in self._actors], deadline, "being placed")
-        places = rank_places(wheres, ray.util.get_node_ip_address(), self._store.port)
+        incarnation, self._actors = uuid.uuid4().hex[:8], []
+        try:  # whatever fails from here, no rank actor is left holding its bundle
+            for rank in range(self.world_size):
+                name = f"{group}.rank{rank}.{incarnation}"
+                self._actors.append(_rank_actor(placement_group, 1 + rank, bundles[1 + rank], name))
+            self.started = self._start(spec, time.monotonic() + start_timeout_s)
+        except BaseException as exc:
+            if self._failure is None:
+                raise self._fail(f"the ranks did not start: {exc!r}") from exc
+            raise
+
+    def _start(self, spec: RankSpec, deadline: float) -> list[Any]:
+        self.wheres = self._get([actor.where.remote() for actor in self._actors], deadline, "being placed")
+        if spec.device_type == "cuda" and any(len(where.gpu_ids) != 1 for where in self.wheres):
+            raise self._fail(f"each rank needs one GPU of its own bundle; Ray gave them"
+                             f" {[list(w.gpu_ids) for w in self.wheres]} (rank_resources: {{GPU: 1}})")
+        places = rank_places(self.wheres, ray.util.get_node_ip_address(), self._store.port)
         log.info("FSDP ranks placed by Ray: %s", ", ".join(f"rank {p.rank} on {w.node_ip} (local rank"
-                                                           f" {p.local_rank})" for p, w in zip(places, wheres)))
+                                                           f" {p.local_rank})" for p, w in zip(places, self.wheres)))
         self._get([actor.start.remote(place, spec) for actor, place in zip(self._actors, places)], deadline,
                   "starting")  # fmt: skip
-        self.wheres = wheres
-        self.started = self._collect(timeout_s=max(0.0, deadline - time.monotonic()), doing="starting")
+        return self._collect(timeout_s=max(0.0, deadline - time.monotonic()), doing="starting")
 
     def _get(self, refs: list, deadline: float, doing: str) -> list:
         try:
@@ -177,25 +194,35 @@ class RayRankGroup:
         answers: dict[int, Any] = {}
         waiting = {actor.recv.remote(): rank for rank, actor in enumerate(self._actors)}
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while waiting:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=remaining)
-            if not ready:
-                raise self._fail(f"no answer from ranks {sorted(waiting.values())} after {timeout_s:.0f}s {doing}")
-            rank = waiting.pop(ready[0])
-            try:
-                kind, *payload = ray.get(ready[0])
-            except RayActorError as exc:
-                raise self._fail(f"rank {rank} died {doing} (its Ray actor: {_last_line(exc)})") from None
-            if kind == "progress":
-                if on_progress is not None:
-                    on_progress(*payload)
-                waiting[self._actors[rank].recv.remote()] = rank
-            elif kind == "ok":
-                answers[rank] = payload[0]
-            elif kind == "error":
-                raise self._fail(f"rank {rank} failed {doing}:\n{payload[0]}")
+        try:
+            while waiting:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready, _ = ray.wait(list(waiting), num_returns=1, timeout=remaining)
+                if not ready:
+                    raise self._fail(f"no answer from ranks {sorted(waiting.values())} after {timeout_s:.0f}s {doing}")
+                rank = waiting.pop(ready[0])
+                kind, *payload = self._answer(ready[0], rank, doing)
+                if kind == "progress":
+                    if on_progress is not None:
+                        on_progress(*payload)
+                    waiting[self._actors[rank].recv.remote()] = rank
+                elif kind == "ok":
+                    answers[rank] = payload[0]
+                elif kind == "error":
+                    raise self._fail(f"rank {rank} failed {doing}:\n{payload[0]}")
+        except BaseException as exc:  # a recv left waiting would take the next command's answer: the group goes
+            if self._failure is None:
+                raise self._fail(f"the server stopped waiting for the ranks {doing}: {exc!r}") from exc
+            raise
         return [answers[r] for r in range(self.world_size)]
+
+    def _answer(self, ref: Any, rank: int, doing: str) -> tuple:
+        try:
+            return ray.get(ref)
+        except RayActorError as exc:
+            raise self._fail(f"rank {rank} died {doing} (its Ray actor: {_last_line(exc)})") from None
+        except RayError as exc:
+            raise self._fail(f"rank {rank}'s answer {doing} could not be read: {_last_line(exc)}") from None
 
     def _fail(self, reason: str) -> RankFailure:
         log.error("FSDP trainer: %s; stopping all ranks", reason)
@@ -222,7 +249,7 @@ class RayRankGroup:
 def _rank_actor(placement_group: Any, bundle_index: int, bundle: dict[str, float], name: str) -> Any:
     custom = {key: amount for key, amount in bundle.items() if key not in ("CPU", "GPU", "memory")}
     strategy = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=bundle_index)
-    return _RankActor.options(name=name, namespace=NAMESPACE, num_cpus=bundle.get("CPU", 1.0),
+    return _RankActor.options(name=name, namespace=NAMESPACE, num_cpus=bundle.get("CPU", 0.0),
                               num_gpus=bundle.get("GPU", 0.0), memory=bundle.get("memory"), resources=custom,
                               scheduling_strategy=strategy, runtime_env={"env_vars": _NOSET_CUDA}).remote()
 

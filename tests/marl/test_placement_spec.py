@@ -128,11 +128,11 @@ def test_marl_run_passes_the_placement_to_marl_serve():
     assert not any("gpus" in arg or "nodes" in arg for arg in argv) and options.placement == Placement()
 
 
-def test_the_ray_group_flags_reach_the_placement_and_the_old_node_flags_are_deprecated():
+def test_the_ray_group_flags_reach_the_placement_and_the_old_node_flags_are_deprecated(capsys):
     options = _serve_options(parse(["serve", "--model", "m", "--ray-group", "run-1.team", "--ray-address", "h:6379"]))
     assert options.placement == Placement(ray_group="run-1.team", ray_address="h:6379")
-    with pytest.warns(DeprecationWarning, match="--rendezvous-port is deprecated"):
-        assert _serve_options(parse(["serve", "--model", "m", "--rendezvous-port", "29511"])).placement == Placement()
+    assert _serve_options(parse(["serve", "--model", "m", "--rendezvous-port", "29511"])).placement == Placement()
+    assert "--rendezvous-port is deprecated and not used" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--trainer-nodes: deprecated; ranks on other machines are Ray actors"):
         _serve_options(parse(["serve", "--model", "m", "--trainer-nodes", "2"]))
 

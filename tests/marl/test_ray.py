@@ -12,6 +12,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -258,10 +259,12 @@ def rank_nodes(group_prefix: str) -> dict[int, str]:
     return {}
 
 
-def rank_actors(rank: int) -> list[str]:
+def rank_actors(group_prefix: str, rank: int) -> list[str]:
+    """The named rank actors `rank` of the live groups whose names start with `group_prefix`."""
     import ray
 
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if f".rank{rank}." in a["name"]]
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(group_prefix) and f".rank{rank}." in a["name"]]
 
 
 def test_rank_places_follow_where_ray_put_the_ranks():
@@ -307,9 +310,11 @@ def test_two_ranks_on_two_ray_nodes_make_the_one_process_step(ray_cluster, tmp_p
     finally:
         remove_placement_group(group)
     want = one.policy.state_dict()
-    for name, tensor in want.items():
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():  # measured: 2e-7 at most
         assert float((got[name] - tensor).norm() / tensor.norm()) <= 1e-5, name
-    assert m_sharded["loss"] == pytest.approx(m_one["loss"], rel=1e-5)
+    for key in ("loss", "pg_loss", "grad_norm", "tokens_trained", "samples"):  # as test_fsdp_trainer.py compares
+        assert m_sharded[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-7), key
 
 
 @needs_ray
@@ -326,13 +331,14 @@ def test_a_run_trains_with_ranks_on_two_nodes_and_survives_a_killed_rank(ray_clu
     wait_for(proc, lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, "a first step")
     nodes = rank_nodes("tiny-ray-ranks")
     assert len(set(nodes.values())) == 2, nodes  # rank 0 on one node, rank 1 on the other
-    ray.kill(ray.get_actor(rank_actors(1)[0], namespace="marl"), no_restart=True)
+    ray.kill(ray.get_actor(rank_actors("tiny-ray-ranks", 1)[0], namespace="marl"), no_restart=True)
     output = finish(proc)
     assert proc.returncode == 0, output
     assert "and 2 trainer ranks of CPU: 1, rank_slot: 1" in output
     assert json.loads(metrics.read_text().splitlines()[-1])["step"] >= 4  # (games in flight may add a step)
     log = (run_dir / "logs" / "team.log").read_text()
-    assert "rank 1 died" in log, log[-3000:]  # the step failed on the killed rank, and the run went on
+    # the step failed (rank 1 died; or, killed mid-collective, rank 0 failed on the dropped connection first)
+    assert re.search(r"FSDP trainer: rank \d (died|failed)", log), log[-3000:]
     db = sqlite3.connect(run_dir / "servers" / "team" / "ledger.sqlite")
     episodes = [row[0] for row in db.execute("SELECT episode_id FROM episodes")]
     consumed = db.execute("SELECT consumed_step, COUNT(*) FROM samples WHERE consumed_step > 0"  # -1: stale
@@ -435,6 +441,19 @@ def test_a_run_without_run_ray_never_imports_ray(tmp_path):
      "run on the machine of `marl run`"),
     (["run.ray.address=auto", "servers.learner.resources={CPU: -1}"], "servers.learner.resources.CPU",
      "greater than or equal to 0"),
+    (["run.ray.address=auto", "servers.learner.resources={CPU: 0}"], "servers.learner.resources",
+     "Ray refuses a bundle that asks for nothing"),
+    (["run.ray.address=auto", "servers.learner.rank_resources={CPU: 2}"], "servers.learner.rank_resources",
+     "only a trainer with ranks has them"),
+    (["run.ray.address=auto", "servers.remote.rank_resources={CPU: 2}"], "servers.remote.rank_resources",
+     "only applies to a local server"),
+    (["run.ray.address=auto", "servers.learner.train.trainer=fsdp", "servers.learner.device=cpu",
+      "servers.learner.rank_resources={GPU: 1}"], "servers.learner.rank_resources.GPU", "runs on the CPU"),
+    (["run.ray.address=auto", "servers.learner.train.trainer=fsdp", "servers.learner.resources={GPU: 1}",
+      "servers.learner.rank_resources={GPU: 2}"], "servers.learner.rank_resources.GPU", "asks for 2: GPU: 1"),
+    (["run.ray.address=auto", "servers.learner.train.trainer=fsdp", "servers.learner.placement={nodes: 2}",
+      "servers.learner.engine=vllm", "servers.learner.vllm={weight_sync: nccl}"], "servers.learner.vllm.weight_sync",
+     "lets them run on others"),
 ])
 def test_ray_keys_are_checked_at_their_key(override, key, fragment):
     spec = {

@@ -189,3 +189,12 @@ def test_the_pools_kept_counts_equal_sqlites_after_every_kind_of_write(tmp_path)
     assert list(ledger.pool_groups())[-1] == GroupKey("j", "t1", "a") and agrees()
     assert ledger.recover(resume_step=0) == 3 and agrees()  # e0's and e2's samples of agent a
     assert ledger.drop_stale(min_version=1) == 6 and list(ledger.pool_groups().values()) == [1] and agrees()
+    # a group whose agent never called the model (its empty samples only) waits outside until one that called joins
+    silent = Sample(episode_id="e5", agent="v", token_ids=[], loss_mask=[], logprobs=[], reward=0.0, policy_version=1,
+                    num_calls=0)
+    ledger.record_episode(episode_id="e5", job="j", task_id="t5", client_id="c", reward=0.0, agent_rewards={"v": 0.0},
+                          metadata={}, num_calls=0, samples=[silent])
+    assert GroupKey("j", "t5", "v") not in ledger.pool_groups() and ledger.pending_episodes() == 2 and agrees()
+    record("e6", "t5", ("v",), version=1)
+    assert ledger.pool_groups()[GroupKey("j", "t5", "v")] == 2 and agrees()  # both episodes, at the e5's place
+    assert list(ledger.pool_groups())[-1] == GroupKey("j", "t5", "v")

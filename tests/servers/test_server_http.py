@@ -131,6 +131,7 @@ def test_an_agent_that_made_no_call_still_counts_in_its_group(local_server):
         assert (listener.num_calls, listener.token_ids, listener.reward) == (0, [], 0.0)
         metrics = wait_version(http, 1)["metrics"]
         assert metrics["groups"] == 2 and metrics["groups_trained"] == 1  # the speaker's rewards are equal
+        assert metrics["samples"] == 1  # of the listener's two, the one with tokens: the empty one is its baseline
         assert metrics["reward_mean/listener"] == pytest.approx(0.5)
 
 
