@@ -6,8 +6,10 @@ initial and latest checkpoints, and count the seeds on which every trainable rol
     python bench/seed_sweep.py --smoke        # a minute: a tiny model, one step, one seed, 4 games
 
 Each seed runs `marl run FILE run.seed=S run.run_dir=OUT/seed-S [overrides]` (its output in OUT/seed-S/run.log),
-then `marl eval FILE ROLE=initial,latest... --games N --run-dir OUT/seed-S` for every role a trainable server plays
-(greedy, on the same seeds for every pairing; OUT/seed-S/eval/). A role *improved* on a seed when its win rate with
+then `marl eval FILE ROLE=initial... --games N --run-dir OUT/seed-S --seed S` with every role a trainable server
+plays at its initial checkpoint (OUT/seed-S/eval-initial/), and the same with every role at its latest
+(eval-latest/): greedy, the same games for both. `--mixed` plays every combination instead (a trained role beside an
+untrained one too; OUT/seed-S/eval/), which takes twice as long. A role *improved* on a seed when its win rate with
 every role at its latest checkpoint has a 95% interval wholly above its interval with every role at the initial one
 (`marl eval` says which win rule it counted by). Prints each seed's table as it finishes, then the share of seeds on
 which every role improved, and writes OUT/sweep.json. A `train.` override applies to every trainable server.
@@ -61,8 +63,11 @@ def verdict(report: dict, roles: list[str]) -> dict[str, dict]:
     return out
 
 
-def run_seed(file: str, seed: int, out: Path, overrides: list[str], roles: list[str], games: int) -> dict:
-    """One seed: the run, then its evaluation; returns the seed's verdict with the two commands' wall times."""
+def run_seed(file: str, seed: int, out: Path, overrides: list[str], roles: list[str], games: int,
+             mixed: bool = False) -> dict:  # fmt: skip
+    """One seed: the run, then its evaluation; returns the seed's verdict with the two commands' wall times. The
+    evaluation plays every role initial and every role latest (two pairings: what the verdict reads); `mixed`: every
+    combination too (a trained role beside an untrained one), twice as long."""
     run_dir = out / f"seed-{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -72,15 +77,24 @@ def run_seed(file: str, seed: int, out: Path, overrides: list[str], roles: list[
     run_s = time.monotonic() - started
     if run.returncode != 0:
         raise SystemExit(f"seed {seed}: marl run exited {run.returncode}; see {run_dir / 'run.log'}")
-    pairs = [f"{role}=initial,latest" for role in roles]
     started = time.monotonic()
+    kinds = {"eval": "initial,latest"} if mixed else {"eval-initial": "initial", "eval-latest": "latest"}
+    pairings = []
+    for name, checkpoints in kinds.items():  # the same --seed: every pairing plays the same games
+        pairings += evaluate(file, [f"{role}={checkpoints}" for role in roles], overrides, games, run_dir, name, seed)
+    return {"seed": seed, "run_s": run_s, "eval_s": time.monotonic() - started,
+            "roles": verdict({"pairings": pairings}, roles)}
+
+
+def evaluate(file: str, pairs: list[str], overrides: list[str], games: int, run_dir: Path, name: str,
+             seed: int) -> list[dict]:  # fmt: skip
+    """`marl eval` of these checkpoints into run_dir/name; its pairings (eval.json's)."""
     evaluation = subprocess.run([*MARL, "eval", file, *pairs, *overrides, "--games", str(games), "--run-dir",
-                                 str(run_dir), "--out", str(run_dir / "eval"), "--seed", str(seed)],
+                                 str(run_dir), "--out", str(run_dir / name), "--seed", str(seed)],
                                 capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if evaluation.returncode != 0:
         raise SystemExit(f"seed {seed}: marl eval exited {evaluation.returncode}:\n{evaluation.stderr[-3000:]}")
-    report = json.loads((run_dir / "eval" / "eval.json").read_text())
-    return {"seed": seed, "run_s": run_s, "eval_s": time.monotonic() - started, "roles": verdict(report, roles)}
+    return json.loads((run_dir / name / "eval.json").read_text())["pairings"]
 
 
 def _interval(stats: dict) -> str:
@@ -95,13 +109,14 @@ def print_seed(result: dict) -> None:
               f"  {'improved' if v['improved'] else 'NOT improved'} (wins by {v['win_rule']})", flush=True)
 
 
-def sweep(file: str, seeds: list[int], out: Path, overrides: list[str], games: int) -> list[dict]:
+def sweep(file: str, seeds: list[int], out: Path, overrides: list[str], games: int,
+          mixed: bool = False) -> list[dict]:  # fmt: skip
     topology = Topology.load(file, [])
     roles, overrides = trainable_roles(topology), server_overrides(topology, overrides)
     print(f"{file}: seeds {seeds}, judging {', '.join(roles)}; {games} games per pairing; output in {out}", flush=True)
     results = []
     for seed in seeds:
-        results.append(run_seed(file, seed, out, overrides, roles, games))
+        results.append(run_seed(file, seed, out, overrides, roles, games, mixed))
         print_seed(results[-1])
     good = sum(all(v["improved"] for v in r["roles"].values()) for r in results)
     print(f"every trainable role improved on {good} of {len(results)} seeds"
@@ -141,6 +156,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="4,5,6", help="comma-separated run seeds (default 4,5,6)")
     parser.add_argument("--games", type=int, default=128, help="games per eval pairing (default 128)")
     parser.add_argument("--out", type=Path, help="where the runs go (default runs/sweep-<topology name>)")
+    parser.add_argument("--mixed", action="store_true", help="evaluate every combination of initial and latest")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, one step, one seed")
     args = parser.parse_intermixed_args()  # overrides may come before or after the options
     if args.smoke:
@@ -148,7 +164,7 @@ def main() -> None:
     if args.file is None:
         parser.error("the topology file is required (or --smoke)")
     out = args.out or Path("runs") / f"sweep-{Path(args.file).stem}"
-    sweep(args.file, [int(s) for s in args.seeds.split(",")], out, args.overrides, args.games)
+    sweep(args.file, [int(s) for s in args.seeds.split(",")], out, args.overrides, args.games, args.mixed)
 
 
 if __name__ == "__main__":
