@@ -94,8 +94,8 @@ class VLLMEngine(InferenceEngine):
                  shares_gpu: bool = False, python: Path | None = None, work_dir: Path | None = None,
                  start_timeout_s: float = 600.0, max_restarts: int = 1,
                  cuda_visible_devices: str | None = None, lora: LoraSlots | None = None,
-                 engine_gpus: tuple[int, ...] | None = None,
-                 trainer_gpus: tuple[int, ...] | None = None) -> None:  # fmt: skip
+                 engine_gpus: tuple[int, ...] | None = None, trainer_gpus: tuple[int, ...] | None = None,
+                 ranks_elsewhere: bool = False) -> None:  # fmt: skip
         from transformers import AutoConfig
 
         self.model_dir = Path(model_dir)
@@ -109,7 +109,8 @@ class VLLMEngine(InferenceEngine):
         self._launch = VLLMLaunch(self.model_dir, self.context_length, device=device or _default_device(),
                                   settings=settings, shares_gpu=shares_gpu, python=python,
                                   cuda_visible_devices=cuda_visible_devices, lora=lora,
-                                  engine_gpus=engine_gpus, trainer_gpus=trainer_gpus)  # fmt: skip
+                                  engine_gpus=engine_gpus, trainer_gpus=trainer_gpus,
+                                  ranks_elsewhere=ranks_elsewhere)  # fmt: skip
         self._asleep = False  # put to sleep for a training step (the gate closed); the next weight load wakes it
         self._own_work_dir = work_dir is None  # a temporary one is removed on close
         self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="marl-vllm-"))
@@ -350,17 +351,18 @@ def _default_device() -> str:
 def vllm_engine_factory(device: str | None = None, *, settings: VLLMSettings | None = None, shares_gpu: bool = False,
                         python: Path | None = None, work_dir: Path | None = None, max_restarts: int = 1,
                         cuda_visible_devices: str | None = None, lora: LoraSlots | None = None,
-                        engine_gpus: tuple[int, ...] | None = None,
-                        trainer_gpus: tuple[int, ...] | None = None):  # fmt: skip
+                        engine_gpus: tuple[int, ...] | None = None, trainer_gpus: tuple[int, ...] | None = None,
+                        ranks_elsewhere: bool = False):  # fmt: skip
     """An `EngineFactory` (`model_dir -> InferenceEngine`) for `servers.entrypoint.build_server`: `marl serve --engine
     vllm`. `shares_gpu`: a trainer uses vLLM's GPU too (see `VLLMLaunch`); `work_dir` holds vLLM's log and the copy
     of the latest weights (default: a temporary directory); `cuda_visible_devices`: vLLM's GPUs (servers.placement);
-    `lora`: the adapters to make room for (`lora_slots`: a server of LoRA policies); `engine_gpus`, `trainer_gpus`:
-    the placement's, which pick the weight sync (`VLLMLaunch`)."""
+    `lora`: the adapters to make room for (`lora_slots`: a server of LoRA policies); `engine_gpus`, `trainer_gpus`,
+    `ranks_elsewhere`: the placement's, which pick the weight sync (`VLLMLaunch`)."""
 
     def build(model_dir: Path) -> VLLMEngine:
         return VLLMEngine(model_dir, device=device, settings=settings, shares_gpu=shares_gpu, python=python,
                           work_dir=work_dir, max_restarts=max_restarts, cuda_visible_devices=cuda_visible_devices,
-                          lora=lora, engine_gpus=engine_gpus, trainer_gpus=trainer_gpus)
+                          lora=lora, engine_gpus=engine_gpus, trainer_gpus=trainer_gpus,
+                          ranks_elsewhere=ranks_elsewhere)
 
     return build
