@@ -93,9 +93,11 @@ def _placement(args: argparse.Namespace):
         if getattr(args, flag) is not None:  # said on stderr: Python hides a DeprecationWarning of a console script
             print(f"marl serve: warning: --{flag.replace('_', '-')} is deprecated and not used (ranks on other"
                   " machines are Ray actors now: docs/ray.md)", file=sys.stderr)
-    if args.ray_address and not args.ray_group:
-        raise ValueError("--ray-address: only with --ray-group")
-    return Placement(**gpus, ray_group=args.ray_group, ray_address=args.ray_address)
+    given = [flag for flag, used in (("--ray-address", args.ray_address), ("--no-ray-ranks", not args.ray_ranks))
+             if used]  # fmt: skip
+    if given and not args.ray_group:
+        raise ValueError(f"{', '.join(given)}: only with --ray-group")
+    return Placement(**gpus, ray_group=args.ray_group, ray_address=args.ray_address, ray_ranks=args.ray_ranks)
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -323,9 +325,13 @@ def _add_placement_flags(serve: argparse.ArgumentParser) -> None:
     gpus.add_argument("--trainer-gpus", type=_gpu_list, metavar="GPUS",
                       help="the trainer's GPUs on each node, one FSDP rank each (trainer grpo: one)")
     gpus.add_argument("--ray-group", metavar="NAME", help="the server's Ray placement group (marl run with run.ray"
-                      " makes it): its FSDP ranks are Ray actors in bundles 1.. of it, on the nodes Ray reserved")
+                      " makes it): its FSDP ranks (bundles 1..N) and vLLM replicas after the first (the last bundles)"
+                      " are Ray actors there, on the nodes Ray reserved")
     gpus.add_argument("--ray-address", metavar="ADDR", help="with --ray-group: the Ray cluster's GCS address"
                       " (default: the cluster of this node)")
+    gpus.add_argument("--ray-ranks", action=argparse.BooleanOptionalAction, default=True,
+                      help="with --ray-group: its bundles hold the trainer's FSDP ranks (--no-ray-ranks: only vLLM's"
+                      " replicas; a trainer runs here, on the server's GPUs)")
     gpus.add_argument("--trainer-nodes", type=int, help=argparse.SUPPRESS)  # deprecated: Ray places the ranks
     gpus.add_argument("--rendezvous-port", type=int, help=argparse.SUPPRESS)  # deprecated: not used
 

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -86,12 +87,25 @@ def _die_with_parent() -> None:
     _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+@dataclass(frozen=True)
+class RayGroup:
+    """A server's Ray placement group as its `marl serve` joins it (--ray-group, --ray-address, --no-ray-ranks): the
+    group's name, the cluster's GCS address, and whether the trainer's ranks are in it (else only vLLM replicas)."""
+
+    name: str
+    address: str
+    ranks: bool = True
+
+    def flags(self) -> list[str]:
+        return ["--ray-group", self.name, "--ray-address", self.address] + ([] if self.ranks else ["--no-ray-ranks"])
+
+
 class ServerProcess:
     """One `marl serve` subprocess; its output goes to `log_path`.
 
     `host`: the interface it listens on (default: loopback only). `vllm`: a topology server's `vllm:` section, passed
-    as `--vllm-*` flags; `placement` as --engine-gpus, --trainer-gpus; `ray_group`: (the name of the server's Ray
-    placement group, the cluster's GCS address), where its trainer's ranks go (--ray-group, --ray-address);
+    as `--vllm-*` flags; `placement` as --engine-gpus, --trainer-gpus; `ray_group`: the server's Ray placement
+    group, where its trainer's ranks and vLLM's replicas after the first go (`RayGroup`);
     `adapter` (with `static`): a PEFT adapter directory served on `model`. `engine`: torch, vllm or simulated
     (benchmarks; `simulated_speed` then runs its delays that many times faster). `environment`: more variables for it
     (a Ray actor's CUDA_VISIBLE_DEVICES). `die_with_parent`: on Linux, the server is killed when the thread that
@@ -105,7 +119,7 @@ class ServerProcess:
                  placement: PlacementSpec | None = None, host: str = "127.0.0.1", die_with_parent: bool = False,
                  environment: Mapping[str, str] | None = None, policies: Mapping[str, LoraSpec] | None = None,
                  adapter: Path | None = None, simulated_speed: float | None = None,
-                 ray_group: tuple[str, str] | None = None):
+                 ray_group: RayGroup | None = None):
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
@@ -132,8 +146,8 @@ class ServerProcess:
             self.args += vllm_flags(vllm)
         if placement is not None:
             self.args += placement_flags(placement)
-        if ray_group is not None:  # (placement group, GCS address): its trainer's ranks are Ray actors there
-            self.args += ["--ray-group", ray_group[0], "--ray-address", ray_group[1]]
+        if ray_group is not None:  # its trainer's ranks and vLLM's replicas after the first are Ray actors there
+            self.args += ray_group.flags()
         for name, lora in (policies or {}).items():
             self.args += ["--policy", f"{name}={lora.model_dump_json()}"]
         self.extra_environment = dict(environment or {})

@@ -40,7 +40,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from marl.endpoints import StaticEndpoint
 from marl.games.record import GameRecord
 from marl.games.table import GameFailed, GameTable
-from marl.launch import MAX_RESTARTS, ServerProcess, ServerWatch
+from marl.launch import MAX_RESTARTS, RayGroup, ServerProcess, ServerWatch
 from marl.topology import Problem, TopologyError
 from marl.topology.bundles import RayBundles
 from marl.topology.spec import RaySpec
@@ -57,12 +57,12 @@ _WATCH_S = 1.0  # how often an actor checks its server process
 class _ServerActor:
     """One `marl serve` on the node Ray placed this actor on; it lives and dies with its server process."""
 
-    def __init__(self, options: dict[str, Any], group: str | None):
-        # its trainer's ranks go into the bundles after its own (`group`), started by the server
-        # (servers.trainers.ray_ranks); None: a server without ranks
-        ranks = None if group is None else (group, ray.get_runtime_context().gcs_address)
+    def __init__(self, options: dict[str, Any], group: str | None, ranks: bool):
+        # its trainer's ranks (`ranks`) and vLLM's replicas after the first go into the bundles after its own
+        # (`group`), started by the server (servers.trainers.ray_ranks, servers.engines.vllm_ray); None: neither
+        joined = None if group is None else RayGroup(group, ray.get_runtime_context().gcs_address, ranks)
         self.process = ServerProcess(host=ray.util.get_node_ip_address(), die_with_parent=True,
-                                     environment=server_gpu_environment(ray.get_gpu_ids()), ray_group=ranks,
+                                     environment=server_gpu_environment(ray.get_gpu_ids()), ray_group=joined,
                                      **options).start()  # fmt: skip
         self.process.wait_healthy()
         self.incarnation = uuid.uuid4().hex  # new at every (re)start: how the driver tells a restart
@@ -206,10 +206,10 @@ class RayCluster:
         self.servers: dict[str, RayServer] = {}
 
     def launch(self, name: str, options: dict[str, Any], bundles: RayBundles) -> RayServer:
-        """Make server `name`'s placement group (`bundles`: its actor's, then one per trainer rank) and its actor in
-        bundle 0 (`options`: `ServerProcess`'s); the actor starts its server in the background
-        (`RayServer.wait_healthy` waits for it). Raises `TopologyError`, naming the key, if the cluster cannot hold
-        the group."""
+        """Make server `name`'s placement group (`bundles`: its actor's, then one per trainer rank and one per vLLM
+        replica after the first) and its actor in bundle 0 (`options`: `ServerProcess`'s); the actor starts its
+        server in the background (`RayServer.wait_healthy` waits for it). Raises `TopologyError`, naming the key, if
+        the cluster cannot hold the group."""
         actor_name = f"{self.run_id}.{name}"
         group = _placement_group(name, actor_name, bundles)
         options = {**options, "data_dir": Path(options["data_dir"]).resolve(),
@@ -220,10 +220,12 @@ class RayCluster:
         actor = _ServerActor.options(
             name=actor_name, max_restarts=MAX_RESTARTS, max_task_retries=0, **_actor_resources(wanted),
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-        ).remote(options, actor_name if bundles.ranks else None)
-        ranks = f" and {bundles.ranks} trainer ranks of {_amounts(bundles.bundles[1])}" if bundles.ranks else ""
+        ).remote(options, actor_name if bundles.ranks or bundles.replicas else None, bool(bundles.ranks))
+        more = [f"{bundles.ranks} trainer ranks of {_amounts(bundles.rank_bundle)}"] if bundles.ranks else []
+        if bundles.replicas:
+            more.append(f"{bundles.replicas} more vLLM replicas of {_amounts(bundles.replica_bundle)}")
         self.report(f"started Ray actor {actor_name} for server {name} ({options['model']}), asking for"
-                    f" {_amounts(wanted)}{ranks}")
+                    f" {_amounts(wanted)}{''.join(f' and {m}' for m in more)}")
         self.servers[name] = RayServer(name, actor, actor_name, options["log_path"], self.report, group)
         return self.servers[name]
 
@@ -275,19 +277,30 @@ def _check_placeable(name: str, bundles: RayBundles) -> None:
         problem = Problem(f"servers.{name}.resources", f"no node of the Ray cluster has {_amounts(bundles.bundles[0])}"
                           f" {nodes_have}; give it resources that one node has, or add such a node (ray start"
                           " --resources=...)")
-    elif bundles.ranks and not fits(bundles.bundles[1]):
+    elif bundles.ranks and not fits(bundles.rank_bundle):
         problem = Problem(f"servers.{name}.rank_resources", f"no node of the Ray cluster has"
-                          f" {_amounts(bundles.bundles[1])} for a trainer rank {nodes_have}; give rank_resources"
+                          f" {_amounts(bundles.rank_bundle)} for a trainer rank {nodes_have}; give rank_resources"
                           " that a node has, or add such nodes")
+    elif bundles.replicas and not fits(bundles.replica_bundle):
+        problem = Problem(f"servers.{name}.replica_resources", f"no node of the Ray cluster has"
+                          f" {_amounts(bundles.replica_bundle)} for a vLLM replica {nodes_have}; give"
+                          " replica_resources that a node has, or add such nodes")
     elif bundles.strategy == "STRICT_PACK" and not fits(bundles.total()):
         problem = Problem(f"servers.{name}.placement.nodes", f"no node of the Ray cluster holds the server and its"
-                          f" {bundles.ranks} trainer ranks together ({_amounts(bundles.total())}) {nodes_have}; let"
+                          f" {_members(bundles)} together ({_amounts(bundles.total())}) {nodes_have}; let"
                           " them span machines (placement.nodes: 2 or more), or ask for less")
     elif not all(sum(node.get(key, 0.0) for node in nodes) >= amount for key, amount in bundles.total().items()):
-        problem = Problem(f"servers.{name}.rank_resources", f"the Ray cluster has less than the server and its"
-                          f" {bundles.ranks} trainer ranks ask for ({_amounts(bundles.total())}) {nodes_have}")
+        key = "rank_resources" if bundles.ranks else "replica_resources"
+        problem = Problem(f"servers.{name}.{key}", f"the Ray cluster has less than the server and its"
+                          f" {_members(bundles)} ask for ({_amounts(bundles.total())}) {nodes_have}")
     if problem is not None:
         raise TopologyError([problem])
+
+
+def _members(bundles: RayBundles) -> str:
+    """What shares the server's group, in words."""
+    parts = [f"{bundles.ranks} trainer ranks"] * bool(bundles.ranks)
+    return " and ".join(parts + [f"{bundles.replicas} more vLLM replicas"] * bool(bundles.replicas))
 
 
 def _actor_resources(wanted: Mapping[str, float]) -> dict[str, Any]:

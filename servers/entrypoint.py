@@ -182,14 +182,16 @@ def vllm_lora_slots(options: ServeOptions) -> LoraSlots | None:
 def vllm_placement(options: ServeOptions) -> dict:
     """What vLLM's launch takes from the placement: `shares_gpu`, whether a trainer uses one of its GPUs (sleep mode
     and the default memory share follow from it), `cuda_visible_devices`, its GPUs, and `engine_gpus` and
-    `trainer_gpus` (this machine's; none on a static server), from which the weight sync follows."""
+    `trainer_gpus` (this machine's; none on a static server), from which the weight sync follows; under Ray the
+    server's placement group, in whose last bundles replicas after the first run (servers.engines.vllm_ray)."""
     placement = options.placement
     gpus = None if placement.engine_gpus is None or options.device == "cpu" else placement.engine_gpus
     return {"shares_gpu": not options.static and placement.shares_gpu(),
             "cuda_visible_devices": None if gpus is None else visible_devices(gpus),
             "engine_gpus": placement.engine_gpus,
             "trainer_gpus": () if options.static else placement.node_trainer_gpus(),
-            "ranks_elsewhere": not options.static and placement.ray_group is not None}
+            "ranks_elsewhere": not options.static and placement.ranks_on_ray,
+            "ray_group": placement.ray_group, "ray_address": placement.ray_address}
 
 
 def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None = None,

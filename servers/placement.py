@@ -43,9 +43,11 @@ class Placement:
     engine_gpus: tuple[int, ...] | None = None
     trainer_gpus: tuple[int, ...] | None = None
     #: The name of the server's Ray placement group (`marl serve --ray-group`): its trainer's ranks are Ray actors in
-    #: bundles 1.. of it (servers.trainers.ray_ranks), on whatever nodes Ray reserved them. None: local processes.
+    #: bundles 1..N of it (servers.trainers.ray_ranks), vLLM's replicas after the first in the last bundles
+    #: (servers.engines.vllm_ray), on whatever nodes Ray reserved them. None: local processes.
     ray_group: str | None = None
     ray_address: str | None = None  # the Ray cluster's GCS address (None: the cluster of this node)
+    ray_ranks: bool = True  # the group holds the trainer's ranks (False: only vLLM's replicas)
 
     def __post_init__(self) -> None:
         for name in ("engine_gpus", "trainer_gpus"):
@@ -60,7 +62,12 @@ class Placement:
     def node_trainer_gpus(self) -> tuple[int, ...]:
         """The trainer's GPUs among the server's own (ranks 0..n-1 in this order), as `shares_gpu` counts them: GPU
         0 by default; none under Ray (its ranks' GPUs are their bundles')."""
-        return () if self.ray_group is not None else self.trainer_gpus or (0,)
+        return () if self.ranks_on_ray else self.trainer_gpus or (0,)
+
+    @property
+    def ranks_on_ray(self) -> bool:
+        """The trainer's ranks are Ray actors in the server's placement group (servers.trainers.ray_ranks)."""
+        return self.ray_group is not None and self.ray_ranks
 
     def engine_device(self, device: str | None) -> str | None:
         """The in-process engine's torch device: `cuda:<first engine GPU>` when GPUs are placed and the device is

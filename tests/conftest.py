@@ -28,7 +28,7 @@ HEAVY_FILES = frozenset({
     "test_eval_policies", "test_first_contact", "test_fsdp_lora", "test_fsdp_scale", "test_fsdp_trainer",
     "test_league", "test_learning", "test_placement", "test_plan_measured", "test_proxy_cli", "test_ray",
     "test_ray_placement", "test_recompute_logprobs", "test_resume", "test_run", "test_run_policies", "test_benches",
-    "test_static_adapter", "test_two_phase", "test_weight_replicas",
+    "test_static_adapter", "test_two_phase", "test_vllm_ray", "test_weight_replicas",
 })
 
 

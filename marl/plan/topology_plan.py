@@ -347,7 +347,8 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
     bundles = ray_bundles(server) if server.is_local and spec.run.ray is not None else None  # as marl run places it
     ranked = bundles if bundles is not None and bundles.ranks else None  # ranks in bundles of their own
     gpus = _gpus(server, setting, replicas, ranked)
-    way = _weights_way(server, uses_vllm, setting, gpus, ray=ranked is not None)
+    elsewhere = bundles is not None and bool(bundles.ranks or bundles.replicas)  # actors maybe on other machines
+    way = _weights_way(server, uses_vllm, setting, gpus, ray=elsewhere)
     if setting is not None:  # its group's communicator (ranks > 1), and rank 0's to vLLM over nccl
         setting = replace(setting, nccl_communicators=int(setting.ranks > 1) + int(way == "nccl"))
     plan = ServerPlan(name, f"{arch.name} ({arch.parameter_count() / 1e9:.1f}B), "
@@ -363,8 +364,10 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
             plan.defaults["vllm.gpu_memory_utilization"] = vllm_setting.utilization
         engine, kv = engine_vllm(arch, vllm_setting)
         _check_kv(plan, key, arch, vllm_setting, kv, max_model_len)
-        sleeps = setting is not None and bool(gpus.shared) if v is None or v.sleep_between_steps == "auto" \
-            else bool(v.sleep_between_steps)
+        # auto: replicas in bundles of their own (Ray) share no GPU with the trainer and never sleep, nor the first
+        replicas_apart = bundles is not None and bool(bundles.replicas)
+        sleeps = setting is not None and bool(gpus.shared) and not replicas_apart \
+            if v is None or v.sleep_between_steps == "auto" else bool(v.sleep_between_steps)
         sleeps = sleeps and not server.overlaps  # overlap: vLLM generates during the step
         engine_in_step = engine_vllm_asleep(engine) if sleeps else engine.total
     else:
@@ -391,11 +394,21 @@ def _plan_on_gpus(name: str, server: Any, arch: Architecture, gpu_bytes: float, 
 
 def bundles_note(bundles: RayBundles) -> str:
     """The server's Ray placement group, as `marl run` asks Ray for it (marl/topology/bundles.py)."""
-    ranks = ""
-    if bundles.ranks:
-        ranks = f"; bundles 1-{bundles.ranks}: a trainer rank each, {_resources(bundles.bundles[1])}"
-    return (f"Ray placement group ({bundles.strategy}): bundle 0: the server and its engine,"
-            f" {_resources(bundles.bundles[0])}{ranks}")
+    more = ""
+    for what, at, number, count, bundle in (("trainer rank", 1, 0, bundles.ranks, bundles.rank_bundle),
+                                            ("vLLM replica", 1 + bundles.ranks, 1, bundles.replicas,
+                                             bundles.replica_bundle)):  # fmt: skip
+        if count:
+            more += (f"; {_span('bundle', at, count)}: {_span(what, number, count)},{' each' * (count > 1)}"
+                     f" {_resources(bundle)}")
+    engine = "its engine" if not bundles.replicas else "vLLM's first replica"
+    return (f"Ray placement group ({bundles.strategy}): bundle 0: the server and {engine},"
+            f" {_resources(bundles.bundles[0])}{more}")
+
+
+def _span(what: str, first: int, count: int) -> str:
+    """`bundle 3`, or `bundles 3-5` (`count` of them from `first`)."""
+    return f"{what} {first}" if count == 1 else f"{what}s {first}-{first + count - 1}"
 
 
 def _resources(bundle: dict[str, float]) -> str:
@@ -461,13 +474,14 @@ def _weights_way(server: Any, uses_vllm: bool, setting: TrainerSetting | None, g
                  ray: bool = False) -> str | None:  # fmt: skip
     """How the weights reach the engine after a step: vLLM's way (marl/plan/box.py), the torch engine's tensors in
     the process (one-process trainer) or a directory (FSDP ranks); None: nothing trains. Under Ray (`ray`) `auto`
-    is the disk: the ranks are actors that may run on other machines (servers/engines/vllm_process.py)."""
+    is the disk: the ranks, or vLLM's replicas after the first, are actors that may run on other machines
+    (servers/engines/vllm_process.py)."""
     if setting is None:
         return None
     if not uses_vllm:
         return "disk" if setting.sharded else "in process"
     mode = getattr(server.vllm, "weight_sync", "auto") if server.vllm is not None else "auto"
-    if ray and mode == "auto" and setting.sharded:
+    if ray and mode == "auto":
         return "disk"
     return weight_sync_way(mode, on_cpu=False, engine_gpus=gpus.engine, trainer_gpus=gpus.trainer)
 

@@ -15,7 +15,8 @@ Decisions (also in the messages):
 - Under `run.ray`, a local server sees only the GPUs its actor asks for (`resources: {GPU: n}`; none without it):
   `device: cuda` needs some, and its `placement` GPUs index those n.
 - Trainer ranks on several machines are Ray actors (`placement.nodes` > 1 needs `run.ray`); under `run.ray` each
-  rank has its own bundle (`rank_resources`, GPU included), so `placement.trainer_gpus` of an FSDP trainer is refused.
+  rank has its own bundle (`rank_resources`, GPU included), so `placement.trainer_gpus` of an FSDP trainer is refused;
+  so has each vLLM replica after the first (`replica_resources`), so `placement.engine_gpus` is refused there.
 - A local server's model is a directory on this machine or an alias (`check_local_models`): checked where the
   topology is checked against this machine (`check_env`: `marl topology show`, `marl run`), not by `marl plan`,
   which sizes a topology meant for other machines.
@@ -29,7 +30,7 @@ from typing import Any
 
 from marl.protocol import MODEL_ALIASES
 
-from .bundles import on_gpus, ray_bundles, server_ranks
+from .bundles import RayBundles, on_gpus, ray_bundles, server_ranks
 from .locate import Locator
 from .problems import Problem, did_you_mean
 from .spec import NAME_RE, NAME_RULE, PastOfSpec, ServerKind, ServerSpec, TopologySpec
@@ -280,8 +281,8 @@ def check_ray_ranks(spec: TopologySpec, findings: Findings) -> None:
         if spec.run.ray is None:
             if placement is not None and placement.nodes > 1:
                 findings.bad(["servers", name, "placement", "nodes"], f"{placement.nodes} machines need run.ray:"
-                             " the trainer's ranks on other machines are Ray actors (docs/ray.md); add run.ray:"
-                             " {address: auto}, or nodes: 1")
+                             " the trainer's ranks and vLLM's replicas on other machines are Ray actors"
+                             " (docs/ray.md); add run.ray: {address: auto}, or nodes: 1")
             continue
         for key, message in _ray_rank_problems(server):
             findings.bad(["servers", name, *key], message)
@@ -291,20 +292,16 @@ def _ray_rank_problems(server: ServerSpec) -> list[tuple[tuple[str, ...], str]]:
     """What a local server's placement group cannot be under run.ray, by key."""
     ranks, bundles = server_ranks(server), ray_bundles(server)
     problems = [((key,), "Ray refuses a bundle that asks for nothing: ask for some CPU (or another resource)")
-                for key, bundle in (("resources", bundles.bundles[0]), ("rank_resources", bundles.bundles[-1]))
-                if not any(bundle.values()) and (key == "resources" or ranks)]
+                for key, bundle in (("resources", bundles.bundles[0]), ("rank_resources", bundles.rank_bundle),
+                                    ("replica_resources", bundles.replica_bundle))
+                if bundle is not None and not any(bundle.values())]
     if server.rank_resources is not None and not ranks:
         problems.append((("rank_resources",), "only a trainer with ranks has them: set train.trainer: fsdp, or"
                                               " remove rank_resources"))
+    problems += _ray_replica_problems(server, bundles)
     if not ranks:
         return problems
-    gpus = bundles.bundles[1].get("GPU", 0)
-    if on_gpus(server) and gpus != 1:
-        problems.append((("rank_resources", "GPU"), f"each trainer rank runs on one GPU of its own, but its bundle"
-                                                    f" asks for {gpus:g}: GPU: 1"))
-    elif not on_gpus(server) and gpus:
-        problems.append((("rank_resources", "GPU"), "the server runs on the CPU (device: cpu, or no GPU in"
-                                                    " resources): its ranks would not use a GPU; remove it"))
+    problems += _bundle_gpu_problems(server, "rank_resources", bundles.rank_bundle, 1, "trainer rank")
     if server.placement is not None and server.placement.trainer_gpus is not None:
         problems.append((("placement", "trainer_gpus"), "under run.ray each trainer rank is a Ray actor with its own"
                                                         " GPU (rank_resources: {GPU: 1} by default on GPUs): remove"
@@ -313,6 +310,43 @@ def _ray_rank_problems(server: ServerSpec) -> list[tuple[tuple[str, ...], str]]:
     if sync in ("nccl", "ipc") and server.placement is not None and server.placement.nodes > 1:
         problems.append((("vllm", "weight_sync"), f"{sync} meets the trainer's ranks on the server's machine, but"
                                                   " placement.nodes lets them run on others: weight_sync: auto or"
+                                                  " disk (a shared filesystem)"))
+    return problems
+
+
+def _bundle_gpu_problems(server: ServerSpec, key: str, bundle: dict[str, float], wanted: int,
+                         what: str) -> list[tuple[tuple[str, ...], str]]:  # fmt: skip
+    """A rank's or replica's bundle asks for `wanted` GPUs on GPUs, none on the CPU."""
+    gpus = bundle.get("GPU", 0)
+    if on_gpus(server) and gpus != wanted:
+        return [((key, "GPU"), f"each {what} runs on {wanted} GPU(s) of its own, but its bundle asks for {gpus:g}:"
+                               f" GPU: {wanted}")]
+    if not on_gpus(server) and gpus:
+        return [((key, "GPU"), f"the server runs on the CPU (device: cpu, or no GPU in resources): its {what}s would"
+                               " not use a GPU; remove it")]
+    return []
+
+
+def _ray_replica_problems(server: ServerSpec, bundles: RayBundles) -> list[tuple[tuple[str, ...], str]]:
+    """vLLM's replicas after the first are Ray actors in bundles of their own (servers.engines.vllm_ray)."""
+    if server.replica_resources is not None and not bundles.replicas:
+        return [(("replica_resources",), "only vLLM replicas after the first have them: set engine: vllm and"
+                                         " vllm.data_parallel_size > 1, or remove replica_resources")]
+    if not bundles.replicas:
+        return []
+    problems = _bundle_gpu_problems(server, "replica_resources", bundles.replica_bundle,
+                                    server.vllm.tensor_parallel_size, "vLLM replica")
+    if server.placement is not None and server.placement.engine_gpus is not None:
+        problems.append((("placement", "engine_gpus"), "under run.ray vLLM's replicas after the first take the GPUs"
+                                                       " of their own bundles (replica_resources), the first the"
+                                                       " first tensor_parallel_size of resources.GPU: remove"
+                                                       " engine_gpus"))
+    sync, spread = server.vllm.weight_sync, server.placement is not None and server.placement.nodes > 1
+    if server.trainable and (sync == "ipc" or (sync == "nccl" and spread)):
+        where = "on the trainer's GPUs" if sync == "ipc" else "on the server's machine"
+        problems.append((("vllm", "weight_sync"), f"{sync} meets vLLM {where}, but its replicas after the first"
+                                                  " are Ray actors with GPUs of their own bundles"
+                                                  f"{', maybe on other machines' * spread}: weight_sync: auto or"
                                                   " disk (a shared filesystem)"))
     return problems
 

@@ -160,9 +160,10 @@ class PlacementSpec(_Spec):
     trainer_gpus: GPUIndices | None = Field(None, description="GPUs of the trainer, one rank per GPU on each node:"
                                             " train.fsdp.ranks = nodes x their number (ranks defaults to it); one"
                                             " for trainer: grpo (default: rank r on GPU r).")
-    nodes: int = Field(1, ge=1, description="Machines the trainer's ranks may span, under run.ray: 1 packs the"
-                       " server and its ranks onto one node, more lets Ray place them on as few nodes as hold them"
-                       " (each rank its own bundle: rank_resources). For `marl plan`: nodes x trainer_gpus ranks.")
+    nodes: int = Field(1, ge=1, description="Machines the trainer's ranks and vLLM's replicas may span, under"
+                       " run.ray: 1 packs the server, its ranks and replicas onto one node, more lets Ray place them"
+                       " on as few nodes as hold them (each rank and each replica after the first its own bundle:"
+                       " rank_resources, replica_resources). For `marl plan`: nodes x trainer_gpus ranks.")
     rendezvous_port: int | None = Field(None, ge=1, le=65535, description="Deprecated, not used: ranks on other"
                                         " machines are Ray actors now (run.ray), not `marl trainer-node`.")
 
@@ -217,6 +218,11 @@ class ServerSpec(_Spec):
         None, description="Local, with run.ray and train.trainer: fsdp: what each trainer rank's Ray actor asks (its"
                           " bundle of the server's placement group): default {CPU: 1}, plus {GPU: 1} on GPUs; a"
                           " custom resource pins ranks to nodes (docs/ray.md). Without run.ray it is not used.")
+    replica_resources: dict[str, Annotated[float, Field(ge=0)]] | None = Field(
+        None, description="Local, with run.ray, engine: vllm and vllm.data_parallel_size > 1: what each vLLM replica"
+                          " after the first asks (a Ray actor in a bundle of its own; the first runs beside the"
+                          " server, in resources): default {CPU: 1}, plus {GPU: tensor_parallel_size} on GPUs"
+                          " (docs/ray.md). Without run.ray it is not used.")
     # external OpenAI endpoint
     url: str | None = Field(None, description="External: OpenAI base URL, e.g. http://host:8000/v1.")
     api_key_env: str | None = Field(None, description="External: environment variable holding the API key.")
@@ -292,7 +298,8 @@ def _placement_rules(s: ServerSpec) -> list[Rule]:
         which = "url" if s.kind is ServerKind.EXTERNAL_OPENAI else "swarm_url"
         rules += [((key,), f"{key} only applies to a local server that `marl run` starts, but this server is remote"
                            f" ({which}: is set): remove {key}, or remove {which} to run it locally")
-                  for key in ("device", "port", "prefix_cache_gb", "engine", "resources", "rank_resources")
+                  for key in ("device", "port", "prefix_cache_gb", "engine", "resources", "rank_resources",
+                              "replica_resources")
                   if getattr(s, key) is not None]  # vllm: and placement: describe the remote machine (marl plan)
     else:
         rules += [((key,), f"{key} only applies to remote servers (url: or swarm_url:); `marl run` makes its own"
@@ -345,7 +352,8 @@ def _past_of_rules(s: ServerSpec) -> list[Rule]:
     if s.port is not None:
         rules.append((("port",), "a past_of server runs one process per snapshot, each on a free port: remove port"))
     rules += [((key,), f"a past_of server's snapshots run on the machine of `marl run`, not as Ray actors: remove"
-                       f" {key}") for key in ("resources", "rank_resources") if getattr(s, key) is not None]
+                       f" {key}") for key in ("resources", "rank_resources", "replica_resources")
+              if getattr(s, key) is not None]
     return rules
 
 
@@ -456,15 +464,19 @@ def _engine_gpu_rules(s: ServerSpec, p: PlacementSpec) -> list[Rule]:
 
 def _trainer_gpu_rules(s: ServerSpec, p: PlacementSpec) -> list[Rule]:
     gpus, nodes = ("placement", "trainer_gpus"), ("placement", "nodes")
+    # vLLM's replicas after the first are Ray actors of their own, which may run on other machines (run.ray)
+    spread = p.nodes > 1 and not (s.engine == "vllm" and s.vllm is not None and s.vllm.data_parallel_size > 1)
     if not s.trainable or s.train is None:
         return ([(gpus, "a static server does not train: remove placement.trainer_gpus")] * (p.trainer_gpus is not None)
-                + [(nodes, "a static server has no trainer ranks to spread: remove placement.nodes")] * (p.nodes > 1))
+                + [(nodes, "a static server has no trainer ranks to spread, nor vLLM replicas"
+                           " (vllm.data_parallel_size): remove placement.nodes")] * spread)
     train, per_node = s.train, len(p.trainer_gpus or ())
     if train.trainer == "grpo":
         return ([(gpus, f"trainer: grpo trains in one process on one GPU, but trainer_gpus lists {per_node}: list"
                         " one, or set train.trainer: fsdp (one rank per GPU)")] * (per_node > 1)
                 + [(nodes, "trainer: grpo trains on one machine: set train.trainer: fsdp to spread ranks over"
-                           " nodes, or remove placement.nodes")] * (p.nodes > 1))
+                           " nodes (or vllm.data_parallel_size > 1 to spread replicas), or remove placement.nodes")]
+                * spread)
     ranks, given = train.fsdp.ranks, "ranks" in train.fsdp.model_fields_set
     if per_node and given and ranks != p.nodes * per_node:
         return [(gpus, f"train.fsdp.ranks is {ranks}, but nodes x len(trainer_gpus) = {p.nodes} x {per_node} ="

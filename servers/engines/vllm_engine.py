@@ -95,7 +95,8 @@ class VLLMEngine(InferenceEngine):
                  start_timeout_s: float = 600.0, max_restarts: int = 1,
                  cuda_visible_devices: str | None = None, lora: LoraSlots | None = None,
                  engine_gpus: tuple[int, ...] | None = None, trainer_gpus: tuple[int, ...] | None = None,
-                 ranks_elsewhere: bool = False) -> None:  # fmt: skip
+                 ranks_elsewhere: bool = False, ray_group: str | None = None,
+                 ray_address: str | None = None) -> None:  # fmt: skip
         from transformers import AutoConfig
 
         self.model_dir = Path(model_dir)
@@ -110,10 +111,14 @@ class VLLMEngine(InferenceEngine):
                                   settings=settings, shares_gpu=shares_gpu, python=python,
                                   cuda_visible_devices=cuda_visible_devices, lora=lora,
                                   engine_gpus=engine_gpus, trainer_gpus=trainer_gpus,
-                                  ranks_elsewhere=ranks_elsewhere)  # fmt: skip
+                                  ranks_elsewhere=ranks_elsewhere, ray_group=ray_group,
+                                  ray_address=ray_address)  # fmt: skip
         self._asleep = False  # put to sleep for a training step (the gate closed); the next weight load wakes it
+        if work_dir is None and self._launch.replicas_elsewhere:
+            raise ValueError("vLLM replicas as Ray actors need a work_dir on a filesystem every node shares (they"
+                             " write their logs there and read the weights from it), not a temporary one")
         self._own_work_dir = work_dir is None  # a temporary one is removed on close
-        self.work_dir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="marl-vllm-"))
+        self.work_dir = Path(work_dir).resolve() if work_dir else Path(tempfile.mkdtemp(prefix="marl-vllm-"))
         self.work_dir.mkdir(parents=True, exist_ok=True)
         for stale in self.work_dir.glob("weights-*"):  # left by an engine whose process was killed outright
             shutil.rmtree(stale, ignore_errors=True)
@@ -352,17 +357,19 @@ def vllm_engine_factory(device: str | None = None, *, settings: VLLMSettings | N
                         python: Path | None = None, work_dir: Path | None = None, max_restarts: int = 1,
                         cuda_visible_devices: str | None = None, lora: LoraSlots | None = None,
                         engine_gpus: tuple[int, ...] | None = None, trainer_gpus: tuple[int, ...] | None = None,
-                        ranks_elsewhere: bool = False):  # fmt: skip
+                        ranks_elsewhere: bool = False, ray_group: str | None = None,
+                        ray_address: str | None = None):  # fmt: skip
     """An `EngineFactory` (`model_dir -> InferenceEngine`) for `servers.entrypoint.build_server`: `marl serve --engine
     vllm`. `shares_gpu`: a trainer uses vLLM's GPU too (see `VLLMLaunch`); `work_dir` holds vLLM's log and the copy
     of the latest weights (default: a temporary directory); `cuda_visible_devices`: vLLM's GPUs (servers.placement);
     `lora`: the adapters to make room for (`lora_slots`: a server of LoRA policies); `engine_gpus`, `trainer_gpus`,
-    `ranks_elsewhere`: the placement's, which pick the weight sync (`VLLMLaunch`)."""
+    `ranks_elsewhere`: the placement's, which pick the weight sync (`VLLMLaunch`); `ray_group`, `ray_address`: the
+    server's Ray placement group, whose last bundles hold the replicas after the first (servers.engines.vllm_ray)."""
 
     def build(model_dir: Path) -> VLLMEngine:
         return VLLMEngine(model_dir, device=device, settings=settings, shares_gpu=shares_gpu, python=python,
                           work_dir=work_dir, max_restarts=max_restarts, cuda_visible_devices=cuda_visible_devices,
                           lora=lora, engine_gpus=engine_gpus, trainer_gpus=trainer_gpus,
-                          ranks_elsewhere=ranks_elsewhere)
+                          ranks_elsewhere=ranks_elsewhere, ray_group=ray_group, ray_address=ray_address)
 
     return build

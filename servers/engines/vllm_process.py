@@ -225,6 +225,10 @@ class VLLMLaunch:
     #: The trainer's ranks are Ray actors in the server's placement group, maybe on other machines (`--ray-group`):
     #: `auto` sends the weights through the disk (a shared filesystem), since a push meets its ranks on this machine.
     ranks_elsewhere: bool = False
+    #: The server's Ray placement group and the cluster's address (`--ray-group`): with several replicas, those
+    #: after the first are Ray actors in its last bundles, maybe on other machines (servers.engines.vllm_ray).
+    ray_group: str | None = None
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("engine_gpus", "trainer_gpus"):
@@ -273,7 +277,8 @@ class VLLMLaunch:
         """vLLM frees its GPU memory for each training step: as set, else (auto) on CUDA when the trainer shares it."""
         if self.settings.sleep_between_steps is not None:
             return self.settings.sleep_between_steps
-        return not self.on_cpu and self.shares_gpu
+        # replicas elsewhere share no GPU with the trainer: they do not sleep, so none does (a step sleeps them all)
+        return not self.on_cpu and self.shares_gpu and not self.replicas_elsewhere
 
     @property
     def weight_sync(self) -> str:
@@ -281,7 +286,7 @@ class VLLMLaunch:
         `auto_weight_sync`'s pick for this device and placement."""
         if self.settings.weight_sync != "auto":
             return self.settings.weight_sync
-        if self.ranks_elsewhere and not self.on_cpu:
+        if (self.ranks_elsewhere or self.replicas_elsewhere) and not self.on_cpu:
             return "disk"
         engine, trainer = self.gpu_layout
         return auto_weight_sync(cuda=not self.on_cpu, engine_gpus=engine, trainer_gpus=trainer,
@@ -298,6 +303,8 @@ class VLLMLaunch:
             return "the CPU build has no weight-transfer engine"
         if self.ranks_elsewhere:
             return "the trainer's ranks are Ray actors that may run on other machines (a push meets them on this one)"
+        if self.replicas_elsewhere:
+            return "vLLM's replicas after the first are Ray actors that may run on other machines"
         engine, trainer = self.gpu_layout
         if set(engine) & set(trainer):
             return (f"vLLM's GPUs {list(engine)} are partly the trainer's {list(trainer)}: ipc needs all of them to be"
@@ -311,19 +318,28 @@ class VLLMLaunch:
         size 1) on `tensor_parallel_size` GPUs; marl routes each lease to one (servers.engines.vllm_replicas)."""
         return self.settings.data_parallel_size
 
+    @property
+    def replicas_elsewhere(self) -> bool:
+        """Replicas after the first run as Ray actors, maybe on other machines (servers.engines.vllm_ray)."""
+        return self.ray_group is not None and self.replicas > 1
+
     def replica(self, index: int) -> VLLMLaunch:
         """The launch of replica `index`: on CUDA it sees engine GPUs `[index * TP, (index + 1) * TP)` (of
-        `cuda_visible_devices`, else of what this server sees, mapped as servers.placement maps them)."""
+        `cuda_visible_devices`, else of what this server sees, mapped as servers.placement maps them). Under Ray the
+        first sees the first TP, and each other one the GPUs of its own bundle (its actor sets them), which no trainer
+        shares."""
+        if self.replicas_elsewhere and index:
+            return replace(self, shares_gpu=False)
         if self.replicas == 1 or self.on_cpu:
             return self
-        tp = self.settings.tensor_parallel_size
+        tp, local = self.settings.tensor_parallel_size, 1 if self.replicas_elsewhere else self.replicas
         wanted = range(index * tp, (index + 1) * tp)
         if self.cuda_visible_devices is None:
             return replace(self, cuda_visible_devices=visible_devices(wanted))
         engine_gpus = [gpu.strip() for gpu in self.cuda_visible_devices.split(",") if gpu.strip()]
-        if len(engine_gpus) < self.replicas * tp:
-            raise VLLMSettingsError([("data_parallel_size", f"{self.replicas} replicas x tensor_parallel_size {tp}"
-                                                            f" need {self.replicas * tp} GPUs, vLLM has"
+        if len(engine_gpus) < local * tp:
+            raise VLLMSettingsError([("data_parallel_size", f"{local} replicas x tensor_parallel_size {tp}"
+                                                            f" need {local * tp} GPUs, vLLM has"
                                                             f" {self.cuda_visible_devices!r}")])
         return replace(self, cuda_visible_devices=",".join(engine_gpus[gpu] for gpu in wanted))
 
@@ -433,6 +449,10 @@ class VLLMProcess:
     def wait(self) -> int:
         """Block until it exits; its exit code."""
         return self._popen.wait()
+
+    def ended(self, code: int) -> str:
+        """How it ended, for messages (`code`: its exit code)."""
+        return f"the vLLM subprocess exited with code {code}"
 
     def wait_ready(self, timeout: float, cancelled: Callable[[], bool] = lambda: False) -> None:
         """Return once `/health` answers 200; RuntimeError (with the log's tail) if it exits, is cancelled or takes

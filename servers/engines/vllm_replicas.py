@@ -9,6 +9,10 @@ conversation; here marl routes (`AffinityRouter`): every call of one key (a leas
 vLLM serves (weights, adapters, sleep) goes to every replica (`VLLMReplicas.each`, concurrently), under every
 replica's lock, so no replica restarts with half of it.
 
+Under Ray (`marl run` with `run.ray`) every replica after the first is a Ray actor in a bundle of its own of the
+server's placement group, maybe on another machine (servers.engines.vllm_ray); the supervisor and the router treat
+it as any other.
+
 `SyncGate`: while a weight sync has vLLM paused (or asleep), new generations wait in marl, on their event loop,
 rather than reach a vLLM that may refuse them (docs/backends.md, "vLLM: requests during a weight sync").
 """
@@ -167,7 +171,8 @@ class VLLMReplicas:
             replica.supervisor = VLLMSupervisor(
                 launch.replica(index), work_dir / (f"vllm-{index}.log" if index else "vllm.log"),
                 replay=_replaying(replica, replay), unrestorable=unrestorable, stats=stats,
-                start_timeout_s=start_timeout_s, max_restarts=max_restarts, replica=index)
+                start_timeout_s=start_timeout_s, max_restarts=max_restarts, replica=index,
+                spawn=_spawner(launch, index))
             self.replicas.append(replica)
 
     def start(self) -> None:
@@ -272,6 +277,16 @@ class VLLMReplicas:
         for future in done:
             future.result()  # the first failure, once every replica finished
         return None
+
+
+def _spawner(launch: VLLMLaunch, index: int) -> Callable[[VLLMLaunch, Path], VLLMProcess]:
+    """How replica `index` starts: a subprocess of this server, or under Ray (all but the first) a Ray actor in its
+    bundle of the server's placement group."""
+    if not (launch.replicas_elsewhere and index):
+        return VLLMProcess
+    from servers.engines.vllm_ray import ray_replica_spawner  # ray is imported only here, only under Ray
+
+    return ray_replica_spawner(launch, index)
 
 
 def _replaying(replica: Replica, replay: Callable[[VLLMProcess], None]) -> Callable[[VLLMProcess], None]:

@@ -6,7 +6,8 @@ it is started again, at most `max_restarts` times, with what it served (`replay`
 adapters). When it cannot be (`unrestorable` says why, e.g. weights that left no copy), or the restart fails, the
 engine is down: every call fails at once with `down`, the reason, until the engine is stopped and started again.
 An engine of several replicas has a supervisor per replica (servers.engines.vllm_replicas): each restarts its own
-vLLM, at most `max_restarts` times, and counts its restarts into the engine's `stats.restarts` too.
+vLLM, at most `max_restarts` times, and counts its restarts into the engine's `stats.restarts` too. A replica in a
+Ray actor (servers.engines.vllm_ray) is watched and restarted the same way: a restart is a new actor in its bundle.
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ class VLLMSupervisor:
 
     def __init__(self, launch: VLLMLaunch, log_path: Path, *, replay: Callable[[VLLMProcess], None],
                  unrestorable: Callable[[], str | None], stats: Any, start_timeout_s: float,
-                 max_restarts: int, replica: int = 0) -> None:  # fmt: skip
+                 max_restarts: int, replica: int = 0,
+                 spawn: Callable[[VLLMLaunch, Path], VLLMProcess] = VLLMProcess) -> None:  # fmt: skip
         self._launch, self._log_path, self._replay, self._unrestorable = launch, log_path, replay, unrestorable
+        self._spawn = spawn  # starts one vLLM: a subprocess here, or one in a Ray actor (servers.engines.vllm_ray)
         self._stats, self.start_timeout_s, self._max_restarts = stats, start_timeout_s, max_restarts
         self.lock = threading.Lock()
         self.process: VLLMProcess | None = None
@@ -63,7 +66,7 @@ class VLLMSupervisor:
         if code is None:
             return f"the request to vLLM failed: {type(error).__name__}: {error}"
         what = "it is down" if self.down else "it is being restarted"
-        return f"the vLLM subprocess exited with code {code} during the request; {what} (log: {process.log_path})"
+        return f"{process.ended(code)} during the request; {what} (log: {process.log_path})"
 
     def close(self) -> None:
         """Stop vLLM (idempotent); calls still running or waiting fail."""
@@ -77,7 +80,7 @@ class VLLMSupervisor:
 
     def _start(self) -> VLLMProcess:
         """Start vLLM, wait until it serves, give it what the engine served (`replay`), check that it generates."""
-        process = VLLMProcess(self._launch, self._log_path)
+        process = self._spawn(self._launch, self._log_path)
         self.process = process
         try:
             process.wait_ready(self.start_timeout_s, cancelled=self._closing.is_set)
@@ -107,7 +110,7 @@ class VLLMSupervisor:
             if self._closing.is_set():
                 return
             self._ready.clear()
-            log.error("vLLM (pid %d) exited with code %s; %s", process.pid, code, process.describe_log())
+            log.error("vLLM (pid %d): %s; %s", process.pid, process.ended(code), process.describe_log())
             if not self._restart(process, code):
                 return
 
@@ -117,19 +120,19 @@ class VLLMSupervisor:
             if self._closing.is_set():
                 return False
             if (reason := self._unrestorable()) is not None:
-                self.down = (f"the vLLM subprocess exited with code {code}, and {reason}: start the engine again"
+                self.down = (f"{dead.ended(code)}, and {reason}: start the engine again"
                              f" (it resumes from the last checkpoint) (log: {dead.log_path})")
                 return False
             if self.restarts >= self._max_restarts:
-                self.down = (f"the vLLM subprocess exited with code {code} after {self.restarts} restart(s):"
-                             f" the engine is down until it is stopped and started again (log: {dead.log_path})")
+                self.down = (f"{dead.ended(code)} after {self.restarts} restart(s): the engine is down until it"
+                             f" is stopped and started again (log: {dead.log_path})")
                 return False
             self.restarts += 1
             self._stats.restarts += 1
             try:
                 self._start()
             except Exception as exc:  # noqa: BLE001 - reported to every later call
-                self.down = f"the vLLM subprocess exited with code {code} and could not be restarted: {exc}"
+                self.down = f"{dead.ended(code)} and could not be restarted: {exc}"
                 log.error("%s", self.down)
                 return False
             self._ready.set()

@@ -97,7 +97,7 @@ def start_ranks(model_dir: Path, config: FSDPConfig, *, device: str | torch.devi
                 dtype: torch.dtype | str | None, threads_per_rank: int | None, timeout_s: float,
                 placement: Placement | None, **spec_fields: Any) -> RankGroup | RayRankGroup:  # fmt: skip
     """`config.ranks` ranks, each started with a `RankSpec` (plus `spec_fields`): processes of this server, or with
-    `placement.ray_group` Ray actors in the server's placement group (servers.trainers.ray_ranks)."""
+    `placement.ranks_on_ray` Ray actors in the server's placement group (servers.trainers.ray_ranks)."""
     placement = placement or Placement()
 
     def spec(device_type: str, threads: int | None) -> RankSpec:
@@ -105,7 +105,7 @@ def start_ranks(model_dir: Path, config: FSDPConfig, *, device: str | torch.devi
                         dtype=None if dtype is None else str(dtype), threads=threads, timeout_s=timeout_s,
                         **spec_fields)  # fmt: skip
 
-    if placement.ray_group is not None:  # ray is imported only here: a server without Ray never imports it
+    if placement.ranks_on_ray:  # ray is imported only here: a server without Ray never imports it
         from servers.trainers.ray_ranks import RayRankGroup, rank_bundle
 
         bundle = rank_bundle(placement.ray_group, placement.ray_address)  # each rank's: a GPU, or CPUs

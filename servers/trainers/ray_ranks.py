@@ -29,8 +29,8 @@ from typing import Any
 import ray
 import torch.distributed as dist
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from servers.ray_group import NAMESPACE, bundles_of, join, last_line, place
 from servers.trainers.fsdp_ranks import RankFailure
 from servers.trainers.fsdp_worker import RankPlace, RankSpec, run_rank
 
@@ -38,8 +38,6 @@ __all__ = ["NAMESPACE", "RankWhere", "RayRankGroup", "rank_bundle", "rank_places
 
 log = logging.getLogger(__name__)
 
-#: The Ray namespace of everything a marl run makes (actors, placement groups), as marl.ray_cluster's.
-NAMESPACE = "marl"
 #: Ray would set each rank's CUDA_VISIBLE_DEVICES to its own GPU; the rank sets its node's ranks' GPUs itself.
 _NOSET_CUDA = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 #: How long `close` waits for the ranks to leave on their own before their actors are killed.
@@ -123,10 +121,8 @@ class _RankActor:
 def rank_bundle(group: str, address: str | None = None) -> dict[str, float]:
     """Join the Ray cluster at `address` (None: this node's) if not yet, and read what each rank of placement group
     `group` has (bundle 1: the trainer's ranks have alike bundles)."""
-    if not ray.is_initialized():
-        # log_to_driver: the ranks' output (a CUDA or NCCL abort) lands in this server's log, as a local rank's does
-        ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=True)
-    bundles = ray.util.get_placement_group(group).bundle_specs
+    join(address)
+    bundles = bundles_of(group)
     if len(bundles) < 2:
         raise ValueError(f"the placement group {group} has no bundle for a trainer rank (the server's alone): its"
                          " topology server needs train.trainer: fsdp when marl run starts it")
@@ -140,18 +136,18 @@ class RayRankGroup:
     def __init__(self, spec: RankSpec, *, group: str, start_timeout_s: float = 600.0) -> None:
         self.world_size = spec.world_size
         self._failure: str | None = None
-        placement_group = ray.util.get_placement_group(group)  # Ray joined by `rank_bundle`, or by the caller
-        bundles = placement_group.bundle_specs
-        if len(bundles) != 1 + spec.world_size:
-            raise ValueError(f"the placement group {group} has {len(bundles) - 1} rank bundles, but the trainer has"
-                             f" {spec.world_size} ranks (fsdp.ranks): sync the topology's train.fsdp.ranks")
+        bundles = bundles_of(group)  # Ray joined by `rank_bundle`, or by the caller; vLLM replicas' bundles last
+        if len(bundles) < 1 + spec.world_size:
+            raise ValueError(f"the placement group {group} has {len(bundles) - 1} bundles after the server's, but the"
+                             f" trainer has {spec.world_size} ranks (fsdp.ranks): sync the topology's"
+                             " train.fsdp.ranks")
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # binds every interface
         # named (group.rankR.<new id>) so that `ray list actors` or a test finds each rank of this group
         incarnation, self._actors = uuid.uuid4().hex[:8], []
         try:  # whatever fails from here, no rank actor is left holding its bundle
             for rank in range(self.world_size):
                 name = f"{group}.rank{rank}.{incarnation}"
-                self._actors.append(_rank_actor(placement_group, 1 + rank, bundles[1 + rank], name))
+                self._actors.append(place(_RankActor, group, 1 + rank, name, _NOSET_CUDA).remote())
             self.started = self._start(spec, time.monotonic() + start_timeout_s)
         except BaseException as exc:
             if self._failure is None:
@@ -177,7 +173,7 @@ class RayRankGroup:
             raise self._fail(f"the rank actors were not ready in time {doing} (are the bundles' resources"
                              " free? `ray status`)") from None
         except RayError as exc:
-            raise self._fail(f"a rank actor failed {doing}: {_last_line(exc)}") from None
+            raise self._fail(f"a rank actor failed {doing}: {last_line(exc)}") from None
 
     def call(self, command: str, *args: Any, per_rank: Sequence[tuple] | None = None,
              on_progress: Callable[[int, int], None] | None = None) -> list[Any]:  # fmt: skip
@@ -220,9 +216,9 @@ class RayRankGroup:
         try:
             return ray.get(ref)
         except RayActorError as exc:
-            raise self._fail(f"rank {rank} died {doing} (its Ray actor: {_last_line(exc)})") from None
+            raise self._fail(f"rank {rank} died {doing} (its Ray actor: {last_line(exc)})") from None
         except RayError as exc:
-            raise self._fail(f"rank {rank}'s answer {doing} could not be read: {_last_line(exc)}") from None
+            raise self._fail(f"rank {rank}'s answer {doing} could not be read: {last_line(exc)}") from None
 
     def _fail(self, reason: str) -> RankFailure:
         log.error("FSDP trainer: %s; stopping all ranks", reason)
@@ -238,22 +234,9 @@ class RayRankGroup:
             try:
                 ray.get(leaving, timeout=_CLOSE_GRACE_S + 5.0)
             except RayError as exc:
-                log.info("a rank did not leave its group cleanly: %s", _last_line(exc))
+                log.info("a rank did not leave its group cleanly: %s", last_line(exc))
         self._kill()
 
     def _kill(self) -> None:
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
-
-
-def _rank_actor(placement_group: Any, bundle_index: int, bundle: dict[str, float], name: str) -> Any:
-    custom = {key: amount for key, amount in bundle.items() if key not in ("CPU", "GPU", "memory")}
-    strategy = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=bundle_index)
-    return _RankActor.options(name=name, namespace=NAMESPACE, num_cpus=bundle.get("CPU", 0.0),
-                              num_gpus=bundle.get("GPU", 0.0), memory=bundle.get("memory"), resources=custom,
-                              scheduling_strategy=strategy, runtime_env={"env_vars": _NOSET_CUDA}).remote()
-
-
-def _last_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__

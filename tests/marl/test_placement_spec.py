@@ -60,7 +60,7 @@ AT = "servers.speaker_model.placement"
     ({"trainer_gpus": [0, 1]}, {"train": {**TRAIN, "trainer": "grpo"}}, "trainer_gpus", "trainer: grpo trains in"
                                                                                         " one process on one GPU"),
     ({"nodes": 2}, {"train": {**TRAIN, "trainer": "grpo"}}, "nodes", "trainer: grpo trains on one machine"),
-    ({"nodes": 3}, {}, "nodes", "3 machines need run.ray: the trainer's ranks on other machines are Ray actors"),
+    ({"nodes": 3}, {}, "nodes", "3 machines need run.ray: the trainer's ranks and vLLM's replicas on other machines"),
     ({"trainer_gpus": [1]}, {"trainable": False, "train": None}, "trainer_gpus", "a static server does not train"),
     ({"engine_gpu": [1]}, {}, "engine_gpu", "did you mean 'engine_gpus'?"),
 ])  # fmt: skip

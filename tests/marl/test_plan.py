@@ -198,7 +198,7 @@ def test_vllms_share_beside_a_trainer_rank_is_sized_by_the_plan_and_passed_by_ma
 def test_under_ray_the_plan_reads_the_placement_group_each_rank_on_a_gpu_of_its_own():
     data = {"name": "t", "servers": {"a": {
                 "model": "Qwen/Qwen2.5-7B-Instruct", "device": "cuda", "engine": "vllm", "trainable": True,
-                "resources": {"GPU": 2}, "placement": {"gpu_memory_gb": 80, "nodes": 2},
+                "resources": {"GPU": 1}, "placement": {"gpu_memory_gb": 80, "nodes": 2},
                 "vllm": {"data_parallel_size": 2, "max_model_len": 8192},
                 "train": {"batch_size": 1, "num_repeat": 2, "trainer": "fsdp",
                           "fsdp": {"ranks": 4, "gradient_checkpointing": True, "micro_batch_tokens": 8192}}}},
@@ -206,13 +206,14 @@ def test_under_ray_the_plan_reads_the_placement_group_each_rank_on_a_gpu_of_its_
             "env": {"class": "envs.signalling:Signalling"}, "run": {"games": 1, "ray": {"address": "auto"}}}
     plan = plan_topology(Topology.from_dict(data, check_env=False).spec).servers[0]
     assert "vLLM on GPUs 0,1, 4 trainer ranks on GPUs 2-5" in plan.summary  # a rank's GPU is its bundle's
-    assert "Ray placement group (PACK): bundle 0: the server and its engine, {CPU: 1, GPU: 2}; bundles 1-4: a" \
-           " trainer rank each, {CPU: 1, GPU: 1}" in plan.notes
+    assert ("Ray placement group (PACK): bundle 0: the server and vLLM's first replica, {CPU: 1, GPU: 1}; bundles"
+            " 1-4: trainer ranks 0-3, each {CPU: 1, GPU: 1}; bundle 5: vLLM replica 1, {CPU: 1, GPU: 1}") in plan.notes
     assert "vllm.gpu_memory_utilization" in plan.defaults and plan.defaults["vllm.gpu_memory_utilization"] == 0.9
     assert plan.weights == "disk"  # a rank may run on another machine: vLLM reloads from the shared filesystem
     data["servers"]["a"].update(trainable=False, train=None, placement={"gpu_memory_gb": 80})
     static = plan_topology(Topology.from_dict(data, check_env=False).spec).servers[0]
-    assert "Ray placement group (STRICT_PACK): bundle 0: the server and its engine, {CPU: 1, GPU: 2}" in static.notes
+    assert ("Ray placement group (STRICT_PACK): bundle 0: the server and vLLM's first replica, {CPU: 1, GPU: 1};"
+            " bundle 1: vLLM replica 1, {CPU: 1, GPU: 1}") in static.notes
 
 
 @pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",

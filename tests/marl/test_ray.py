@@ -22,14 +22,16 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ray_nodes import RAY_ENV, two_ray_nodes
 
 from marl.coordinator import GameFailed
 from marl.games.record import read_games
 from marl.topology import Topology, TopologyError
+from servers.engines.vllm_process import VLLM_PYTHON_ENV
+from tests.servers.stand_in_vllm import stand_in_python
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed (the test extra)")
 
-RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 TRAIN = {"job": "tiny", "batch_size": 1, "num_repeat": 2, "save_freq": 0}
 TOPOLOGY = {
@@ -45,29 +47,14 @@ TOPOLOGY = {
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """Two Ray nodes on this machine: the head has resource node_a, the other node_b, each one rank_slot. Started once
-    (this module is its only user, so it stops when the module's tests are done, not at the end of the whole
-    session). This process is a driver too (to find and kill actors); the fixture stops only the nodes it started."""
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
-    sigterm = signal.getsignal(signal.SIGTERM)  # ray.init replaces it
-    with pytest.MonkeyPatch.context() as env:
-        for key, value in RAY_ENV.items():
-            env.setenv(key, value)
-        # rank_slot: one trainer rank per node (rank_resources that force two ranks onto two nodes)
-        head = {"num_cpus": 2, "resources": {"node_a": 1, "rank_slot": 1}, "include_dashboard": False}
-        cluster = Cluster(initialize_head=True, head_node_args=head)
-        try:
-            cluster.add_node(num_cpus=2, resources={"node_b": 1, "rank_slot": 1})
-            cluster.wait_for_nodes()
-            ray.init(address=cluster.address, log_to_driver=False)
-            yield cluster
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-            signal.signal(signal.SIGTERM, sigterm)
+def ray_cluster(tmp_path_factory):
+    """Two Ray nodes on this machine: the head has resource node_a, the other node_b, each one rank_slot (rank_resources
+    that force two ranks onto two nodes); a vLLM they start is a stand-in (tests/servers/stand_in_vllm.py). Started
+    once (this module is its only user, so it stops when the module's tests are done, not at the end of the whole
+    session)."""
+    stand_in = {VLLM_PYTHON_ENV: str(stand_in_python(tmp_path_factory.mktemp("stand-in")))}
+    with two_ray_nodes({"node_a": 1, "rank_slot": 1}, {"node_b": 1, "rank_slot": 1}, env=stand_in) as cluster:
+        yield cluster
 
 
 def write_topology(tmp_path: Path, tiny_model: Path, **run) -> Path:
@@ -434,6 +421,49 @@ def test_a_run_without_run_ray_never_imports_ray(tmp_path):
     assert result.returncode == 0 and "no ray" in result.stdout, result.stdout + result.stderr
 
 
+# --- vLLM's replicas after the first as Ray actors in the server's placement group -----------------------------------
+
+VLLM_TOPOLOGY = {
+    "name": "tiny-ray-replicas",
+    "servers": {"team": {"trainable": True, "device": "cpu", "engine": "vllm", "train": TRAIN,
+                         "vllm": {"data_parallel_size": 2}, "resources": {"node_a": 1},
+                         "replica_resources": {"CPU": 1, "node_b": 1}, "placement": {"nodes": 2}}},
+    "roles": {"speaker": {"server": "team"}, "listener": {"server": "team"}},
+    "env": {"class": "envs.signalling:SignallingGame", "args": {"num_items": 3}},
+    "run": {"max_steps": 1, "repeats": 2, "concurrency": 2, "max_tokens": 6},
+}
+
+
+@needs_ray
+def test_a_run_serves_and_trains_through_a_vllm_replica_on_the_other_node(ray_cluster, tiny_model, tmp_path):
+    """`vllm.data_parallel_size: 2` under run.ray: the second replica is a Ray actor in the last bundle of the
+    server's group, on the node its replica_resources name; the run plays its games and its step's weights reach
+    both replicas (through the disk), or the step would fail."""
+    import ray
+
+    spec = json.loads(json.dumps(VLLM_TOPOLOGY))
+    spec["servers"]["team"]["model"] = str(tiny_model)
+    spec["run"]["run_dir"] = str(tmp_path / "run")
+    (tmp_path / "vllm.yaml").write_text(yaml.safe_dump(spec))
+    proc = start_run(tmp_path / "vllm.yaml", f"run.ray.address={ray_cluster.address}")
+    replica: list[str] = []
+
+    def placed() -> bool:
+        replica[:] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if ".replica1." in a["name"]]
+        return bool(replica)
+
+    wait_for(proc, placed, "vLLM replica 1's actor")
+    group = replica[0].split(".replica1.")[0]
+    assert rank_nodes(group) == {1: node_with("node_b")}  # its bundle, the group's last, is on node_b
+    output = finish(proc)
+    assert proc.returncode == 0, output
+    assert "and 1 more vLLM replicas of CPU: 1, node_b: 1" in output
+    log = (tmp_path / "run" / "servers" / "team" / "vllm" / "vllm-1.log").read_text()
+    assert "=== vLLM on port" in log  # started by the actor, into the server's data dir (a shared filesystem here)
+    metrics = (tmp_path / "run" / "servers" / "team" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(metrics[-1])["step"] >= 1  # a step may start before the run stops the server
+
+
 @pytest.mark.parametrize("override, key, fragment", [
     (["run.ray.spread_games=true"], "run.ray.address", "missing"),
     (["run.ray.address=http://head:6379"], "run.ray.address", "is not a Ray address"),
@@ -456,6 +486,27 @@ def test_a_run_without_run_ray_never_imports_ray(tmp_path):
     (["run.ray.address=auto", "servers.learner.train.trainer=fsdp", "servers.learner.placement={nodes: 2}",
       "servers.learner.engine=vllm", "servers.learner.vllm={weight_sync: nccl}"], "servers.learner.vllm.weight_sync",
      "lets them run on others"),
+    # vLLM's replicas after the first: Ray actors in bundles of their own (replica_resources)
+    (["run.ray.address=auto", "servers.learner.replica_resources={CPU: 2}"], "servers.learner.replica_resources",
+     "only vLLM replicas after the first have them"),
+    (["run.ray.address=auto", "servers.remote.replica_resources={CPU: 2}"], "servers.remote.replica_resources",
+     "only applies to a local server"),
+    (["run.ray.address=auto", "servers.learner.engine=vllm", "servers.learner.resources={GPU: 2}",
+      "servers.learner.vllm={data_parallel_size: 2, tensor_parallel_size: 2}", "servers.learner.replica_resources="
+      "{GPU: 1}"], "servers.learner.replica_resources.GPU", "each vLLM replica runs on 2 GPU(s) of its own"),
+    (["run.ray.address=auto", "servers.learner.engine=vllm", "servers.learner.device=cpu",
+      "servers.learner.vllm={data_parallel_size: 2}", "servers.learner.replica_resources={GPU: 1}"],
+     "servers.learner.replica_resources.GPU", "its vLLM replicas would not use a GPU"),
+    (["run.ray.address=auto", "servers.learner.engine=vllm", "servers.learner.resources={GPU: 2}",
+      "servers.learner.vllm={data_parallel_size: 2}", "servers.learner.placement={engine_gpus: [0, 1]}"],
+     "servers.learner.placement.engine_gpus", "remove engine_gpus"),
+    (["run.ray.address=auto", "servers.learner.engine=vllm", "servers.learner.placement={nodes: 2}",
+      "servers.learner.vllm={data_parallel_size: 2, weight_sync: nccl}"], "servers.learner.vllm.weight_sync",
+     "maybe on other machines"),
+    (["run.ray.address=auto", "servers.learner.engine=vllm", "servers.learner.vllm={data_parallel_size: 2,"
+      " weight_sync: ipc}"], "servers.learner.vllm.weight_sync", "ipc meets vLLM on the trainer's GPUs"),
+    (["run.ray.address=auto", "servers.learner.trainable=false", "servers.learner.train=null",
+      "servers.learner.placement={nodes: 2}"], "servers.learner.placement.nodes", "nor vLLM replicas"),
 ])
 def test_ray_keys_are_checked_at_their_key(override, key, fragment):
     spec = {
@@ -471,6 +522,26 @@ def test_ray_keys_are_checked_at_their_key(override, key, fragment):
         Topology.from_dict(spec, override, check_env=False)
     message = str(error.value)
     assert key in message and fragment in message, message
+
+
+def test_vllm_replicas_after_the_first_get_bundles_of_their_own_and_may_span_nodes():
+    from marl.plan.topology_plan import bundles_note
+    from marl.topology.bundles import ray_bundles
+
+    spec = {**SCRIPTED, "servers": {"big": {"model": "m", "engine": "vllm", "resources": {"GPU": 2},
+                                            "vllm": {"data_parallel_size": 3, "tensor_parallel_size": 2},
+                                            "placement": {"nodes": 2}}},
+            "roles": {"speaker": {"server": "big"}, "listener": {"scripted": True}}}
+    server = Topology.from_dict(spec, ["run.ray.address=auto"], check_env=False).spec.servers["big"]
+    bundles = ray_bundles(server)  # a static server: no ranks; replicas 1 and 2 after the server's bundle
+    assert bundles.bundles == ({"CPU": 1, "GPU": 2}, {"CPU": 1, "GPU": 2}, {"CPU": 1, "GPU": 2})
+    assert (bundles.ranks, bundles.replicas, bundles.strategy) == (0, 2, "PACK")
+    assert bundles_note(bundles).endswith("bundle 0: the server and vLLM's first replica, {CPU: 1, GPU: 2}; bundles"
+                                          " 1-2: vLLM replicas 1-2, each {CPU: 1, GPU: 2}")
+    spec["servers"]["big"].update(trainable=True, train={**TRAIN, "trainer": "fsdp", "fsdp": {"ranks": 2}},
+                                  replica_resources={"CPU": 4, "GPU": 2, "box_b": 1})
+    bundles = ray_bundles(Topology.from_dict(spec, ["run.ray.address=auto"], check_env=False).spec.servers["big"])
+    assert bundles.bundles[1:] == ({"CPU": 1, "GPU": 1},) * 2 + ({"CPU": 4, "GPU": 2, "box_b": 1},) * 2  # ranks first
 
 
 @pytest.mark.parametrize("address", ["local", "auto", "ray://head:10001", "10.0.0.5:6379"])
