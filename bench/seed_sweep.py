@@ -3,6 +3,7 @@ initial and latest checkpoints, and count the seeds on which every trainable rol
 
     python bench/seed_sweep.py topologies/signalling-lora.yaml --seeds 4,5,6
     python bench/seed_sweep.py topologies/signalling-cpu.yaml --seeds 1 train.overlap=true --out runs/sweep-overlap
+    python bench/seed_sweep.py topologies/textarena-kuhn-poker.yaml --seeds 1,2 --against-initial --temperature 0.8
     python bench/seed_sweep.py --smoke        # a minute: a tiny model, one step, one seed, 4 games
 
 Each seed runs `marl run FILE run.seed=S run.run_dir=OUT/seed-S [overrides]` (its output in OUT/seed-S/run.log),
@@ -11,8 +12,11 @@ plays at its initial checkpoint (OUT/seed-S/eval-initial/), and the same with ev
 (eval-latest/): greedy, the same games for both. `--mixed` plays every combination instead (a trained role beside an
 untrained one too; OUT/seed-S/eval/), which takes twice as long. A role *improved* on a seed when its win rate with
 every role at its latest checkpoint has a 95% interval wholly above its interval with every role at the initial one
-(`marl eval` says which win rule it counted by). Prints each seed's table as it finishes, then the share of seeds on
-which every role improved, and writes OUT/sweep.json. A `train.` override applies to every trainable server.
+(`marl eval` says which win rule it counted by). In a zero-sum game (Kuhn Poker) both sides cannot win more at once:
+`--against-initial` (with every combination) judges each role by its win rate at its latest checkpoint against every
+other role at its initial one instead. `--temperature` samples the evaluation's games (greedy by default). Prints
+each seed's table as it finishes, then the share of seeds on which every role improved, and writes OUT/sweep.json.
+A `train.` override applies to every trainable server.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
@@ -48,13 +53,37 @@ def server_overrides(topology: Topology, overrides: list[str]) -> list[str]:
     return out
 
 
-def verdict(report: dict, roles: list[str]) -> dict[str, dict]:
-    """Per role: its win rate and interval at all-initial and at all-latest, and whether it improved."""
-    pairings = report["pairings"]
-    initial = next(p for p in pairings if all(s["version"] in (0, None) for s in p["seats"].values()))
-    latest = next(p for p in pairings if all(s["version"] not in (0, None) for s in p["seats"].values()))
+@dataclass(frozen=True)
+class Judging:
+    """How each seed's checkpoints are played and judged (see the module docstring)."""
+
+    games: int = 128
+    mixed: bool = False  # every combination of initial and latest, not only all-initial and all-latest
+    against_initial: bool = False  # each role at its latest against the others at their initial (implies mixed)
+    temperature: float = 0.0
+
+    def evaluations(self) -> dict[str, str]:
+        """Each `marl eval` to make: its output folder, and the checkpoints every role plays there."""
+        if self.mixed or self.against_initial:
+            return {"eval": "initial,latest"}
+        return {"eval-initial": "initial", "eval-latest": "latest"}
+
+
+def _initial(seat: dict) -> bool:
+    return seat["version"] in (0, None)
+
+
+def verdict(pairings: list[dict], roles: list[str], against_initial: bool = False) -> dict[str, dict]:
+    """Per role: its win rate and interval at all-initial and at all-latest (`against_initial`: it alone at its
+    latest), and whether it improved."""
+    initial = next(p for p in pairings if all(_initial(s) for s in p["seats"].values()))
     out = {}
     for role in roles:
+        if against_initial:
+            latest = next(p for p in pairings if not _initial(p["seats"][role])
+                          and all(_initial(s) for other, s in p["seats"].items() if other != role))  # fmt: skip
+        else:
+            latest = next(p for p in pairings if not any(_initial(s) for s in p["seats"].values()))
         before, after = initial["roles"][role], latest["roles"][role]
         out[role] = {"initial": before, "latest": after, "latest_label": latest["label"],
                      "win_rule": after.get("win_rule", ""),
@@ -63,11 +92,9 @@ def verdict(report: dict, roles: list[str]) -> dict[str, dict]:
     return out
 
 
-def run_seed(file: str, seed: int, out: Path, overrides: list[str], roles: list[str], games: int,
-             mixed: bool = False) -> dict:  # fmt: skip
-    """One seed: the run, then its evaluation; returns the seed's verdict with the two commands' wall times. The
-    evaluation plays every role initial and every role latest (two pairings: what the verdict reads); `mixed`: every
-    combination too (a trained role beside an untrained one), twice as long."""
+def run_seed(file: str, seed: int, out: Path, overrides: list[str], roles: list[str], judging: Judging) -> dict:
+    """One seed: the run, then its evaluation (`judging`); returns the seed's verdict with the two commands' wall
+    times."""
     run_dir = out / f"seed-{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -78,19 +105,20 @@ def run_seed(file: str, seed: int, out: Path, overrides: list[str], roles: list[
     if run.returncode != 0:
         raise SystemExit(f"seed {seed}: marl run exited {run.returncode}; see {run_dir / 'run.log'}")
     started = time.monotonic()
-    kinds = {"eval": "initial,latest"} if mixed else {"eval-initial": "initial", "eval-latest": "latest"}
     pairings = []
-    for name, checkpoints in kinds.items():  # the same --seed: every pairing plays the same games
-        pairings += evaluate(file, [f"{role}={checkpoints}" for role in roles], overrides, games, run_dir, name, seed)
+    for name, checkpoints in judging.evaluations().items():  # the same --seed: every pairing plays the same games
+        pairings += evaluate(file, [f"{role}={checkpoints}" for role in roles], overrides, judging, run_dir, name,
+                             seed)  # fmt: skip
     return {"seed": seed, "run_s": run_s, "eval_s": time.monotonic() - started,
-            "roles": verdict({"pairings": pairings}, roles)}
+            "roles": verdict(pairings, roles, judging.against_initial)}
 
 
-def evaluate(file: str, pairs: list[str], overrides: list[str], games: int, run_dir: Path, name: str,
+def evaluate(file: str, pairs: list[str], overrides: list[str], judging: Judging, run_dir: Path, name: str,
              seed: int) -> list[dict]:  # fmt: skip
     """`marl eval` of these checkpoints into run_dir/name; its pairings (eval.json's)."""
-    evaluation = subprocess.run([*MARL, "eval", file, *pairs, *overrides, "--games", str(games), "--run-dir",
-                                 str(run_dir), "--out", str(run_dir / name), "--seed", str(seed)],
+    evaluation = subprocess.run([*MARL, "eval", file, *pairs, *overrides, "--games", str(judging.games),
+                                 "--temperature", str(judging.temperature), "--run-dir", str(run_dir),
+                                 "--out", str(run_dir / name), "--seed", str(seed)],
                                 capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if evaluation.returncode != 0:
         raise SystemExit(f"seed {seed}: marl eval exited {evaluation.returncode}:\n{evaluation.stderr[-3000:]}")
@@ -109,19 +137,20 @@ def print_seed(result: dict) -> None:
               f"  {'improved' if v['improved'] else 'NOT improved'} (wins by {v['win_rule']})", flush=True)
 
 
-def sweep(file: str, seeds: list[int], out: Path, overrides: list[str], games: int,
-          mixed: bool = False) -> list[dict]:  # fmt: skip
+def sweep(file: str, seeds: list[int], out: Path, overrides: list[str], judging: Judging) -> list[dict]:
     topology = Topology.load(file, [])
     roles, overrides = trainable_roles(topology), server_overrides(topology, overrides)
-    print(f"{file}: seeds {seeds}, judging {', '.join(roles)}; {games} games per pairing; output in {out}", flush=True)
+    against = " against the initial others" if judging.against_initial else ""
+    print(f"{file}: seeds {seeds}, judging {', '.join(roles)}{against}; {judging.games} games per pairing at"
+          f" temperature {judging.temperature:g}; output in {out}", flush=True)
     results = []
     for seed in seeds:
-        results.append(run_seed(file, seed, out, overrides, roles, games, mixed))
+        results.append(run_seed(file, seed, out, overrides, roles, judging))
         print_seed(results[-1])
     good = sum(all(v["improved"] for v in r["roles"].values()) for r in results)
     print(f"every trainable role improved on {good} of {len(results)} seeds"
           f" ({sum(r['run_s'] + r['eval_s'] for r in results) / 60:.0f} min in all)")
-    (out / "sweep.json").write_text(json.dumps({"file": file, "overrides": overrides, "games": games,
+    (out / "sweep.json").write_text(json.dumps({"file": file, "overrides": overrides, **asdict(judging),
                                                 "seeds": results, "improved_seeds": good}, indent=1))
     return results
 
@@ -145,8 +174,11 @@ def smoke() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         topology = Path(tmp) / "topology.yaml"
         topology.write_text(SMOKE_TOPOLOGY.format(model=build_tiny_model(Path(tmp) / "tiny")))
-        (result,) = sweep(str(topology), [0], Path(tmp) / "sweep", [], games=4)
+        (result,) = sweep(str(topology), [0], Path(tmp) / "sweep", [], Judging(games=4))
         assert set(result["roles"]) == {"speaker"}, result
+        (result,) = sweep(str(topology), [0], Path(tmp) / "sweep-against", [],
+                          Judging(games=4, against_initial=True, temperature=0.8))  # fmt: skip
+        assert result["roles"]["speaker"]["latest_label"] not in ("speaker=v0", "speaker=initial"), result
 
 
 def main() -> None:
@@ -157,6 +189,9 @@ def main() -> None:
     parser.add_argument("--games", type=int, default=128, help="games per eval pairing (default 128)")
     parser.add_argument("--out", type=Path, help="where the runs go (default runs/sweep-<topology name>)")
     parser.add_argument("--mixed", action="store_true", help="evaluate every combination of initial and latest")
+    parser.add_argument("--against-initial", action="store_true", help="judge each role at its latest against the"
+                        " others at their initial (zero-sum games; evaluates every combination)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="the evaluation's sampling (default 0: greedy)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, one step, one seed")
     args = parser.parse_intermixed_args()  # overrides may come before or after the options
     if args.smoke:
@@ -164,7 +199,8 @@ def main() -> None:
     if args.file is None:
         parser.error("the topology file is required (or --smoke)")
     out = args.out or Path("runs") / f"sweep-{Path(args.file).stem}"
-    sweep(args.file, [int(s) for s in args.seeds.split(",")], out, args.overrides, args.games, args.mixed)
+    judging = Judging(args.games, args.mixed, args.against_initial, args.temperature)
+    sweep(args.file, [int(s) for s in args.seeds.split(",")], out, args.overrides, judging)
 
 
 if __name__ == "__main__":
