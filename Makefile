@@ -22,11 +22,11 @@ envs:
 	$(MAKE) -j2 setup vllm
 
 # The tests include the vLLM engine's: its environment is built on first use (make vllm, about 2.5 min). They run in
-# three processes (pytest-xdist, one test file per worker at a time; three on CI's two cores, since a quarter of a
-# test's time is spent waiting on servers and subprocesses that start), then the ones marked `serial` alone: they
-# time /health or a client's waits, which another test's load beside them would skew.
+# two processes (pytest-xdist, one test file per worker at a time; three took longer on 2 cores: 23 minutes against
+# 21), then the ones marked `serial` alone: they time /health or a client's waits, which another test's load beside
+# them would skew.
 test: envs lint
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not slow and not serial"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial"
 	$(BIN)/python -m pytest -q -m "serial and not slow"
 
 # The inner loop, about 3 minutes: every test but those marked `heavy` (vLLM, `marl run`, server subprocesses, FSDP
