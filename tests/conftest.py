@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +38,15 @@ HEAVY_FILES = frozenset({
 #: idles; longest first leaves short files to even out the end.
 LONGEST_FILES = ("test_benches", "test_agent_apis", "test_ray", "test_plan_measured", "test_backends_run", "test_run",
                  "test_vllm_weight_transfer", "test_fsdp_scale", "test_vllm_lora", "test_vllm_engine")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread per process, for this process and every server and script a test starts (they inherit
+    OMP_NUM_THREADS). Two test processes share CI's 2 cores and most tests start servers of their own: with torch's
+    default of a thread per core in each process, the threads spin waiting on each other, and a tiny model trains five
+    times slower (`build_tool_model` beside a busy process: 190 s on two threads, 37 s on one)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -75,16 +85,6 @@ def tokenizer(model_dir):
 def base(model_dir):
     """The plain model in fp32: a LoRA policy's logprobs before its first step (PEFT starts B at 0)."""
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """Tiny models train faster on one intra-op thread, and much faster when other processes share the 2 cores
-    (a module opts in with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class LocalServer:

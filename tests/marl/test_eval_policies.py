@@ -20,8 +20,6 @@ from marl.protocol import GRPOConfig, LoraSpec
 from marl.snapshots import SnapshotError, checkpoints_of, resolve_snapshot
 from marl.topology import Topology, TopologyError
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 SPEC = LoraSpec(rank=4, alpha=8)
 
 

@@ -21,7 +21,7 @@ from tests.servers.test_policy_server import (
 )
 from tests.servers.test_static_adapter import peft_greedy
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.timeout(600)
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 

@@ -24,8 +24,6 @@ from tests.servers.test_lora_trainer import COMPLETIONS, assert_same, make_batch
 from tests.servers.test_policy_server import POLICIES as SERVED
 from tests.servers.test_policy_server import greedy, start_policies, wait_policy
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 #: Dropout off: the ranks' LoRA dropout draws differ from one process's, so only a dropout-free step can match it.
 SPEC = LoraSpec(rank=4, alpha=8.0)
 POLICIES = ("red", "blue")

@@ -47,7 +47,6 @@ from tests.servers.test_fsdp_trainer import read_sharded, two_group_batch
 CPU = torch.device("cpu")
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --------------------------------------------------------------------------------------------------------------

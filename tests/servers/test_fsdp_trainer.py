@@ -32,7 +32,6 @@ from tests.servers.test_grpo_trainer import encode, make_batch, make_sample
 KNOBS = dict(learning_rate=1e-3, micro_batch_tokens=40, gradient_checkpointing=True, kl_coef=0.05, ppo_epochs=2)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,6 @@ from servers.training.checkpoint_dirs import CheckpointDir
 # --------------------------------------------------------------------------------------------------------------
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def config(**overrides) -> GRPOConfig:

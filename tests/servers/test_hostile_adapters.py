@@ -26,7 +26,7 @@ from tests.servers.test_multi_lora_engine import SPECS, model_dir, peft_models  
 from tests.servers.test_policy_server import POLICIES, start_policies
 from tests.servers.test_untrusted_input import slowest_health_while
 
-pytestmark = [pytest.mark.serial, pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.serial, pytest.mark.timeout(300)]
 
 SPEC = LoraSpec(rank=4, alpha=8)
 

@@ -23,8 +23,6 @@ from servers.trainers.grpo import GRPOTrainer
 from servers.trainers.lora_grpo import LoraGRPOTrainer
 from tests.servers.test_grpo_trainer import COMPLETIONS, config, make_sample, seq_logprobs
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 REPO = Path(__file__).resolve().parents[2]
 SPEC = LoraSpec(rank=4, alpha=8.0)
 

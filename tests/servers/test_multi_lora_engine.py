@@ -19,8 +19,6 @@ from servers.engines.prefix_cache import PrefixCache
 from servers.engines.torch_engine import TorchEngine
 from tests.servers.test_torch_engine import TEXTS, build_lively_model, collect, run_all
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 # Three adapters of different ranks, scalings and targets (PEFT's B starts at zero: here both A and B are random).
 SPECS = {
     "alice": LoraSpec(rank=2, alpha=4),

@@ -16,8 +16,6 @@ from servers.trainers.grpo import GRPOTrainer, micro_batch_loss
 from servers.trainers.micro_batches import collate
 from tests.servers.test_grpo_trainer import COMPLETIONS, config, make_sample
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 def behind(sample: Sample, version: int, shift: float) -> Sample:
     """`sample` as if an older policy (`version`) had generated it, with behaviour logprobs `shift` below the

@@ -18,7 +18,7 @@ from servers.episodes.samples import token_versions
 from servers.trainers.grpo import GRPOTrainer
 from tests.conftest import admin_http
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.timeout(300)
 
 CONFIG = TrainConfig(batch_size=1, num_repeat=2, overlap=True, max_staleness=2, save_freq=0,
                      grpo={"learning_rate": 0.05})

@@ -18,8 +18,6 @@ from servers.trainers.fsdp import FSDPConfig, FSDPTrainer
 from servers.trainers.fsdp_worker import RankPlace
 from tests.servers.test_fsdp_trainer import KNOBS
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 TOKEN = "placement-test-token"
 
 

@@ -24,8 +24,6 @@ from tests.servers.test_grpo_trainer import config, make_batch
 from tests.servers.test_lora_trainer import SPEC
 from tests.servers.test_lora_trainer import make_batch as lora_batch
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 #: How far the "engine's" logprobs are moved from the model's: a ratio of e^0.5 = 1.65 or e^-0.5 = 0.61, which the
 #: clip (0.8, 1.28) cuts wherever the advantage's sign makes it bind.
 NOISE = 0.5

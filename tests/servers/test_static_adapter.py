@@ -22,7 +22,7 @@ from servers.http.routes import create_app
 from servers.static_server import StaticServer
 from tests.conftest import ADMIN
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = pytest.mark.timeout(300)
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
