@@ -67,6 +67,7 @@ from marl.launch import (
     Supervisor,
     last_error_line,
     port_in_use,
+    threads_per_server,
 )
 from marl.league import SnapshotPool, snapshot_pools
 from marl.plan import plan_topology
@@ -294,8 +295,10 @@ class _Session:
             raise ServerStartError(f"servers.{name}.port: port {server.port} is taken (address already in use): stop"
                                    f" what listens there, or change servers.{name}.port (or remove it: a free port is"
                                    " picked)")
-        process = ServerProcess(**options).start()
-        self.say(f"started {server.kind.value} server {name} ({server.model}) on {process.url}")
+        environment = threads_per_server(len(self.topology.local_servers()))
+        process = ServerProcess(**options, environment=environment).start()
+        threads = f", OMP_NUM_THREADS={environment['OMP_NUM_THREADS']}" if environment else ""
+        self.say(f"started {server.kind.value} server {name} ({server.model}{threads}) on {process.url}")
         return process
 
     def say(self, line: str, style: str = "", *, log: bool = False) -> None:

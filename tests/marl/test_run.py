@@ -17,6 +17,7 @@ import yaml
 from PIL import Image
 
 from marl.games.record import GameRecord, read_games
+from marl.launch import threads_per_server
 from marl.plot import summarize_games
 
 TOPOLOGY = {
@@ -43,11 +44,25 @@ def write_topology(tmp_path, tiny_model) -> str:
     return str(path)
 
 
+def test_local_servers_split_the_cores_unless_the_user_set_omp_num_threads(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert threads_per_server(2) == {"OMP_NUM_THREADS": "4"}
+    assert threads_per_server(3) == {"OMP_NUM_THREADS": "2"}
+    assert threads_per_server(16) == {"OMP_NUM_THREADS": "1"}
+    assert threads_per_server(1) == {}  # alone: torch's default, a thread per core
+    monkeypatch.setenv("OMP_NUM_THREADS", "6")
+    assert threads_per_server(2) == {}  # the servers inherit the user's
+
+
 def test_marl_run_plays_trains_and_writes_the_run_directory(tiny_model, tmp_path):
     path = write_topology(tmp_path, tiny_model)
+    environment = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # marl splits the cores
     result = subprocess.run([sys.executable, "-m", "marl.cli", "run", path, "run.max_steps=2"],
-                            capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "120"})
+                            capture_output=True, text=True, timeout=300, env={**environment, "COLUMNS": "120"})
     assert result.returncode == 0, result.stdout + result.stderr
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)  # two servers share this machine's cores
+    assert result.stdout.count(f", OMP_NUM_THREADS={threads}) on http://127.0.0.1:") == 2, result.stdout
     run_dir = tmp_path / "run"
     games = read_games(run_dir / "games.jsonl")
     assert len(games) >= 4 and all(set(g.role_rewards) == {"speaker", "listener"} for g in games)
