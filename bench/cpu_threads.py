@@ -48,11 +48,11 @@ def run_once(file: str, overrides: list[str], run_dir: Path, threads: str | None
         environment["OMP_NUM_THREADS"] = threads
     started = time.monotonic()
     with (run_dir.parent / f"{run_dir.name}.log").open("w") as log:
-        code = subprocess.run([sys.executable, "-m", "marl", "run", file, f"run.run_dir={run_dir}", *overrides],
-                              env=environment, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        run = subprocess.run([sys.executable, "-m", "marl", "run", file, f"run.run_dir={run_dir}", *overrides],
+                             env=environment, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     wall_s = time.monotonic() - started
-    if code.returncode != 0:
-        raise SystemExit(f"marl run exited {code.returncode}; see {log.name}")
+    if run.returncode != 0:
+        raise SystemExit(f"marl run exited {run.returncode}; see {log.name}")
     ends = sorted(g.time for g in read_games(run_dir / "games.jsonl") if g.time is not None)
     span_s = ends[-1] - ends[0] if len(ends) > 1 else 0.0
     return {"wall_s": wall_s, "games": len(ends), "games_per_min": 60 * (len(ends) - 1) / span_s if span_s else None}

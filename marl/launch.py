@@ -69,8 +69,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def threads_per_server(servers: int) -> dict[str, str]:
     """The environment that splits this machine's cores between `servers` local server processes, as torchrun and Ray
     do: torch gives every process a CPU thread per core, and processes computing at once on shared cores then spin
-    waiting for each other's threads (`bench/cpu_threads.py`). Empty for one server, or when the user set
-    OMP_NUM_THREADS: theirs holds."""
+    waiting for each other's threads (`bench/cpu_threads.py` compares the two on a topology). Empty for one server, or
+    when the user set OMP_NUM_THREADS: theirs holds."""
     if servers < 2 or "OMP_NUM_THREADS" in os.environ:
         return {}
     return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // servers))}
