@@ -164,7 +164,8 @@ def run_rank(place: RankPlace, spec: RankSpec, conn: RankPipe) -> None:
         policy = shard_class(place.rank, spec, report, local_rank=place.local_rank)
         conn.send(("ok", {"vocab_size": policy.vocab_size, "device": str(policy.device),
                           "env": {key: os.environ.get(key) for key in PLACE_ENV}}))
-        _serve(policy, conn)
+        if _serve(policy, conn):
+            dist.barrier()  # all ranks closed: none tears its connections down under a peer's last collective
     except Exception:  # the server reads the traceback; the group is torn down by then
         _send_quietly(conn, ("error", traceback.format_exc()))
     finally:
@@ -172,19 +173,20 @@ def run_rank(place: RankPlace, spec: RankSpec, conn: RankPipe) -> None:
             dist.destroy_process_group()
 
 
-def _serve(policy: ShardedPolicy, conn: RankPipe) -> None:
-    """Answer commands until "close". After each one the rank empties its allocator's cache before it answers, so
-    the memory a step or a gather peaked at is free before the server wakes an engine on this GPU
-    (servers.trainers.device_memory); "memory" answers the last command's reading (before and after the release)."""
+def _serve(policy: ShardedPolicy, conn: RankPipe) -> bool:
+    """Answer commands until "close" (True) or the server is gone (False). After each one the rank empties its
+    allocator's cache before it answers, so the memory a step or a gather peaked at is free before the server wakes an
+    engine on this GPU (servers.trainers.device_memory); "memory" answers the last command's reading (before and after
+    the release)."""
     commands = policy.commands()
     released = free_cached_memory(policy.device)
     while True:
         try:
             command, args = conn.recv()
         except EOFError:  # the server is gone
-            return
+            return False
         if command == "close":
-            return
+            return True
         if command == "memory":
             conn.send(("ok", released))
             continue

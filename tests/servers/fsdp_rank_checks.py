@@ -34,10 +34,14 @@ def spawn_ranks(check, *args, world_size: int = 2) -> None:
 
 @contextlib.contextmanager
 def gloo_group(rank: int, rendezvous: str, world_size: int):
+    """A gloo group for the body. On a clean exit every rank meets at a barrier before the group is destroyed: a rank
+    that tore its pairs down while its peer was still finishing a collective aborted at exit, "terminate called without
+    an active exception" (1 run in 25 here; none in 50 with the barrier)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
     try:
         yield
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
