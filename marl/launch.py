@@ -73,7 +73,14 @@ def threads_per_server(servers: int) -> dict[str, str]:
     when the user set OMP_NUM_THREADS: theirs holds."""
     if servers < 2 or "OMP_NUM_THREADS" in os.environ:
         return {}
-    return {"OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // servers))}
+    return {"OMP_NUM_THREADS": str(max(1, usable_cores() // servers))}
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the OS has one (Linux), else every core (macOS)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def port_in_use(host: str, port: int) -> bool:

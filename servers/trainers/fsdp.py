@@ -29,7 +29,6 @@ trainer loads it too (and this one the one-process trainer's). A dead or failing
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -118,9 +117,15 @@ def start_ranks(model_dir: Path, config: FSDPConfig, *, device: str | torch.devi
     if device_type == "cuda" and torch.cuda.device_count() < gpus_needed:
         raise ValueError(f"fsdp.ranks={config.ranks} on this node needs GPUs 0..{gpus_needed - 1};"
                          f" {torch.cuda.device_count()} visible")
-    if device_type == "cpu" and threads_per_rank is None:  # the ranks share this machine's cores
-        threads_per_rank = max(1, (os.cpu_count() or 1) // config.ranks)
+    if device_type == "cpu" and threads_per_rank is None:
+        threads_per_rank = cpu_threads_per_rank(config.ranks)
     return RankGroup(spec(device_type, threads_per_rank), start_timeout_s=timeout_s, trainer_gpus=gpus)
+
+
+def cpu_threads_per_rank(ranks: int) -> int:
+    """CPU ranks share the threads this server was given (OMP_NUM_THREADS, which `marl run` sets to the server's
+    share of the cores, else torch's default of one per core), not every core of the machine."""
+    return max(1, torch.get_num_threads() // ranks)
 
 
 def train_on_ranks(ranks: RankGroup, items: list[tuple[Sample, float]], tokens_trained: float, config: GRPOConfig,

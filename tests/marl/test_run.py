@@ -53,6 +53,10 @@ def test_local_servers_split_the_cores_unless_the_user_set_omp_num_threads(monke
     assert threads_per_server(1) == {}  # alone: torch's default, a thread per core
     monkeypatch.setenv("OMP_NUM_THREADS", "6")
     assert threads_per_server(2) == {}  # the servers inherit the user's
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delattr(os, "sched_getaffinity")  # macOS has no affinity: every core counts
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert threads_per_server(2) == {"OMP_NUM_THREADS": "3"}
 
 
 def test_marl_run_plays_trains_and_writes_the_run_directory(tiny_model, tmp_path):

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from marl.protocol import GRPOConfig
 from servers.backends import Group, SamplingParams, TrainBatch
 from servers.engines.torch_engine import TorchEngine
-from servers.trainers.fsdp import FSDPConfig, FSDPTrainer, RankFailure, plan_micro_batches
+from servers.trainers.fsdp import FSDPConfig, FSDPTrainer, RankFailure, cpu_threads_per_rank, plan_micro_batches
 from servers.trainers.grpo import GRPOTrainer, token_logprobs
 from servers.trainers.trainer_state import SHARDED_DIR, TRAINER_STATE_FILE
 from tests.servers.test_grpo_trainer import encode, make_batch, make_sample
@@ -102,6 +102,15 @@ def test_plan_gives_every_rank_as_many_micro_batches():
     assert plan_micro_batches([10, 10], 3, budget=100)[2] == [None]  # more ranks than samples: padding only
     two = plan_micro_batches([8, 7, 6, 5], 2, budget=100)
     assert [sorted(mb) for plan in two for mb in plan] == [[0, 3], [1, 2]]  # 13 tokens each
+
+
+def test_cpu_ranks_split_the_servers_threads_not_the_machines():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)  # as OMP_NUM_THREADS=4 from `marl run` leaves a server
+        assert [cpu_threads_per_rank(ranks) for ranks in (1, 2, 3, 8)] == [4, 2, 1, 1]
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_two_ranks_make_the_one_process_step(sharded, model_dir, tokenizer, tmp_path):
