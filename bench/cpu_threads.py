@@ -25,9 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
 from marl.games.record import read_games  # noqa: E402
+from marl.launch import usable_cores  # noqa: E402
 
 #: the arms: the OMP_NUM_THREADS each run's environment has (None: unset, so marl splits the cores)
-ARMS = {"torch default": str(len(os.sched_getaffinity(0))), "marl split": None}
+ARMS = {"torch default": str(usable_cores()), "marl split": None}
 SMOKE_TOPOLOGY = """\
 name: cpu-threads-smoke
 servers:

@@ -17,7 +17,7 @@ import yaml
 from PIL import Image
 
 from marl.games.record import GameRecord, read_games
-from marl.launch import threads_per_server
+from marl.launch import threads_per_server, usable_cores
 from marl.plot import summarize_games
 
 TOPOLOGY = {
@@ -65,7 +65,7 @@ def test_marl_run_plays_trains_and_writes_the_run_directory(tiny_model, tmp_path
     result = subprocess.run([sys.executable, "-m", "marl.cli", "run", path, "run.max_steps=2"],
                             capture_output=True, text=True, timeout=300, env={**environment, "COLUMNS": "120"})
     assert result.returncode == 0, result.stdout + result.stderr
-    threads = max(1, len(os.sched_getaffinity(0)) // 2)  # two servers share this machine's cores
+    threads = max(1, usable_cores() // 2)  # two servers share this machine's cores
     assert result.stdout.count(f", OMP_NUM_THREADS={threads}) on http://127.0.0.1:") == 2, result.stdout
     run_dir = tmp_path / "run"
     games = read_games(run_dir / "games.jsonl")
