@@ -25,7 +25,7 @@ import numpy as np
 from gymnasium.spaces import Discrete
 from pettingzoo import AECEnv
 
-from envs.base import TextAECEnv, match_choice, printable
+from envs.base import EPISODE_OPTION, TextAECEnv, match_choice, printable
 
 Render = Callable[[str, Any, dict], str]
 Actions = Callable[[str, Any, dict], "list[tuple[str, Any]] | None"]
@@ -49,7 +49,9 @@ class TextAdapter(TextAECEnv):
     # --- hooks ---------------------------------------------------------------------------------------------------
 
     def _reset_game(self, seed: int | None, options: dict | None) -> None:
-        self.env.reset(seed=seed, options=options)
+        # the wrapped env is not marl's: it gets the caller's options without marl's own
+        theirs = {key: value for key, value in (options or {}).items() if key != EPISODE_OPTION}
+        self.env.reset(seed=seed, options=theirs or None)
         if list(self.env.agents) != self.agents:
             raise ValueError(f"TextAdapter needs the wrapped env's agents after reset to be its possible_agents "
                              f"({self.agents}); got {list(self.env.agents)}")

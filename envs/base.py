@@ -41,8 +41,12 @@ from pettingzoo import AECEnv
 
 from envs.invalid_replies import InvalidReplies, default_reason
 
-__all__ = ["GameEnv", "InvalidAction", "RoleInfo", "TextAECEnv", "TextObservation", "match_choice", "play",
-           "printable"]
+__all__ = ["EPISODE_OPTION", "GameEnv", "InvalidAction", "RoleInfo", "TextAECEnv", "TextObservation", "match_choice",
+           "play", "printable"]
+
+#: The `reset` option in which marl passes which repeat of its task a game is (0, 1, ...: the episodes of one GRPO
+#: group share the task's seed). An env may draw what should differ between those episodes from it; others ignore it.
+EPISODE_OPTION = "episode"
 
 #: Characters allowed in observations and actions (the charset of both `Text` spaces).
 CHARSET = string.printable
@@ -102,6 +106,9 @@ class GameEnv(Protocol):
 
     `dealt_roles()` works before `reset` (a topology is checked against it at load); `role_of` and `team_of` may
     need `reset` first when roles are dealt at random (Werewolves).
+
+    `reset(seed, options)`: marl plays every repeat of a task (one GRPO group) with the task's seed, and says which
+    repeat a game is in `options[EPISODE_OPTION]`; the same seed and episode must give the same game.
 
     Optional, not required of an env: `summary() -> dict[str, Any]`, what a person needs to read the game once it
     ended (`TextAECEnv.summary`); `marl run` records it with each game's transcript when the env has it.

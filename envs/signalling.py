@@ -15,16 +15,22 @@ messages that carry the target; the bonus gets that loop going. The game's outco
 and so is the team's goal (`goal_met`, what `marl eval` counts as a win): a speaker paid its bonus while the
 listener picked wrong did not win.
 
-The same seed gives the same items, target and shuffled orders, so GRPO repeats of a task play the same game.
+The same seed gives the same items and target, so GRPO repeats of a task (one group) play the same task. The
+guessers' shuffled orders are the task's too by default (`orders="task"`); with `orders="episode"` each episode of
+a task has its own, the target moving one position on with each episode (`reset`'s `EPISODE_OPTION`, which `marl
+run` numbers): then every position wins in about the same share of a group's episodes, and only following the
+message earns an advantage (docs/design.md, "Why the collapse feeds itself"). The same seed and episode give the
+same game either way.
 Fallbacks (after `max_invalid_retries` invalid replies in a row, default 2; 0 gives one try): the speaker says
 nothing; a guesser picks nothing, which loses (reward 0.0).
 """
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
-from envs.base import InvalidAction, TextAECEnv, match_choice, named_options, printable
+from envs.base import EPISODE_OPTION, InvalidAction, TextAECEnv, match_choice, named_options, printable
 
 #: Short, distinct items; no item's words contain another item's name.
 ITEMS = (
@@ -34,6 +40,7 @@ ITEMS = (
 )
 
 MAX_WORDS = 20
+ORDERS = ("task", "episode")  # what the guessers' shuffled orders are drawn per
 
 
 class SignallingGame(TextAECEnv):
@@ -42,16 +49,19 @@ class SignallingGame(TextAECEnv):
     choice_prompt = "Reply with the number or the name of your choice."
 
     def __init__(self, num_items: int = 3, items: tuple[str, ...] = ITEMS, observers: int = 0,
-                 naming_bonus: float = 0.0, max_invalid_retries: int = 2, render_mode: str | None = None):
+                 naming_bonus: float = 0.0, max_invalid_retries: int = 2, orders: str = "task",
+                 render_mode: str | None = None):
         if not 2 <= num_items <= len(items):
             raise ValueError(f"num_items must be between 2 and {len(items)} (the number of items); got {num_items}")
         if observers < 0:
             raise ValueError(f"observers must be 0 or more; got {observers}")
         if naming_bonus < 0:
             raise ValueError(f"naming_bonus must be 0 or more; got {naming_bonus}")
+        if orders not in ORDERS:
+            raise ValueError(f"orders must be one of {', '.join(ORDERS)}; got {orders!r}")
         if max_invalid_retries < 0:
             raise ValueError(f"max_invalid_retries must be 0 or more; got {max_invalid_retries}")
-        self.max_invalid_retries = max_invalid_retries
+        self.max_invalid_retries, self.orders_per = max_invalid_retries, orders
         self.naming_bonus = float(naming_bonus)
         self.guessers = ["listener"] + [f"observer_{i}" for i in range(observers)]
         self.possible_agents = ["speaker", *self.guessers]
@@ -77,9 +87,25 @@ class SignallingGame(TextAECEnv):
     def _reset_game(self, seed: int | None, options: dict | None) -> None:
         self.items = self.rng.sample(self.item_pool, self.num_items)
         self.target = self.rng.choice(self.items)
-        self.orders = {g: self.rng.sample(self.items, len(self.items)) for g in self.guessers}
+        if self.orders_per == "episode":
+            self.orders = self._episode_orders((options or {}).get(EPISODE_OPTION, 0))
+        else:
+            self.orders = {g: self.rng.sample(self.items, len(self.items)) for g in self.guessers}
         self.message, self.choices = None, {}
         self.agent_selection = "speaker"
+
+    def _episode_orders(self, episode: int) -> dict[str, list[str]]:
+        """Each guesser's order in this episode of the task: the target at the task's position for that guesser
+        plus `episode` (so the episodes of a group put it at each position equally often, give or take one), the
+        other items shuffled from the task's seed and the episode."""
+        shuffler = random.Random(f"{self.rng.getrandbits(64)}/{episode}")
+        others = [item for item in self.items if item != self.target]
+        orders = {}
+        for guesser in self.guessers:
+            order = shuffler.sample(others, len(others))
+            order.insert((self.rng.randrange(self.num_items) + episode) % self.num_items, self.target)
+            orders[guesser] = order
+        return orders
 
     def role_of(self, agent: str) -> str:
         return "observer" if agent.startswith("observer") else agent

@@ -81,8 +81,8 @@ def linked_servers_of(env: GameEnv, role_servers: Mapping[str, str | None],
 
 #: How a coordinator plays a game once leased: `(table, task_id, seed, leases, statics) -> GameRecord`. Default: here
 #: (`GameTable.play`); `marl.ray_cluster` plays it as a Ray task on any node of a cluster.
-GameRunner = Callable[[GameTable, str, int, "dict[str, HeldLease]", "dict[str, StaticEndpoint]"],
-                      GameRecord]
+# runner(table, task_id, seed, leases, statics, episode=...): plays one game (GameTable.play's arguments)
+GameRunner = Callable[..., GameRecord]
 
 
 class Coordinator:
@@ -136,15 +136,17 @@ class Coordinator:
 
     # --- one game ------------------------------------------------------------------------------------------------
 
-    def play_game(self, task_id: str, seed: int, *, cancel: threading.Event = _NEVER) -> GameRecord:
-        """Play and commit one game. Raises `GameFailed` (every lease aborted), or `GameCancelled` if `cancel` was
-        set while the game waited for its leases. Once `cancel` is set (the run stops), the commit and the aborts
-        stop retrying a server that does not answer after one short try (`marl.two_phase.persist`)."""
+    def play_game(self, task_id: str, seed: int, *, episode: int = 0, cancel: threading.Event = _NEVER
+                  ) -> GameRecord:
+        """Play and commit one game, the `episode`-th of task `task_id` (see `GameTable.play`). Raises `GameFailed`
+        (every lease aborted), or `GameCancelled` if `cancel` was set while the game waited for its leases. Once
+        `cancel` is set (the run stops), the commit and the aborts stop retrying a server that does not answer after
+        one short try (`marl.two_phase.persist`)."""
         with self._concurrency_slots():
             leases = self._lease_all(cancel)
             try:
                 with contextlib.ExitStack() as drawn:
-                    result = self.runner(self.table, task_id, seed, leases, self._draw_statics(drawn))
+                    result = self.runner(self.table, task_id, seed, leases, self._draw_statics(drawn), episode=episode)
                 self._commit(task_id, leases, result, cancel)
                 return result
             except BaseException as exc:
@@ -154,8 +156,8 @@ class Coordinator:
                 raise GameFailed(f"game {task_id} failed: {exc!r}") from exc
 
     def _play_here(self, table: GameTable, task_id: str, seed: int, leases: dict[str, HeldLease],
-                   statics: dict[str, StaticEndpoint]) -> GameRecord:
-        return table.play(task_id, seed, leases, statics, self._shared_client)
+                   statics: dict[str, StaticEndpoint], episode: int = 0) -> GameRecord:
+        return table.play(task_id, seed, leases, statics, self._shared_client, episode=episode)
 
     @functools.cached_property
     def _seated_statics(self) -> list[str]:

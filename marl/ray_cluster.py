@@ -96,11 +96,11 @@ def server_gpu_environment(gpu_ids: Sequence[int | str]) -> dict[str, str]:
 
 @ray.remote(num_cpus=0, max_retries=0, scheduling_strategy="SPREAD")
 def _play_game(table: GameTable, task_id: str, seed: int, leases: dict,
-               statics: dict[str, StaticEndpoint]) -> GameRecord:
+               statics: dict[str, StaticEndpoint], episode: int) -> GameRecord:
     # Never retried by Ray: a replay would add calls to leases that already have some; marl.games.schedule replays a
     # failed game itself, on new leases.
     try:
-        return table.play(task_id, seed, leases, statics)
+        return table.play(task_id, seed, leases, statics, episode=episode)
     except Exception as exc:  # noqa: BLE001 - sent back as a message: not every exception can be pickled
         raise GameFailed(f"game {task_id} failed on Ray node {ray.util.get_node_ip_address()}: {exc!r}") from None
 
@@ -233,10 +233,11 @@ class RayCluster:
         return RaySupervisor(self.servers, report=report, on_restart=on_restart)
 
     @staticmethod
-    def play(table: GameTable, task_id: str, seed: int, leases: dict, statics: dict[str, StaticEndpoint]) -> GameRecord:
+    def play(table: GameTable, task_id: str, seed: int, leases: dict, statics: dict[str, StaticEndpoint],
+             episode: int = 0) -> GameRecord:
         """A `marl.coordinator.GameRunner`: play the game as a Ray task on any node and wait for its record."""
         try:
-            return ray.get(_play_game.remote(table, task_id, seed, leases, statics))
+            return ray.get(_play_game.remote(table, task_id, seed, leases, statics, episode))
         except RayTaskError as exc:  # its text is the whole remote traceback: keep the failure's own message
             if isinstance(exc.cause, GameFailed):
                 raise exc.cause from None

@@ -58,7 +58,7 @@ from marl.decision_log import DecisionLog
 from marl.endpoints import Endpoint, SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
 from marl.eval.periodic import PeriodicEval
 from marl.games.record import GameRecord, append_game
-from marl.games.schedule import CallbackFailed, FailedAttempt, play_games, tasks
+from marl.games.schedule import CallbackFailed, FailedAttempt, episodes, play_games
 from marl.launch import (
     SERVERS_FILE,
     ServerProcess,
@@ -336,7 +336,7 @@ class _Session:
         progress = _Progress(self, PROGRESS_EVERY_S).start() if self.plain else None  # the table is not drawn
         try:
             with Live(get_renderable=table, console=self.console, refresh_per_second=1):
-                stats = play_games(self.coordinator, tasks(self.spec.name, run.repeats or 1, run.seed),
+                stats = play_games(self.coordinator, episodes(self.spec.name, run.repeats or 1, run.seed),
                                    concurrency=run.concurrency, games=run.games, max_failures=self.max_failures,
                                    should_stop=self._should_stop, on_result=self._record,
                                    on_failure=self.board.failure, keep_results=False)  # games.jsonl has them

@@ -87,6 +87,7 @@ class GameRecord(BaseModel):
     role_rewards: dict[str, float]  # mean over the agents of each role
     task_id: str = ""
     seed: int | None = None
+    episode: int = 0  # which repeat of its task (GRPO group) this game was
     agent_rewards: dict[str, float] = {}  # per env agent
     episodes: dict[str, str] = {}  # server -> episode id
     policy_versions: dict[str, int] = {}  # server -> the version that played this game

@@ -3,7 +3,8 @@
 `play_games` keeps up to `concurrency` games in flight, each on its own worker thread. Its promises:
 - `games=N` is the number of games played and reported to `on_result`, never more: a worker starts a new game only
   while the games finished plus those in flight are fewer than N.
-- A game that fails is replayed in the same slot with the same task id and seed (so every task still reaches
+- The schedule yields each game's (task id, seed) or (task id, seed, episode); `episodes` is `marl run`'s.
+- A game that fails is replayed in the same slot with the same task id, seed and episode (so every task still reaches
   `repeats` episodes on every server), after a pause that grows with each attempt. Failed attempts and replays are
   counted apart from games (`RunStats.failed`, `RunStats.retried`); every failed attempt goes to `on_failure`.
 - A game that fails `max_failures` times in a row ends the run, and `RunStats.error` says which game and why (its
@@ -33,17 +34,25 @@ from marl.games.record import GameRecord
 
 log = logging.getLogger("marl.games.schedule")
 
+#: What `play_games` plays: each game's (task id, seed), or (task id, seed, episode)
+Schedule = Iterable[tuple[str, int] | tuple[str, int, int]]
 MAX_FAILURES = 5  # failed attempts in a row after which a game ends the run (`run.max_failures`)
 _CHECK_S = 0.5  # how often the waiting thread asks `should_stop` (short joins also keep Ctrl-C responsive)
 
 
-def tasks(run_name: str, repeats: int, seed: int) -> Iterator[tuple[str, int]]:
-    """Endless (task id, env seed) pairs, each repeated `repeats` times in a row (one GRPO group per task)."""
+def episodes(run_name: str, repeats: int, seed: int) -> Iterator[tuple[str, int, int]]:
+    """Endless (task id, env seed, episode) triples, `marl run`'s schedule: each task `repeats` times in a row (one
+    GRPO group per task), its episodes numbered 0 to repeats - 1."""
     index = 0
     while True:
-        for _ in range(repeats):
-            yield f"{run_name}-{index}", seed * 1_000_003 + index
+        for episode in range(repeats):
+            yield f"{run_name}-{index}", seed * 1_000_003 + index, episode
         index += 1
+
+
+def tasks(run_name: str, repeats: int, seed: int) -> Iterator[tuple[str, int]]:
+    """`episodes` without the episode: (task id, env seed) pairs, each repeated `repeats` times in a row."""
+    return ((task_id, task_seed) for task_id, task_seed, _ in episodes(run_name, repeats, seed))
 
 
 def retry_pause_s(attempt: int) -> float:
@@ -80,7 +89,7 @@ class FailedAttempt:
 class _Games:
     """The shared state of one `play_games` call: slots, tallies, the stop signal."""
 
-    def __init__(self, coordinator: Coordinator, schedule: Iterable[tuple[str, int]], *, games: int | None,
+    def __init__(self, coordinator: Coordinator, schedule: Schedule, *, games: int | None,
                  max_failures: int, should_stop: Callable[[], bool], on_result: Callable[[GameRecord], None],
                  on_failure: Callable[[FailedAttempt], None], keep_results: bool = True):
         self.coordinator, self.games, self.max_failures = coordinator, games, max_failures
@@ -113,9 +122,9 @@ class _Games:
             name, exc = self.callback_error
             raise CallbackFailed(name, exc, self.stats) from exc
 
-    def claim(self) -> tuple[str, int] | None:
-        """A new game's task id and seed, or None when no more games are needed, the schedule ran out, or the run
-        is stopping."""
+    def claim(self) -> tuple[str, int, int] | None:
+        """A new game's task id, seed and episode (a schedule's pair is episode 0), or None when no more games are
+        needed, the schedule ran out, or the run is stopping."""
         if self.call("should_stop", self.should_stop):
             return None
         with self.lock:
@@ -126,7 +135,8 @@ class _Games:
                 self.exhausted = True
                 return None
             self.started += 1
-            return game
+            task_id, seed, *episode = game
+            return task_id, seed, episode[0] if episode else 0
 
     def worker(self) -> None:
         # `call` keeps what escapes a game too (a bug here or in a coordinator subclass): no worker dies unseen.
@@ -136,12 +146,12 @@ class _Games:
         while (game := self.claim()) is not None:
             self.play(*game)
 
-    def play(self, task_id: str, seed: int) -> None:
+    def play(self, task_id: str, seed: int, episode: int) -> None:
         """Play one game until it finishes, fails `max_failures` times in a row, or the run stops."""
         attempt = 1
         while True:
             try:
-                result = self.coordinator.play_game(task_id, seed, cancel=self.stop)
+                result = self.coordinator.play_game(task_id, seed, episode=episode, cancel=self.stop)
             except GameCancelled:
                 return
             except GameFailed as exc:
@@ -173,7 +183,7 @@ class _Games:
 
 def play_games(
     coordinator: Coordinator,
-    schedule: Iterable[tuple[str, int]],
+    schedule: Schedule,
     *,
     concurrency: int,
     games: int | None = None,

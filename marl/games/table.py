@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import openai
 
-from envs.base import GameEnv
+from envs.base import EPISODE_OPTION, GameEnv
 from marl.agents import LLMAgent, ScriptedAgent
 from marl.client import connection_limits
 from marl.games.record import CoPlayer, GameRecord, Sampling, TranscriptRecorder
@@ -122,19 +122,22 @@ class GameTable:
         self.player_factory = player_factory
 
     def play(self, task_id: str, seed: int, leases: Mapping[str, HeldLease], statics: Mapping[str, StaticEndpoint],
-             shared_client: Callable[[Seat], openai.OpenAI | None] = lambda seat: None) -> GameRecord:
+             shared_client: Callable[[Seat], openai.OpenAI | None] = lambda seat: None, *, episode: int = 0
+             ) -> GameRecord:
         """Play one game to its end on `leases` (one per trainable server it seats) and `statics` (the endpoint of
         every static server it seats); commits nothing. `shared_client(seat)`: an OpenAI client for a static seat
-        that the default player may reuse (None: a client of its own)."""
+        that the default player may reuse (None: a client of its own). `episode`: which repeat of its task this
+        game is (0, 1, ...), given to the env as `reset`'s option `EPISODE_OPTION` (envs/base.py)."""
         start = time.monotonic()
         env = self.env_factory()
-        env.reset(seed=seed)
+        env.reset(seed=seed, options={EPISODE_OPTION: episode})
         transcript = TranscriptRecorder(self.settings.transcripts)
         turns = self._play_turns(env, leases, statics, shared_client, transcript)
         transcript.summarize(env)
         record = GameRecord(
             task_id=task_id,
             seed=seed,
+            episode=episode,
             agent_rewards={agent: float(r) for agent, r in env.outcome().items()},
             role_rewards={role: float(r) for role, r in env.outcome_by_role().items()},
             episodes={name: lease.episode_id for name, lease in leases.items()},

@@ -12,7 +12,17 @@ from pettingzoo.test import api_test
 from pettingzoo.utils import AgentSelector
 
 from envs.adapter import TICTACTOE_CELLS, TextAdapter, text_tictactoe, tictactoe_actions, tictactoe_render
-from envs.base import GameEnv, InvalidAction, RoleInfo, TextAECEnv, TextObservation, match_choice, play, printable
+from envs.base import (
+    EPISODE_OPTION,
+    GameEnv,
+    InvalidAction,
+    RoleInfo,
+    TextAECEnv,
+    TextObservation,
+    match_choice,
+    play,
+    printable,
+)
 from envs.signalling import ITEMS, SignallingGame
 
 
@@ -181,6 +191,31 @@ def test_signalling_seed_reproduces_the_game():
         assert len(set(a.items)) == 3 and a.target in a.items and sorted(a.listener_items) == sorted(a.items)
         games.add((tuple(a.items), a.target))
     assert len(games) > 15  # different seeds, different games
+
+
+def test_signalling_orders_per_episode_move_the_target_through_every_position():
+    def game(seed: int, episode: int) -> tuple:
+        env = SignallingGame(observers=1, orders="episode")
+        env.reset(seed=seed, options={EPISODE_OPTION: episode})
+        return env.items, env.target, env.orders, env.observe("listener")
+
+    for seed in range(10):
+        group = [game(seed, episode) for episode in range(8)]
+        assert len({(tuple(items), target) for items, target, _, _ in group}) == 1  # one task: items and target
+        for guesser in ("listener", "observer_0"):
+            positions = [orders[guesser].index(target) for _, target, orders, _ in group]
+            assert sorted(positions.count(p) for p in range(3)) == [2, 3, 3]  # each position, give or take one
+            assert all(sorted(orders[guesser]) == sorted(items) for items, _, orders, _ in group)
+        assert group == [game(seed, episode) for episode in range(8)]  # the same seed and episode, the same game
+    task = SignallingGame()  # the default: one order per task, whatever the episode
+    orders = set()
+    for episode in range(4):
+        task.reset(seed=3, options={EPISODE_OPTION: episode})
+        orders.add(tuple(task.listener_items))
+    assert len(orders) == 1
+    quiet_api_test(SignallingGame(orders="episode"))
+    with pytest.raises(ValueError, match="orders must be one of task, episode; got 'game'"):
+        SignallingGame(orders="game")
 
 
 def test_signalling_scripted_players_always_win():
@@ -370,6 +405,20 @@ class TinyTicTacToe(AECEnv):
 
 def test_adapted_tictactoe_api():
     quiet_api_test(text_tictactoe(TinyTicTacToe()), num_cycles=30)
+
+
+def test_the_adapter_keeps_marls_episode_option_from_the_wrapped_env():
+    seen = []
+
+    class Recording(TinyTicTacToe):
+        def reset(self, seed=None, options=None):
+            seen.append(options)
+            super().reset(seed=seed, options=options)
+
+    env = text_tictactoe(Recording())
+    env.reset(seed=1, options={EPISODE_OPTION: 3})
+    env.reset(seed=1, options={EPISODE_OPTION: 3, "board": "empty"})
+    assert seen == [None, {"board": "empty"}]
 
 
 def test_adapted_tictactoe_observation_and_moves():

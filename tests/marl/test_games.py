@@ -8,6 +8,7 @@ needed to show what `play_games` does with its callbacks. `marl run` itself is r
 from __future__ import annotations
 
 import threading
+from itertools import islice
 
 import pytest
 import yaml
@@ -16,7 +17,7 @@ from envs.base import TextAECEnv
 from envs.signalling import SignallingGame
 from marl.coordinator import Coordinator, GameFailed
 from marl.games.record import GameRecord
-from marl.games.schedule import CallbackFailed, FailedAttempt, RunStats, play_games, tasks
+from marl.games.schedule import CallbackFailed, FailedAttempt, RunStats, episodes, play_games, tasks
 
 SCRIPTED = {"speaker": None, "listener": None}
 
@@ -97,6 +98,13 @@ def test_a_finite_schedule_ends_the_run_and_a_list_will_do(coordinator):
     stats = play_games(coordinator, [("a", 1), ("b", 2), ("c", 3)], concurrency=4)
     assert isinstance(stats, RunStats)
     assert sorted(r.task_id for r in stats.results) == ["a", "b", "c"]
+
+
+def test_marl_runs_schedule_numbers_each_tasks_episodes_and_they_reach_the_records(coordinator):
+    assert list(islice(episodes("t", 3, seed=0), 4)) == [("t-0", 0, 0), ("t-0", 0, 1), ("t-0", 0, 2), ("t-1", 1, 0)]
+    assert list(islice(tasks("t", 2, seed=0), 3)) == [("t-0", 0), ("t-0", 0), ("t-1", 1)]  # pairs, as before
+    stats = play_games(coordinator, episodes("t", 3, seed=0), concurrency=2, games=6)
+    assert sorted((r.task_id, r.episode) for r in stats.results) == [(f"t-{t}", e) for t in (0, 1) for e in range(3)]
 
 
 def test_without_keep_results_a_run_keeps_nothing_per_game(coordinator):

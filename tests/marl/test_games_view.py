@@ -45,6 +45,17 @@ def play_signalling(transcripts="full", replies=None, seed=5) -> GameRecord:
     return table.play("sig-0", seed, {}, {})
 
 
+def test_the_table_tells_the_env_which_episode_of_its_task_a_game_is():
+    table = GameTable(partial(SignallingGame, orders="episode"), {"speaker": None, "listener": None}, GameSettings())
+    records = [table.play("sig-0", 5, {}, {}, episode=episode) for episode in range(3)]
+    assert [record.episode for record in records] == [0, 1, 2]
+    assert len({record.summary["target"] for record in records}) == 1  # one task
+    positions = [record.summary["orders"]["listener"].index(record.summary["target"]) for record in records]
+    assert sorted(positions) == [0, 1, 2]  # the env drew each episode's order
+    assert GameRecord.model_validate_json(records[2].model_dump_json()).episode == 2
+    assert GameRecord(role_rewards={}).episode == 0  # an older row
+
+
 def test_a_signalling_row_shows_the_target_both_messages_and_the_invalid_reply():
     record = play_signalling(replies={"listener": ["banana"]})
     summary = record.summary
