@@ -9,7 +9,7 @@ imports from `marl` (its `__all__`, pinned by tests/project/test_public_api.py):
   from the wire protocol `TrainConfig`, `EpisodeLease`, `EngineState`, `RUNNING_STATES`, `ADMIN_TOKEN_ENV`;
 - games across servers: `Coordinator` (one game as a transaction), how it reaches each server
   (`TrainableEndpoint`, `StaticEndpoint`, `SnapshotPoolEndpoint`), `GameSettings`, `Seat`, `GameFailed`,
-  `GameCancelled`; many games: `play_games`, `tasks`, `RunStats`, `FailedAttempt`, `CallbackFailed`;
+  `GameCancelled`; many games: `play_games`, `episodes`, `tasks`, `RunStats`, `FailedAttempt`, `CallbackFailed`;
 - players: `LLMAgent`, `ScriptedAgent`, `default_player`;
 - records: `GameRecord` (a games.jsonl row), `Sampling`, `CoPlayer`, `read_games`;
 - envs: `TextAECEnv`, `GameEnv`, `RoleInfo`, `InvalidAction` (from `envs.base`; docs/envs.md);
@@ -56,6 +56,7 @@ _EXPORTS: dict[str, str] = {
     "default_player": "marl.games.table",
     "play_games": "marl.games.schedule",
     "tasks": "marl.games.schedule",
+    "episodes": "marl.games.schedule",
     "RunStats": "marl.games.schedule",
     "FailedAttempt": "marl.games.schedule",
     "CallbackFailed": "marl.games.schedule",
@@ -82,7 +83,7 @@ if TYPE_CHECKING:
     from marl.coordinator import Coordinator, GameCancelled
     from marl.endpoints import SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
     from marl.games.record import CoPlayer, GameRecord, Sampling, read_games
-    from marl.games.schedule import CallbackFailed, FailedAttempt, RunStats, play_games, tasks
+    from marl.games.schedule import CallbackFailed, FailedAttempt, RunStats, episodes, play_games, tasks
     from marl.games.table import GameFailed, GameSettings, Seat, default_player
     from marl.protocol import ADMIN_TOKEN_ENV, RUNNING_STATES, EngineState, EpisodeLease, ErrorCode, TrainConfig
     from marl.topology import Topology, TopologyError

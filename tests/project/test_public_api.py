@@ -26,7 +26,7 @@ PUBLIC = {
     "TrainConfig", "EpisodeLease", "EngineState", "RUNNING_STATES", "ADMIN_TOKEN_ENV",
     # games across servers
     "Coordinator", "TrainableEndpoint", "StaticEndpoint", "SnapshotPoolEndpoint", "GameSettings", "Seat",
-    "GameFailed", "GameCancelled", "play_games", "tasks", "RunStats", "FailedAttempt", "CallbackFailed",
+    "GameFailed", "GameCancelled", "play_games", "episodes", "tasks", "RunStats", "FailedAttempt", "CallbackFailed",
     # players, records, envs, topologies
     "LLMAgent", "ScriptedAgent", "default_player", "GameRecord", "Sampling", "CoPlayer", "read_games",
     "TextAECEnv", "GameEnv", "RoleInfo", "InvalidAction", "Topology", "TopologyError",
