@@ -119,8 +119,8 @@ def render_game(game: GameRecord, index: int, total: int, same_task: list[int] |
 def _header(game: GameRecord, index: int, total: int, same_task: list[int]) -> Text:
     head = Text(f"game {index + 1} of {total}", style="bold")  # counted from 1; rows (`show N`) from 0
     head.append(f" (row {index})")
-    head.append(f" · task {safe(game.task_id) or '-'} · seed {game.seed} · {_when(game.time)} · {game.turns} turns"
-                f" · {game.seconds:.1f}s\n")
+    head.append(f" · task {safe(game.task_id) or '-'} · seed {game.seed} · episode {game.episode} · {_when(game.time)}"
+                f" · {game.turns} turns · {game.seconds:.1f}s\n")
     head.append_text(_field("players", _players(game) or "-"))
     head.append_text(_field("rewards", _rewards(game) or "-"))
     if game.winner is not None:

@@ -170,7 +170,7 @@ def test_games_show_prints_the_header_the_summary_and_every_turn(tmp_path):
     write_games(tmp_path / "games.jsonl", records)
     out = shown(tmp_path, "sig-1")
     game = records[1]
-    assert out.startswith(f"game 2 of 3 (row 1) · task sig-1 · seed {game.seed}")
+    assert out.startswith(f"game 2 of 3 (row 1) · task sig-1 · seed {game.seed} · episode 0")
     assert "players   listener: scripted, speaker: scripted" in out and "rewards   speaker 1, listener 1" in out
     assert f"target       {game.summary['target']}" in out and f"items        {', '.join(game.summary['items'])}" in out
     assert f"  1. speaker\n     | Items: {', '.join(game.summary['items'])}." in out
