@@ -339,9 +339,12 @@ class GRPOConfig(_Strict):
     kl_coef: Real = Field(0.0, ge=0, description="KL penalty to the frozen initial model (k3, per token); 0 disables"
                           " it. Above 0 it also acts on groups whose rewards are all equal (trained with advantage"
                           " 0): what pulls a policy that stopped exploring back (docs/design.md).")
+    entropy_coef: Real = Field(0.0, ge=0, description="Bonus on the sampling entropy of every trained token"
+                               " (l_t - entropy_coef * H_t): resists a policy concentrating on one reply; 0 disables"
+                               " it. Above 0 it also acts on groups whose rewards are all equal, as kl_coef does.")
     normalize_advantage_std: Bool = Field(True, description="Divide group-relative advantages by the group std.")
     skip_zero_variance_groups: Bool = Field(True, description="Skip groups whose rewards are all equal (counted),"
-                                            " unless kl_coef > 0.")
+                                            " unless kl_coef or entropy_coef > 0.")
     micro_batch_tokens: Int = Field(4096, ge=16, description="Token budget of one forward/backward micro-batch.")
     ppo_epochs: Int = Field(1, ge=1, description="Passes over each batch.")
     gradient_checkpointing: Bool = Field(False, description="Recompute each layer's activations in the backward pass:"

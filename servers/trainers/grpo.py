@@ -11,11 +11,11 @@ Read top to bottom. One `GRPOTrainer.step(batch)` does:
        A_e  = A_e / (std_g(r) + eps)   if normalize_advantage_std   (population std, eps = 1e-6)
 
    A group whose rewards are all equal (std_g(r) <= 1e-8) carries no policy-gradient signal: it is counted in
-   `groups_zero_variance` and, with `skip_zero_variance_groups`, not trained on, unless `kl_coef` > 0: then it is
-   trained with A = 0, so that the KL term still acts on it (`regularized`). Why: a policy that answers the same in
-   every episode of a group gets the same reward for each, so a collapsed policy has only such groups; skipped, it
-   never moves again (docs/design.md, "Why a policy collapses, and what pulls it back"). Every sample gets its
-   episode's A.
+   `groups_zero_variance` and, with `skip_zero_variance_groups`, not trained on, unless `kl_coef` > 0 or
+   `entropy_coef` > 0: then it is trained with A = 0, so that the KL term or the entropy bonus still acts on it
+   (`regularized`). Why: a policy that answers the same in every episode of a group gets the same reward for each, so
+   a collapsed policy has only such groups; skipped, it never moves again (docs/design.md, "Why a policy collapses,
+   and what pulls it back"). Every sample gets its episode's A.
 
 2. **PPO-clip loss** against pi_start, the weights the step starts from (policy version V). For each token t of
    sample s with loss_mask 1 (the model's own tokens), mu_t being the logprob the inference engine recorded when it
@@ -31,7 +31,9 @@ Read top to bottom. One `GRPOTrainer.step(batch)` does:
        pg_t    = max(-A_s * ratio_t, -A_s * clip(ratio_t, 1 - clip_eps_low, 1 + clip_eps_high))
        kl_t    = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1     k3 estimator of KL(pi || pi_ref),
                                                                           only when kl_coef > 0
-       l_t     = pg_t + kl_coef * kl_t
+       H_t     = -sum_v pi(v) log pi(v)                          the sampling entropy at t, with gradient only
+                                                                when entropy_coef > 0
+       l_t     = pg_t + kl_coef * kl_t - entropy_coef * H_t
 
    **Whose logprobs** (`recompute_logprobs`). Off, mu_t stands for pi_start's logprob: the same number when the
    engine computes as the trainer does (the torch engine and the trainer, both fp32, agree to ~1e-6). Where the
@@ -274,7 +276,7 @@ def micro_batch_loss(
     samples of the step, on every rank), so the micro-batches' L_mb add up to L; the metric sums of mb; and its
     logp, detached: the first pass's is `start_logp` (pi_start) for the later passes over the same micro-batch."""
     logp, entropy = token_logprobs_and_entropy(policy, mb.input_ids, mb.attention_mask, keep=mb.loss_mask,
-                                               with_entropy=True)  # fmt: skip
+                                               with_entropy=True, entropy_grad=config.entropy_coef > 0)
     mask = mb.loss_mask
     tokens_per_sample = mask.sum(-1).clamp(min=1.0)  # |T_s|
     stale = mb.stale * mask
@@ -301,6 +303,8 @@ def micro_batch_loss(
         if config.kl_coef > 0:
             loss_t = loss_t + config.kl_coef * kl_ref
         stats["kl_ref"] = float((kl_ref.detach() * mask).sum())
+    if config.entropy_coef > 0:  # the bonus: minimizing -H spreads the policy over more replies
+        loss_t = loss_t - config.entropy_coef * entropy
 
     # L_mb = sum_{s in mb} (sum_t l_t * mask_t / |T_s|) / S   -> sum over micro-batches = L
     loss = ((loss_t * mask).sum(-1) / tokens_per_sample).sum() / num_samples
@@ -315,7 +319,7 @@ def micro_batch_loss(
             tokens=float(mask.sum()),
             clipped=float(((pg_clipped > pg_unclipped) & trained).sum()),
             kl_old=float(((ratio - 1.0 - log_ratio) * mask).sum()),  # approx KL(old || new) = E_old[(r - 1) - log r]
-            entropy=float((entropy * mask).sum()),
+            entropy=float((entropy.detach() * mask).sum()),
             logprob_diff_sum=float(diff.sum()),
             logprob_diff_max=float(diff.max()) if diff.numel() else 0.0,
         )
@@ -323,9 +327,10 @@ def micro_batch_loss(
 
 
 def regularized(config: GRPOConfig) -> bool:
-    """Whether every trained token carries a term besides the policy gradient (the KL to the initial model): then a
-    group of equal rewards is trained too (A = 0), so that the term acts on a policy whose groups all are (step 1)."""
-    return config.kl_coef > 0
+    """Whether every trained token carries a term besides the policy gradient (the KL to the initial model, the
+    entropy bonus): then a group of equal rewards is trained too (A = 0), so that the term acts on a policy whose
+    groups all are (step 1)."""
+    return config.kl_coef > 0 or config.entropy_coef > 0
 
 
 def recomputes(config: GRPOConfig) -> bool:

@@ -75,10 +75,12 @@ def token_logprobs_and_entropy(
     *,
     keep: torch.Tensor | None = None,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
     chunk_tokens: int = LOGITS_CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logp[b, t] = log_softmax(logits[b, t-1])[input_ids[b, t]], fp32, temperature 1; and optionally the entropy
-    H[b, t] = -sum_v p_v log p_v of that same distribution (a metric: no gradient flows through it).
+    H[b, t] = -sum_v p_v log p_v of that same distribution (a metric, without gradient, unless `entropy_grad`: the
+    loss's entropy bonus).
 
     Both are [B, T], aligned with the tokens, 0 at t = 0, on padding, and where `keep` ([B, T], e.g. the loss mask)
     is 0: only the positions that predict a kept token are projected onto the vocabulary (agents' prompts are long
@@ -91,7 +93,8 @@ def token_logprobs_and_entropy(
     head = model.get_output_embeddings()
     pieces = []
     for start in range(0, len(targets), chunk_tokens):
-        args = (head, hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens], with_entropy)
+        args = (head, hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens], with_entropy,
+                entropy_grad)
         # Recomputed in the backward: a chunk's [chunk, V] logits are freed as soon as its logprobs are taken.
         pieces.append(checkpoint(_chunk, *args, use_reentrant=False) if torch.is_grad_enabled() else _chunk(*args))
     dense = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
@@ -105,12 +108,12 @@ def token_logprobs_and_entropy(
     return logp, scatter([h for _, h in pieces]) if with_entropy else None
 
 
-def _chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-           with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _chunk(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, with_entropy: bool,
+           entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One chunk: logits = head(h) in fp32 (whatever the model dtype), log-softmax, the targets' logprobs, entropy."""
     logp_all = torch.log_softmax(head(hidden).float(), dim=-1)  # [chunk, V]
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
-    with torch.no_grad():  # H = -sum_v p_v log p_v, a metric only
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):  # H = -sum_v p_v log p_v
         entropy = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else logp.new_zeros(())
     return logp, entropy
 

@@ -158,6 +158,20 @@ def test_a_collapsed_policy_is_pulled_back_towards_the_initial_model_by_the_kl_t
     assert unregularized.step(TrainBatch(step=1, groups=[Group("j", "t0", "a", same)]))["trained"] == 0.0
 
 
+def test_the_entropy_bonus_spreads_a_policy_that_answers_one_way(model_dir, tokenizer):
+    """Every group of one reply: with `entropy_coef` > 0 the groups train (A = 0) and the bonus alone raises the
+    entropy of the policy where it replies; without it nothing trains."""
+    trainer = GRPOTrainer(model_dir, config(learning_rate=3e-3, entropy_coef=0.5))
+    same = [make_sample(tokenizer, trainer.policy, "What is 2 + 3?", "Yes.", reward=1.0, episode=f"e{i}")
+            for i in range(4)]
+    steps = [trainer.step(TrainBatch(step=1 + i, groups=[Group("j", "t0", "a", same)])) for i in range(3)]
+    assert all(m["trained"] == 1.0 and m["groups_zero_variance"] == 1.0 for m in steps)
+    assert steps[0]["entropy"] < steps[1]["entropy"] < steps[2]["entropy"]  # each step's forward, before its update
+    unregularized = GRPOTrainer(model_dir, config(learning_rate=3e-3))
+    assert unregularized.step(TrainBatch(step=1, groups=[Group("j", "t0", "a", same)]))["trained"] == 0.0
+    assert grpo.regularized(config(entropy_coef=0.1)) and not grpo.regularized(config())
+
+
 def test_bad_sample_is_rejected():
     bad = fake_sample("e1", 1.0).model_copy(update={"logprobs": [0.0]})
     with pytest.raises(ValueError, match="must be equal"):
