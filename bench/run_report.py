@@ -2,11 +2,14 @@
 
     python bench/run_report.py runs/signalling-cpu                 # versions of the first trainable server
     python bench/run_report.py runs/werewolves-local --server wolves_model --buckets 2
+    python bench/run_report.py runs/sweep/seed-4 --server team.listener --buckets 12 --actions listener
     python bench/run_report.py --smoke     # seconds: `marl run` 4 signalling games on a tiny model, report them
 
 Rows are games grouped by the policy version the given server played them with (`--buckets N` merges versions into
 N equal ranges, which smooths small steps); the last table is the whole run (games/hour from the first to the last
-game). Everything is read from games.jsonl, so it works during a run too.
+game). `--actions ROLE` adds what the role did in each row, as the env labels its moves (`action_labels`: a
+signalling listener's "pick 2", "pick none"), in shares of its moves. Everything is read from games.jsonl, so it
+works during a run too.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def main() -> None:
     parser.add_argument("run_dir", type=Path, nargs="?")
     parser.add_argument("--server", help="whose policy version groups the games (default: the first one)")
     parser.add_argument("--buckets", type=int, default=0, help="merge versions into this many ranges")
+    parser.add_argument("--actions", metavar="ROLE", help="also the shares of ROLE's labelled moves per row")
     parser.add_argument("--smoke", action="store_true", help="a few seconds: report on a short run of a tiny model")
     args = parser.parse_args()
     if args.smoke:
@@ -79,6 +83,15 @@ def smoke_run(directory: Path) -> Path:
     return run_dir
 
 
+def action_shares(rows: list[GameRecord], role: str | None) -> str:
+    """`role`'s labelled moves in `rows` as shares, commonest first ("" without a role)."""
+    if role is None:
+        return ""
+    moves = Counter(label for g in rows for label in g.actions.get(role, []))
+    total = sum(moves.values()) or 1
+    return "   " + ", ".join(f"{label} {n / total:.0%}" for label, n in moves.most_common())
+
+
 def report(args: argparse.Namespace) -> None:
     games = read_games(args.run_dir / "games.jsonl")
     if not games:
@@ -108,7 +121,7 @@ def report(args: argparse.Namespace) -> None:
             valid, won = percent(row["valid_reply_rate"]), percent(row["win_rate"])
             cells.append(f"{row['mean_reward']:>20.3f} {valid:>6} {won:>5}")
         label = f"v{start}" if start == end else f"v{start}-{end}"
-        print(f"{label:>10} {len(rows):>6} " + " ".join(cells))
+        print(f"{label:>10} {len(rows):>6} " + " ".join(cells) + action_shares(rows, args.actions))
     winners = Counter(g.winner for g in games)
     if set(winners) != {None}:
         print("winners: " + ", ".join(f"{w or 'not recorded'} {n}" for w, n in winners.most_common()))
