@@ -79,9 +79,8 @@ def linked_servers_of(env: GameEnv, role_servers: Mapping[str, str | None],
                    if role in dealt and server is not None and endpoints[server].trainable})
 
 
-#: How a coordinator plays a game once leased: `(table, task_id, seed, leases, statics) -> GameRecord`. Default: here
-#: (`GameTable.play`); `marl.ray_cluster` plays it as a Ray task on any node of a cluster.
-# runner(table, task_id, seed, leases, statics, episode=...): plays one game (GameTable.play's arguments)
+#: How a coordinator plays a game once leased: `(table, task_id, seed, leases, statics, episode=...) -> GameRecord`
+#: (`episode` as a keyword). Default: here (`GameTable.play`); `marl.ray_cluster` plays it as a Ray task on any node.
 GameRunner = Callable[..., GameRecord]
 
 
