@@ -319,7 +319,7 @@ def micro_batch_loss(
             tokens=float(mask.sum()),
             clipped=float(((pg_clipped > pg_unclipped) & trained).sum()),
             kl_old=float(((ratio - 1.0 - log_ratio) * mask).sum()),  # approx KL(old || new) = E_old[(r - 1) - log r]
-            entropy=float((entropy.detach() * mask).sum()),
+            entropy=float((entropy * mask).sum()),
             logprob_diff_sum=float(diff.sum()),
             logprob_diff_max=float(diff.max()) if diff.numel() else 0.0,
         )
