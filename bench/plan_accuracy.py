@@ -1,4 +1,6 @@
-"""`marl plan`'s memory model against measured peaks on this CPU: the torch engine, a GRPO step, a 2-rank FSDP step.
+"""`marl plan`'s memory model against measured peaks on this CPU: the torch engine, GRPO steps, a 2-rank FSDP step.
+
+The GRPO cases: plain, with gradient checkpointing (`+ckpt`), with the entropy bonus (`+entropy`).
 
     python bench/plan_accuracy.py                        # SmolLM2-135M and a 150M random model (minutes)
     python bench/plan_accuracy.py --smoke                # seconds: a small random model, small shapes
@@ -58,12 +60,14 @@ def _batch(step: int, vocab: int, tokens: int, trained: int, samples: int = 2):
     return TrainBatch(step=step, groups=[group])
 
 
-def measure_grpo(model_dir: str, tokens: int, trained: int, checkpointing: bool, warmup_dir: str = "") -> int:
+def measure_grpo(model_dir: str, tokens: int, trained: int, checkpointing: bool, entropy: bool = False,
+                 warmup_dir: str = "") -> int:  # fmt: skip
     from marl.protocol import GRPOConfig
     from servers.trainers.grpo import GRPOTrainer
 
     def two_steps(directory: str, tokens: int, trained: int) -> None:
-        config = GRPOConfig(micro_batch_tokens=tokens, gradient_checkpointing=checkpointing)
+        config = GRPOConfig(micro_batch_tokens=tokens, gradient_checkpointing=checkpointing,
+                            entropy_coef=0.01 if entropy else 0.0)  # fmt: skip
         trainer = GRPOTrainer(Path(directory), config)
         vocab = trainer.policy.get_input_embeddings().num_embeddings
         trainer.step(_batch(1, vocab, tokens, trained))  # AdamW's moments exist from here on
@@ -154,11 +158,11 @@ def planned(case: str, model_dir: str, **shape) -> float:
                             prompt_tokens=shape["prompt_tokens"]).total  # fmt: skip
     setting = TrainerSetting(ranks=2 if case == "fsdp" else 1, micro_batch_tokens=shape["tokens"],
                              trained_tokens=shape["trained"], checkpointing=shape["checkpointing"],
-                             sharded=case == "fsdp")  # fmt: skip
+                             entropy_bonus=shape.get("entropy", False), sharded=case == "fsdp")  # fmt: skip
     return trainer_rank(arch, setting)[1].total
 
 
-CASES = ("engine", "grpo", "grpo+ckpt", "fsdp")
+CASES = ("engine", "grpo", "grpo+ckpt", "grpo+entropy", "fsdp")
 
 
 def compare(model_dir: str, warmup_dir: str, *, tokens: int, trained: int, sequences: int, prompt_tokens: int,
@@ -173,6 +177,8 @@ def compare(model_dir: str, warmup_dir: str, *, tokens: int, trained: int, seque
         else:
             base = case.split("+")[0]
             shape = {"tokens": tokens, "trained": trained, "checkpointing": case.endswith("+ckpt")}
+            if case.endswith("+entropy"):  # train.grpo.entropy_coef > 0: the entropy's backward over the vocabulary
+                shape["entropy"] = True
             warmup = {"warmup_dir": warmup_dir} if base == "grpo" else {}
             measured = _child(base, model_dir=model_dir, **warmup, **shape)
             if base == "fsdp":

@@ -15,6 +15,7 @@ Trainer rank r of N (FSDP2, or the one-process GRPO trainer with N = 1), P param
                          without checkpointing: all L layers; with it: the L layer inputs (c·H each) + one layer
                        + logits of one chunk of kept tokens: min(T, 1024) x V x (c + 12) (head output, its fp32
                          copy, log-softmax, and their gradients in the backward's recomputation)
+                         (+ 8 per value with the entropy bonus, train.grpo.entropy_coef > 0)
                        + FSDP's gathered parameters: the root (embeddings, head) and two layers in the compute dtype
                        or, at the optimizer step, AdamW's temporary (the square root of its second moment, one
                          parameter-sized fp32 copy), whichever is larger
@@ -94,6 +95,10 @@ HOST_PROCESS_BYTES = 2 * GIB
 CUDA_GRAPHS_BYTES = 1 * GIB
 #: Tokens whose logits `token_logprobs_and_entropy` projects at once (servers/trainers/policy_model.py).
 LOGITS_CHUNK_TOKENS = 1024
+#: Bytes per (kept token, vocabulary entry) the entropy bonus adds to a logits chunk's backward (the probabilities
+#: kept for it, and their gradient): 8.0 measured on SmolLM2-135M, 512 kept tokens of 1,024 (bench/plan_accuracy.py's
+#: grpo+entropy case: 192 MB more than the grpo case).
+ENTROPY_BONUS_BYTES = 8
 #: vLLM's defaults for its OpenAI server on an 80 GB H100 (vllm/engine/arg_utils.py).
 VLLM_MAX_NUM_SEQS = 1024
 VLLM_MAX_NUM_BATCHED_TOKENS = 8192
@@ -133,8 +138,9 @@ def activations(arch: Architecture, tokens: int, compute_bytes: int, checkpointi
     return arch.num_layers * per_layer
 
 
-def logits_bytes(arch: Architecture, tokens: int, compute_bytes: int) -> float:
-    return min(tokens, LOGITS_CHUNK_TOKENS) * arch.vocab_size * (compute_bytes + 12)
+def logits_bytes(arch: Architecture, tokens: int, compute_bytes: int, entropy_bonus: bool = False) -> float:
+    per_value = compute_bytes + 12 + (ENTROPY_BONUS_BYTES if entropy_bonus else 0)
+    return min(tokens, LOGITS_CHUNK_TOKENS) * arch.vocab_size * per_value
 
 
 @dataclass(frozen=True)
@@ -145,6 +151,7 @@ class TrainerSetting:
     trained_tokens: int | None = None  # of a micro-batch, projected onto the vocabulary (None: all of them)
     checkpointing: bool = False
     kl_reference: bool = False
+    entropy_bonus: bool = False  # train.grpo.entropy_coef > 0: the entropy's backward over the vocabulary
     sharded: bool = False  # FSDP2 (gathers parameters) rather than one process holding them whole
     on_gpu: bool = False
     #: LoRA policies: each one's adapter parameters (empty: the model's own weights are trained)
@@ -187,7 +194,7 @@ def trainer_rank(arch: Architecture, s: TrainerSetting) -> tuple[Parts, Parts]:
         state.add("CUDA context", CUDA_CONTEXT_BYTES).add("NCCL buffers", nccl_buffers(s.nccl_communicators))
     passes = Parts().add("activations", activations(arch, s.micro_batch_tokens, s.compute_bytes, s.checkpointing))
     trained = s.micro_batch_tokens if s.trained_tokens is None else s.trained_tokens
-    passes.add("logits (one chunk)", logits_bytes(arch, trained, s.compute_bytes))
+    passes.add("logits (one chunk)", logits_bytes(arch, trained, s.compute_bytes, s.entropy_bonus))
     moments = [Parts().add("AdamW temporaries", 4 * p / n)]
     if s.sharded:
         gathered = (arch.embedding_params() + 2 * arch.layer_params()) * s.compute_bytes
@@ -212,7 +219,7 @@ def _lora_trainer(arch: Architecture, s: TrainerSetting) -> tuple[Parts, Parts]:
         resident.add("CUDA context", CUDA_CONTEXT_BYTES).add("NCCL buffers", nccl_buffers(s.nccl_communicators))
     passes = Parts().add("activations", activations(arch, s.micro_batch_tokens, s.compute_bytes, s.checkpointing))
     trained = s.micro_batch_tokens if s.trained_tokens is None else s.trained_tokens
-    passes.add("logits (one chunk)", logits_bytes(arch, trained, s.compute_bytes))
+    passes.add("logits (one chunk)", logits_bytes(arch, trained, s.compute_bytes, s.entropy_bonus))
     if s.sharded:  # the root and two layers gathered at a time, as the full sharded trainer; the base has no gradient
         passes.add("gathered parameters", (arch.embedding_params() + 2 * arch.layer_params()) * s.compute_bytes)
     peak = Parts().extend(resident).add(f"gradients (one adapter, fp32{shard})", 4 * largest)

@@ -197,7 +197,8 @@ def trainer_setting(server: Any, arch: Architecture, *, on_gpu: bool,
     bf16 = sharded and (mixed == "bf16" or (mixed == "auto" and on_gpu))
     return TrainerSetting(ranks=(ranks or section.ranks) if sharded else 1, compute_bytes=2 if bf16 else 4,
                           micro_batch_tokens=section.micro_batch_tokens, checkpointing=section.gradient_checkpointing,
-                          kl_reference=section.kl_coef > 0, sharded=sharded, on_gpu=on_gpu,
+                          kl_reference=section.kl_coef > 0, entropy_bonus=section.entropy_coef > 0,
+                          sharded=sharded, on_gpu=on_gpu,
                           adapters=adapter_params(server, arch))  # fmt: skip
 
 

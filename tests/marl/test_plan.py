@@ -267,6 +267,22 @@ def test_the_plan_of_a_lora_topology_counts_its_adapters():
     assert team.disk_per_checkpoint.total == 24 * adapter
 
 
+def test_the_entropy_bonus_costs_its_backward_over_the_vocabulary():
+    """train.grpo.entropy_coef > 0 keeps the probabilities of every kept token's vocabulary for the backward: 8 bytes
+    more per logits value (measured: bench/plan_accuracy.py's grpo+entropy case on SmolLM2, 1.07 of the plain step
+    as the plain one is)."""
+    path = REPO / "topologies" / "signalling-cpu.yaml"
+
+    def logits(*overrides: str) -> float:
+        plan = plan_topology(Topology.load(path, overrides).spec, host_memory=24 * GB)
+        return dict(plan.servers[0].devices[0].step.items)["trainer: logits (one chunk)"]
+
+    smollm2 = KNOWN_ARCHITECTURES["huggingfacetb/smollm2-135m-instruct"]
+    assert logits() == 1024 * smollm2.vocab_size * (4 + 12)
+    entropy = "servers.speaker_model.train.grpo.entropy_coef=0.01"
+    assert logits(entropy) == 1024 * smollm2.vocab_size * (4 + 12 + 8)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # What a real box holds beyond the tensors: NCCL, the head's gradient, the allocator, checkpoints, host memory
 # ----------------------------------------------------------------------------------------------------------------

@@ -35,7 +35,9 @@ def model_26m(tmp_path_factory) -> Path:
 
 @pytest.mark.timeout(900)  # four fresh processes, two of them spawning ranks: 1-2 minutes alone, more beside others
 def test_the_plan_is_within_20_percent_of_measured_peaks(model_26m):
-    rows = _rows(model_26m, "--tokens", "1024", "--trained", "512", "--sequences", "8", "--prompt-tokens", "256")
+    # grpo+entropy only on SmolLM2 (below): with this model's 512-word vocabulary its logits are too small to weigh
+    rows = _rows(model_26m, "--tokens", "1024", "--trained", "512", "--sequences", "8", "--prompt-tokens", "256",
+                 "--cases", "engine,grpo,grpo+ckpt,fsdp")
     assert {row["case"] for row in rows} == {"engine", "grpo", "grpo+ckpt", "fsdp"}
     for row in rows:
         assert 0.8 <= row["ratio"] <= 1.2, row
