@@ -6,7 +6,9 @@
 
 In a topology: `env: {textarena: SecretMafia-v0, args: {num_players: 6}}` (docs/envs.md, "TextArena games").
 
-- **Agents** are TextArena's players: `player_0` ... `player_{n-1}` ("Player 0" in TextArena's text).
+- **Agents** are TextArena's players: `player_0` ... `player_{n-1}` ("Player 0" in TextArena's text). With
+  `rotate_seats=True` agent `player_i` sits in TextArena's seat (i + seed) mod n instead, so that over games each
+  agent plays every seat (in Kuhn Poker the one who opens); `summary()["seats"]` says where each sat.
 - **Roles**: a game that deals secret roles (TextArena's `game_info[pid]["role"]` after reset) deals them as marl
   roles, named in lower case (`Mafia` -> `mafia`), in the team the game gives the role (Secret Mafia's `Role.team`)
   or `teams={role: team}`. Other games have one role per seat (`player_0`, ...), or one role for every seat with
@@ -81,7 +83,8 @@ class TextArenaEnv(TextAECEnv):
 
     def __init__(self, game: str, num_players: int | None = None, *, shared_role: str | None = None,
                  teams: Mapping[str, str] | None = None, game_args: Mapping[str, Any] | None = None,
-                 allow_network: bool = False, max_moves: int = 1000, render_mode: str | None = None):
+                 rotate_seats: bool = False, allow_network: bool = False, max_moves: int = 1000,
+                 render_mode: str | None = None):  # fmt: skip
         if problem := textarena_problem(game, allow_network=allow_network):
             raise GameRefused("game", problem)
         self.game, self.game_args = game, dict(game_args or {})
@@ -90,7 +93,8 @@ class TextArenaEnv(TextAECEnv):
         self.metadata = {**TextAECEnv.metadata, "name": f"textarena_{game}"}
         super().__init__(render_mode=render_mode)
         self.shared_role, self.teams = shared_role, {**dict(self._probe.teams), **dict(teams or {})}
-        self.max_steps = max_moves
+        self.max_steps, self.rotate_seats = max_moves, rotate_seats
+        self._seats = list(self.possible_agents)  # TextArena's player id -> the agent in that seat this game
         self._ta: Any = None
         self._random_state: Any = None
         self._roles: dict[str, str] = {}
@@ -135,17 +139,21 @@ class TextArenaEnv(TextAECEnv):
     def _reset_game(self, seed: int | None, options: dict | None) -> None:
         seed = self.rng.randrange(2**31) if seed is None else seed
         self._random_state = random.Random(seed).getstate()
+        # Rotated, agent i sits in seat (i + seed) mod n: each role plays every position (a first mover's edge too)
+        n = len(self.possible_agents)
+        offset = seed % n if self.rotate_seats else 0
+        self._seats = [self.possible_agents[(pid - offset) % n] for pid in range(n)]
         self._ta = _make(self.game, self.game_args)
         with self._own_random():
             self._ta.reset(num_players=len(self.possible_agents), seed=seed)
         state = self._ta.state
         self._count_invalid_moves(state)
-        self._roles = {f"player_{pid}": _role_name(info.get("role"), pid) for pid, info in state.game_info.items()}
+        self._roles = {self._seats[pid]: _role_name(info.get("role"), pid) for pid, info in state.game_info.items()}
         self._news = {a: [] for a in self.possible_agents}
         self._moves = {a: [] for a in self.possible_agents}
         self.final_rewards, self.game_info, self.winner = {}, {}, None
         self._drain()
-        self.agent_selection = f"player_{state.current_player_id}"
+        self.agent_selection = self._seats[state.current_player_id]
 
     def _count_invalid_moves(self, state: Any) -> None:
         """Count every invalid move TextArena declares (its `set_invalid_move`, on this game's state)."""
@@ -190,13 +198,13 @@ class TextArenaEnv(TextAECEnv):
         if done or state.done:
             self._finish(state)
         else:
-            self.agent_selection = f"player_{state.current_player_id}"
+            self.agent_selection = self._seats[state.current_player_id]
 
     def _drain(self) -> None:
         """Move every player's new TextArena messages into its news (TextArena hands out only the current player's)."""
         state = self._ta.state
         for pid, messages in state.observations.items():
-            agent = f"player_{pid}"
+            agent = self._seats[pid] if 0 <= pid < len(self._seats) else None
             if agent in self._news:
                 for sender, text, kind in messages:
                     self._news[agent].append((_sender(state, sender), str(text), getattr(kind, "name", str(kind))))
@@ -204,8 +212,8 @@ class TextArenaEnv(TextAECEnv):
 
     def _finish(self, state: Any) -> None:
         rewards = state.rewards or {}
-        self.final_rewards = {f"player_{pid}": float(r) for pid, r in rewards.items()}
-        self.game_info = {f"player_{pid}": dict(info) for pid, info in state.game_info.items()}
+        self.final_rewards = {self._seats[pid]: float(r) for pid, r in rewards.items()}
+        self.game_info = {self._seats[pid]: dict(info) for pid, info in state.game_info.items()}
         for agent in self.agents:
             self.rewards[agent] = self.final_rewards.get(agent, 0.0)
             self.terminations[agent] = True
@@ -239,11 +247,13 @@ class TextArenaEnv(TextAECEnv):
         if self._ta is None:
             return {}
         out: dict[str, Any] = {"game": self.game, "roles": {a: self.role_of(a) for a in self.possible_agents}}
+        if self.rotate_seats:
+            out["seats"] = {agent: f"Player {pid}" for pid, agent in enumerate(self._seats)}
         deaths = []
         for sender, text in self._ta.state.logs:
             death = re.match(r"Player (\d+) (?:was|has been) (?:killed|eliminated)", str(text))
             if sender == _GAME_ID and death:
-                deaths.append(f"{printable(text).rstrip('.')} ({self.role_of(f'player_{death.group(1)}')})")
+                deaths.append(f"{printable(text).rstrip('.')} ({self.role_of(self._seats[int(death.group(1))])})")
         if deaths:
             out["deaths"] = deaths
         reasons = {str(info.get("reason")) for info in self.game_info.values() if info.get("reason")}
