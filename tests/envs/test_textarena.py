@@ -113,6 +113,29 @@ def test_a_seed_replays_the_same_game_and_another_seed_another():
     assert any(game(s)[0]["roles"] != game(7)[0]["roles"] for s in (8, 9, 10))
 
 
+def test_rotated_seats_put_each_agent_in_every_seat_by_the_seed_and_its_rewards_follow_it():
+    """Kuhn Poker, one round: TextArena's Player 1 opens. Seated as named, player_1 opens every game; rotated, the
+    opener alternates with the seed, and the reward, the invalid-move penalty and the summary follow the agent."""
+    def opener(seed: int, **args) -> str:
+        env = TextArenaEnv("KuhnPoker-v0", game_args={"max_rounds": 1}, **args)
+        env.reset(seed=seed)
+        return env.agent_selection
+
+    assert [opener(seed) for seed in range(4)] == ["player_1"] * 4
+    assert [opener(seed, rotate_seats=True) for seed in range(4)] == ["player_1", "player_0"] * 2
+    env = TextArenaEnv("KuhnPoker-v0", game_args={"max_rounds": 1}, rotate_seats=True)
+    env.reset(seed=1)
+    assert env.summary()["seats"] == {"player_1": "Player 0", "player_0": "Player 1"}
+    assert "Player 1" in env.observe("player_0")  # TextArena's own text names the seat it sits in
+    env.step("no move")
+    env.step("no move again")  # player_0, in seat 1, loses by two invalid moves
+    assert env.final_rewards == {"player_0": -1.0, "player_1": 1.0} and env.winner == "player_1"
+    assert env.summary()["penalized_for_invalid_moves"] == ["player_0"] and env.invalid_actions_by_role == {
+        "player_0": 2, "player_1": 0}
+    assert scripted_game(env, seed=5) == env.final_rewards  # and a scripted game ends
+    quiet_api_test(TextArenaEnv("KuhnPoker-v0", rotate_seats=True))
+
+
 def test_roles_per_seat_or_one_shared_role():
     assert TextArenaEnv("KuhnPoker-v0").dealt_roles() == {"player_0": RoleInfo("player_0"),
                                                           "player_1": RoleInfo("player_1")}
