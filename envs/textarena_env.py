@@ -94,7 +94,7 @@ class TextArenaEnv(TextAECEnv):
         super().__init__(render_mode=render_mode)
         self.shared_role, self.teams = shared_role, {**dict(self._probe.teams), **dict(teams or {})}
         self.max_steps, self.rotate_seats = max_moves, rotate_seats
-        self._seats = list(self.possible_agents)  # TextArena's player id -> the agent in that seat this game
+        self._seats = dict(enumerate(self.possible_agents))  # TextArena's player id -> the agent there this game
         self._ta: Any = None
         self._random_state: Any = None
         self._roles: dict[str, str] = {}
@@ -142,10 +142,10 @@ class TextArenaEnv(TextAECEnv):
         # Rotated, agent i sits in seat (i + seed) mod n: each role plays every position (a first mover's edge too)
         n = len(self.possible_agents)
         offset = seed % n if self.rotate_seats else 0
-        self._seats = [self.possible_agents[(pid - offset) % n] for pid in range(n)]
+        self._seats = {pid: self.possible_agents[(pid - offset) % n] for pid in range(n)}
         self._ta = _make(self.game, self.game_args)
         with self._own_random():
-            self._ta.reset(num_players=len(self.possible_agents), seed=seed)
+            self._ta.reset(num_players=n, seed=seed)
         state = self._ta.state
         self._count_invalid_moves(state)
         self._roles = {self._seats[pid]: _role_name(info.get("role"), pid) for pid, info in state.game_info.items()}
@@ -204,7 +204,7 @@ class TextArenaEnv(TextAECEnv):
         """Move every player's new TextArena messages into its news (TextArena hands out only the current player's)."""
         state = self._ta.state
         for pid, messages in state.observations.items():
-            agent = self._seats[pid] if 0 <= pid < len(self._seats) else None
+            agent = self._seats.get(pid)
             if agent in self._news:
                 for sender, text, kind in messages:
                     self._news[agent].append((_sender(state, sender), str(text), getattr(kind, "name", str(kind))))
@@ -248,7 +248,7 @@ class TextArenaEnv(TextAECEnv):
             return {}
         out: dict[str, Any] = {"game": self.game, "roles": {a: self.role_of(a) for a in self.possible_agents}}
         if self.rotate_seats:
-            out["seats"] = {agent: f"Player {pid}" for pid, agent in enumerate(self._seats)}
+            out["seats"] = {agent: f"Player {pid}" for pid, agent in self._seats.items()}
         deaths = []
         for sender, text in self._ta.state.logs:
             death = re.match(r"Player (\d+) (?:was|has been) (?:killed|eliminated)", str(text))
