@@ -275,3 +275,27 @@ def _matrix_layout(labels: list[dict[str, str]]):
 def _nan(value: float | None) -> float:
     """JSON's null (a NaN written by `marl eval`) back to NaN, which matplotlib leaves out."""
     return math.nan if value is None else value
+
+
+def plot_exploitability(report: Mapping[str, Any], path: Path) -> Path:
+    """The exploitability of each profile of a `marl eval --exploitability` report (its JSON document), in order,
+    with its 95% interval, against the reference points (dashed): a curve over versions with `--diagonal`."""
+    profiles = report["profiles"]
+    labels = [" ".join(str(ref) for ref in p["checkpoints"].values()) for p in profiles]
+    x = list(range(len(profiles)))
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(profiles) + 3), 4))
+    ax.plot(x, [p["value"] for p in profiles], marker="o", label="measured (95% interval)")
+    ax.fill_between(x, [p["low"] for p in profiles], [p["high"] for p in profiles], alpha=0.2)
+    ax.plot(x, [p["valid_only"] for p in profiles], marker=".", linestyle=":", label="valid moves only")
+    for name, value in report["references"].items():
+        if value is not None and name != "Nash equilibrium":
+            ax.axhline(value, linestyle="--", linewidth=0.8, color="gray")
+            ax.annotate(f"{name} {value:.3f}", (0, value), fontsize=7, color="gray", va="bottom")
+    ax.set_xticks(x, labels, rotation=30 if len(profiles) > 6 else 0, fontsize=8)
+    ax.set_xlabel("checkpoints (" + ", ".join(profiles[0]["checkpoints"]) + ")" if profiles else "profile")
+    ax.set_ylabel("exploitability (NashConv / 2)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{report['game']}: how much a best response wins a game")
+    ax.legend(fontsize="small")
+    return _save(fig, Path(path))

@@ -34,7 +34,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                         help="checkpoints of a role (initial, latest, a step, a directory; comma-separated for a"
                              " matrix), or a topology override with a dotted key")
     parser.add_argument("--games", type=int, default=16, help="games per pairing (default 16)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    parser.add_argument("--temperature", type=float, help="sampling temperature (default 0, greedy; with"
+                                                          " --exploitability run.temperature)")
     parser.add_argument("--seed", type=int, help="seed of the games (default: run.seed)")
     parser.add_argument("--concurrency", type=int, default=4, help="games in flight (default 4)")
     parser.add_argument("--run-dir", help="the run whose checkpoints to play (default: run.run_dir)")
@@ -43,6 +44,18 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                                        " side by side)")
     parser.add_argument("--max-servers", type=int, default=4,
                         help="static servers running at once (default 4); a matrix restarts the others as needed")
+    solver = parser.add_argument_group("exploitability (docs/eval.md): two-player zero-sum OpenSpiel games, and"
+                                       " TextArena's KuhnPoker-v0")
+    solver.add_argument("--exploitability", action="store_true",
+                        help="measure each role's policy against OpenSpiel's exact best response instead of playing")
+    solver.add_argument("--samples", type=int, default=64,
+                        help="replies per information state (default 64: a move's share within about ±0.12)")
+    solver.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates of the interval (1000)")
+    solver.add_argument("--diagonal", action="store_true",
+                        help="profiles pair the i-th checkpoint of every role (a curve), not every combination")
+    solver.add_argument("--table", action="store_true", help="print every information state's probabilities")
+    solver.add_argument("--json", action="store_true", help="print the report as one JSON document")
+    solver.add_argument("--plot", help="draw the profiles' exploitability to this PNG (with --diagonal: a curve)")
     parser.set_defaults(func=run_eval_command, trailing="pairs")
 
 
@@ -62,6 +75,10 @@ def split_arguments(pairs: list[str]) -> tuple[dict[str, list[str]], list[str]]:
 
 
 def run_eval_command(args: argparse.Namespace) -> None:
+    if args.exploitability:
+        from marl.eval.exploit_command import run_exploitability_command
+        run_exploitability_command(args)
+        return
     from rich.console import Console
 
     from marl.eval.matrix import evaluate, results_table, write_outputs
@@ -83,7 +100,8 @@ def run_eval_command(args: argparse.Namespace) -> None:
         sys.exit(2)
     run = topology.spec.run
     settings = EvalSettings(games=args.games, seed=run.seed if args.seed is None else args.seed,
-                            temperature=args.temperature, concurrency=args.concurrency, max_tokens=run.max_tokens,
+                            temperature=0.0 if args.temperature is None else args.temperature,
+                            concurrency=args.concurrency, max_tokens=run.max_tokens,
                             max_failures=run.max_failures, lease_timeout_s=run.lease_timeout_s)
     out = Path(args.out or run_dir / "eval")
     console.print(f"{len(pairings)} pairings × {settings.games} games (seed {settings.seed}, temperature"

@@ -45,7 +45,7 @@ class Pairing:
 
     @property
     def label(self) -> str:
-        return " ".join(f"{role}={snapshot.label}" for role, snapshot in self.seats.items())
+        return " ".join(f"{role}={snapshot.label}" for role, snapshot in self.seats.items()) or "(no model plays)"
 
     def describe(self) -> dict[str, dict]:
         return {role: {"server": s.server, "policy": s.policy, "version": s.version, "model": s.model,

@@ -4,7 +4,7 @@
 - `env.args` are keyword arguments: a key the class or factory does not take is an error at `env.args.<key>`
   (unless it takes `**kwargs`); an exception from the constructor is an error at `env.args`, or, when it names the
   argument it refuses (an `arg` attribute: `envs.textarena_env.GameRefused`), at `env.args.<arg>` (a TextArena
-  game id at `env.textarena`).
+  game id at `env.textarena`, an OpenSpiel game at `env.openspiel`).
 - Every role the env deals needs a player in `roles:` (error at `roles`), and every role in `roles:` must be one the
   env deals (error at `roles.<name>`): a server whose roles are never dealt would never play.
 - `roles.<name>.count` and `.team` may be left out (the env's are taken); given, they must equal the env's.
@@ -90,10 +90,10 @@ def _construct(factory: Callable[..., Any], spec: TopologySpec, findings: Findin
 
 
 def _refused_key(spec: TopologySpec, arg: str) -> list[str]:
-    """Where an env's refusal of one argument is reported: `env.textarena` for the game of a TextArena env (named
-    there), else `env.args.<arg>`."""
-    if arg == "game" and spec.env.textarena is not None:
-        return ["env", "textarena"]
+    """Where an env's refusal of one argument is reported: `env.textarena` (`env.openspiel`) for the game of a
+    TextArena (OpenSpiel) env, named there, else `env.args.<arg>`."""
+    if arg == "game" and spec.env.suite is not None:
+        return ["env", spec.env.suite]
     return ["env", "args", arg]
 
 

@@ -559,6 +559,10 @@ class RoleSpec(_Spec):
 
 #: The env class that plays a TextArena game id (`env.textarena`).
 TEXTARENA_CLASS = "envs.textarena_env:TextArenaEnv"
+#: The env class that plays an OpenSpiel game (`env.openspiel`).
+OPENSPIEL_CLASS = "envs.openspiel_env:OpenSpielEnv"
+#: The keys that name a game of a suite instead of `class:`, and the class that plays it.
+GAME_SUITES = {"textarena": TEXTARENA_CLASS, "openspiel": OPENSPIEL_CLASS}
 
 
 class EnvSpec(_Spec):
@@ -567,22 +571,31 @@ class EnvSpec(_Spec):
     textarena: str | None = Field(None, description="A TextArena game id (SecretMafia-v0, KuhnPoker-v0), instead of"
                                   " class: played by envs.textarena_env:TextArenaEnv, env.args its arguments"
                                   " (num_players, shared_role, teams, game_args).")
+    openspiel: str | None = Field(None, description="An OpenSpiel game name (kuhn_poker, leduc_poker, liars_dice),"
+                                  " instead of class: played by envs.openspiel_env:OpenSpielEnv, env.args its"
+                                  " arguments (params, shared_role, deals, scripted_policy, invalid_penalty).")
     args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of the env class or factory.")
 
     @model_validator(mode="before")
     @classmethod
-    def _textarena_game(cls, data: Any) -> Any:
-        """`textarena: ID` is `class: envs.textarena_env:TextArenaEnv` with `args.game: ID`."""
-        if not isinstance(data, dict) or data.get("textarena") is None:
+    def _suite_game(cls, data: Any) -> Any:
+        """`textarena: ID` is `class: envs.textarena_env:TextArenaEnv` with `args.game: ID`; `openspiel: NAME` the
+        same with `envs.openspiel_env:OpenSpielEnv`."""
+        if not isinstance(data, dict):
             return data
-        game, args = data["textarena"], data.get("args") or {}
-        if data.get("class", TEXTARENA_CLASS) != TEXTARENA_CLASS:
-            raise rule_error(f"both class: {data['class']} and textarena: {game}; an env is a class or a TextArena"
-                             " game id, not both: remove one")
+        named = [suite for suite in GAME_SUITES if data.get(suite) is not None]
+        if len(named) > 1:
+            raise rule_error(f"both {named[0]}: and {named[1]}:; an env is one game: remove one")
+        if not named:
+            return data
+        suite, game, args = named[0], data[named[0]], data.get("args") or {}
+        if data.get("class", GAME_SUITES[suite]) != GAME_SUITES[suite]:
+            raise rule_error(f"both class: {data['class']} and {suite}: {game}; an env is a class or a game of"
+                             f" {suite}, not both: remove one")
         if not isinstance(args, dict) or args.get("game", game) != game:
-            raise rule_error(f"args.game ({args.get('game') if isinstance(args, dict) else args!r}) is not textarena:"
-                             f" {game}: remove args.game (textarena: names the game)")
-        return {**data, "class": TEXTARENA_CLASS, "args": {"game": game, **args}}
+            raise rule_error(f"args.game ({args.get('game') if isinstance(args, dict) else args!r}) is not {suite}:"
+                             f" {game}: remove args.game ({suite}: names the game)")
+        return {**data, "class": GAME_SUITES[suite], "args": {"game": game, **args}}
 
     @field_validator("class_path")
     @classmethod
@@ -597,8 +610,13 @@ class EnvSpec(_Spec):
 
     @property
     def qualname(self) -> str:
-        """The env's name in messages: the TextArena game id, or the class (factory) name."""
-        return self.textarena or self.class_path.partition(":")[2]
+        """The env's name in messages: the TextArena or OpenSpiel game, or the class (factory) name."""
+        return self.textarena or self.openspiel or self.class_path.partition(":")[2]
+
+    @property
+    def suite(self) -> str | None:
+        """The key that names the game (`textarena`, `openspiel`), None for an env given by `class:`."""
+        return next((suite for suite in GAME_SUITES if getattr(self, suite) is not None), None)
 
 
 class RaySpec(_Spec):
