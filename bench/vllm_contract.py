@@ -156,7 +156,7 @@ def main() -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     read = sub.add_parser("read", help="write the manifest of the vLLM at SOURCE (a wheel, or a folder with vllm/)")
     read.add_argument("source", type=Path)
-    read.add_argument("--out", type=Path, required=True)
+    read.add_argument("--out", type=Path, required=True, help="a file, or a folder (named after the build)")
     checking = sub.add_parser("check", help="check marl's code against manifests (default: the committed ones)")
     checking.add_argument("manifests", type=Path, nargs="*")
     checking.add_argument("--stamp", action="store_true", help="record the pins and sources hash once they pass")
@@ -166,6 +166,8 @@ def main() -> int:
         from vllm_contract_read import read_manifest
 
         manifest = read_manifest(args.source)
+        if args.out.is_dir():
+            args.out = args.out / f"{manifest_name(manifest)}.json"
         args.out.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         print(f"{manifest_name(manifest)}: {args.out}")
         return 0

@@ -195,8 +195,11 @@ def _interface_problems(manifest: dict, interface: str, base_path: str, bases: d
         return [f"{lead.__name__} cannot be built as the {interface} loader builds it: {type(exc).__name__}: {exc}"]
     problems = [] if isinstance(instance, base) else [f"{lead.__name__}(...) is no {base_path} under {interface}"]
     for method, params in manifest["classes"][f"logits_{interface}"]["methods"].items():
+        owner = next(k for k in type(instance).__mro__ if method in k.__dict__)
+        if owner is base or owner is object:
+            continue  # vLLM's own default
         ours = [p for p in inspect.signature(getattr(type(instance), method)).parameters if p not in ("self", "cls")]
-        if method != "__init__" and ours != params:
+        if ours != params:
             problems.append(f"{type(instance).__name__}.{method}{tuple(ours)} differs from the {interface} interface's"
                             f" {method}{tuple(params)}")
     return problems
@@ -228,7 +231,7 @@ def _install(manifest: dict[str, Any]) -> dict[str, Any]:
     for interface in ("v1", "v2"):
         facts = classes.get(f"logits_{interface}")
         if facts is not None:
-            body = {name: (abc.abstractmethod(_placeholder) if name in facts["abstract"] else _placeholder)
+            body = {name: (abc.abstractmethod(_placeholder()) if name in facts["abstract"] else _placeholder())
                     for name in facts["methods"] if name != "validate_params"}
             body["validate_params"] = classmethod(lambda cls, params: None)
             made[interface] = abc.ABCMeta("LogitsProcessor", (abc.ABC,), body)
@@ -252,8 +255,13 @@ def _install(manifest: dict[str, Any]) -> dict[str, Any]:
     return bases
 
 
-def _placeholder(self: Any, *args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError
+def _placeholder() -> Any:
+    """A new method that does nothing (new each time: `abstractmethod` marks the function object itself)."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return None
+
+    return method
 
 
 def _module(dotted: str) -> types.ModuleType:
