@@ -65,6 +65,7 @@ def check(manifest: dict[str, Any]) -> list[str]:
     problems = problems_of_command_line(manifest, marl_command_lines())
     problems += problems_of_calls(manifest, marl_calls())
     problems += problems_of_reads(manifest)
+    problems += problems_of_paused(manifest)
     problems += problems_of_lead(manifest)
     problems += problems_of_worker_extension(manifest)
     return [f"{manifest_name(manifest)}: {problem}" for problem in problems]
@@ -129,6 +130,22 @@ def problems_of_reads(manifest: dict[str, Any]) -> list[str]:
     answers = {route: facts["answers"] for route, facts in manifest["routes"].items()}
     problems += [f"marl reads {field!r} from {route}, which vLLM does not answer with"
                  for route, field in READS["answers"] if field not in answers.get(route, [])]
+    return problems
+
+
+def problems_of_paused(manifest: dict[str, Any]) -> list[str]:
+    """A vLLM that refuses requests while paused (retryably): marl must tell its refusal, whole (the status and the
+    error type it sends) and streamed (the same error as an SSE event), from any other error."""
+    from servers.engines.vllm_http import paused_error, paused_refusal
+
+    refusal = manifest["paused_refusal"]
+    if refusal["code"] is None:
+        return []  # this build queues requests while paused
+    error = {"message": "?", "type": refusal["type"], "param": None, "code": refusal["status"]}
+    problems = [] if paused_refusal(refusal["status"], json.dumps({"error": error}).encode()) else [
+        f"marl does not retry vLLM's paused refusal: {refusal['status']} {refusal['type']}"]
+    if refusal["streamed_as_sse_error"] and not paused_error(error):
+        problems.append(f"marl does not retry vLLM's streamed paused refusal (an SSE error of type {refusal['type']})")
     return problems
 
 

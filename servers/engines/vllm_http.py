@@ -13,8 +13,9 @@
   cache reset, resume); with sleep mode (CUDA only), sleep before the training step, then wake the weights, reload,
   wake the KV cache. Through vLLM's weight-transfer engine the same calls surround the trainer's push instead of the
   reload (`before_transfer`, `after_transfer`; the push itself: servers.engines.weight_transfer).
-- A paused vLLM that refuses a new generation (503 `engine_paused`, vLLM 0.33) is told apart once, in
-  `paused_refusal`, and raised as `VLLMPaused` for the engine to send it again.
+- A paused vLLM that refuses a new generation (vLLM 0.33: 503 with error type `ServiceUnavailableError`, or, streamed,
+  HTTP 200 and an SSE error event before any token) is told apart once, in `paused_error`, and raised as
+  `VLLMPaused` for the engine to send it again.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ import httpx
 from servers.backends import GenerationChunk, SamplingParams
 from servers.engines.lead_tokens import lead_to_strings
 
-__all__ = ["PAUSED_ERROR", "LoopClients", "VLLMPaused", "after_transfer", "before_transfer", "completion_body",
-           "generate_one_token", "paused_refusal", "reset_prefix_cache", "sleep_for_training", "stream_completion",
-           "sync_weights", "sync_weights_waking", "transfer_abandoned", "whole_completion"]
+__all__ = ["PAUSED_ERROR", "PAUSED_ERRORS", "LoopClients", "VLLMPaused", "after_transfer", "before_transfer",
+           "completion_body", "generate_one_token", "paused_error", "paused_refusal", "reset_prefix_cache",
+           "sleep_for_training", "stream_completion", "sync_weights", "sync_weights_waking", "transfer_abandoned",
+           "whole_completion"]
 
 #: The `vllm_xargs` key of `SamplingParams.lead`, which `vllm_lead.LeadConstraint` reads in vLLM's process.
 LEAD_ARG = "marl_lead"
@@ -86,6 +88,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
     httpx errors (vLLM unreachable or gone) pass through.
     """
     last: GenerationChunk | None = None
+    started = False
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             _refused(response.status_code, await response.aread())
@@ -93,6 +96,9 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line.removeprefix("data: "))
+            if not started and paused_error(event.get("error")):  # refused before any token: send it again
+                raise VLLMPaused(f"vLLM is paused: {line[:200]}")
+            started = True
             _count_usage(event, on_usage)
             chunk = _chunk(event)
             if chunk is None:
@@ -125,21 +131,30 @@ class VLLMPaused(RuntimeError):
     """vLLM refused a new generation because it is paused (`paused_refusal`): worth sending again once it resumes."""
 
 
-#: What vLLM 0.33 names the refusal of a new request while it is paused (503; docs/backends.md, "vLLM: requests
-#: during a weight sync"). The CPU build 0.32 queues such requests instead and never sends it.
+#: The error types and codes that say "paused, send it again" (docs/backends.md, "vLLM: requests during a weight
+#: sync"). vLLM 0.33 refuses a new request while paused with a retryable error (code `engine_paused` inside its
+#: engine), which its HTTP layer turns into `{"error": {"type": "ServiceUnavailableError", "code": 503, ...}}`: status
+#: 503, or in a stream HTTP 200 and that body as an SSE event. `engine_paused` is kept for a vLLM that would say so.
+#: The CPU build 0.32 queues such requests instead and sends none of this.
+PAUSED_ERRORS = ("ServiceUnavailableError", "engine_paused")
 PAUSED_ERROR = "engine_paused"
 
 
+def paused_error(error: object) -> bool:
+    """Whether an OpenAI-shaped error (`{"message", "type", "param", "code"}`) is vLLM's "retry later": its type or
+    code one of `PAUSED_ERRORS`. The one place that decides; the message text is never read."""
+    return isinstance(error, dict) and any(error.get(key) in PAUSED_ERRORS for key in ("type", "code"))
+
+
 def paused_refusal(status: int, content: bytes) -> bool:
-    """Whether vLLM's answer is the refusal of a paused engine: a 503 whose OpenAI-shaped error body (`{"error":
-    {"message", "type", "param", "code"}}`) names `PAUSED_ERROR` as its type or code. The one place that decides."""
+    """Whether a whole (non-streamed) answer is the refusal of a paused vLLM: a 503 carrying a `paused_error`."""
     if status != 503:
         return False
     try:
         error = json.loads(content).get("error")
     except (ValueError, AttributeError):
         return False
-    return isinstance(error, dict) and PAUSED_ERROR in (error.get("type"), error.get("code"))
+    return paused_error(error)
 
 
 def _refused(status: int, content: bytes) -> None:
