@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -204,7 +205,7 @@ def sync_weights(url: str, weights_dir: Path, timeout_s: float = 600.0) -> None:
         _checked(http.post("/pause", params={"mode": "wait"}, timeout=None))  # as long as the running requests take
         try:
             _reload(http, weights_dir)
-            _checked(http.post("/reset_prefix_cache"))
+            _reset_prefix_cache(http)
         except BaseException:
             with contextlib.suppress(httpx.HTTPError):
                 http.post("/resume")
@@ -214,7 +215,27 @@ def sync_weights(url: str, weights_dir: Path, timeout_s: float = 600.0) -> None:
 
 def reset_prefix_cache(url: str, timeout_s: float = 60.0) -> None:
     """Empty vLLM's prefix cache (benches compare routings from a cold cache)."""
-    _checked(httpx.post(f"{url}/reset_prefix_cache", timeout=timeout_s))
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
+        _reset_prefix_cache(http)
+
+
+#: How often, and how far apart, an unsuccessful prefix-cache reset is tried again.
+RESET_TRIES, RESET_WAIT_S = 20, 0.25
+
+
+def _reset_prefix_cache(http: httpx.Client) -> None:
+    """`/reset_prefix_cache`, tried again while vLLM answers 200 `{"success": false}` (0.32 and 0.33: blocks still
+    held, e.g. by an asynchronous KV offload; "callers may retry"); RuntimeError after `tries`, because serving on
+    with cached keys and values of the old weights would sample from a model nobody trains (invariant 4): the sync
+    fails as any failed sync does. An answer without the field (an older vLLM) counts as done. `RESET_TRIES` and
+    `RESET_WAIT_S` are read at each call."""
+    for attempt in range(RESET_TRIES):
+        if _answer(_checked(http.post("/reset_prefix_cache"))).get("success") is not False:
+            return
+        if attempt + 1 < RESET_TRIES:
+            time.sleep(RESET_WAIT_S)
+    raise RuntimeError(f"vLLM did not empty its prefix cache ({RESET_TRIES} tries {RESET_WAIT_S} s apart answered"
+                       " success: false): its blocks still hold keys and values of the old weights")
 
 
 def sleep_for_training(url: str, timeout_s: float = 600.0) -> None:
@@ -258,7 +279,7 @@ def after_transfer(url: str, *, asleep: bool, timeout_s: float = 600.0) -> None:
         if asleep:
             _checked(http.post("/wake_up", params={"tags": "kv_cache"}))
         else:
-            _checked(http.post("/reset_prefix_cache"))
+            _reset_prefix_cache(http)
             _checked(http.post("/resume"))
 
 
@@ -275,6 +296,15 @@ def _reload(http: httpx.Client, weights_dir: Path) -> None:
     """The reload itself, through the worker extension (paths only cross `collective_rpc`: docs/backends.md)."""
     _checked(http.post("/collective_rpc", json={
         "method": "marl_reload_weights", "kwargs": {"weights_path": str(weights_dir)}}))
+
+
+def _answer(response: httpx.Response) -> dict[str, Any]:
+    """A dev route's JSON object ({} when it answered none)."""
+    try:
+        answer = response.json()
+    except ValueError:
+        return {}
+    return answer if isinstance(answer, dict) else {}
 
 
 def _checked(response: httpx.Response) -> httpx.Response:

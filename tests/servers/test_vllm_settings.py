@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from servers.engines import vllm_http
 from servers.engines.vllm_engine import _served_context
 from servers.engines.vllm_http import sleep_for_training, sync_weights, sync_weights_waking
 from servers.engines.vllm_process import (
@@ -191,3 +192,20 @@ def test_a_refused_sleep_raises(recording):
     vllm = recording(failing=("/sleep",))
     with pytest.raises(RuntimeError, match="vLLM /sleep answered 500"):
         sleep_for_training(vllm.url)
+
+
+def test_a_prefix_cache_reset_that_did_not_happen_is_tried_again(recording, tmp_path, monkeypatch):
+    """vLLM 0.32/0.33 answer 200 `{"success": false}` while blocks are still held: tried again, then done."""
+    monkeypatch.setattr(vllm_http, "RESET_WAIT_S", 0.0)
+    vllm = recording(answers={"/reset_prefix_cache": [{"success": False}, {"success": False}, {"success": True}]})
+    sync_weights(vllm.url, tmp_path)
+    assert vllm.paths() == ["/pause?mode=wait", "/collective_rpc", *["/reset_prefix_cache"] * 3, "/resume"]
+
+
+def test_a_prefix_cache_that_never_empties_fails_the_sync_and_vllm_resumes(recording, tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_http, "RESET_WAIT_S", 0.0)
+    monkeypatch.setattr(vllm_http, "RESET_TRIES", 3)
+    vllm = recording(answers={"/reset_prefix_cache": [{"success": False}]})
+    with pytest.raises(RuntimeError, match="did not empty its prefix cache .* old weights"):
+        sync_weights(vllm.url, tmp_path)
+    assert vllm.paths() == ["/pause?mode=wait", "/collective_rpc", *["/reset_prefix_cache"] * 3, "/resume"]
