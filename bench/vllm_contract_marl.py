@@ -26,7 +26,8 @@ ENGINES = ROOT / "servers" / "engines"
 #: The modules vLLM imports from marl inside its own process (PYTHONPATH = servers/engines/).
 IN_VLLM = ("vllm_lead", "vllm_lead_v1", "vllm_lead_v2", "vllm_worker_ext", "lead_tokens")
 #: What the worker extension reads off vLLM's sleep allocator (servers/engines/vllm_worker_ext.py, `wake_memory`).
-ALLOCATOR_READS = {"cumem_allocator": ("pointer_to_data",), "allocation_data": ("tag", "handle", "is_asleep")}
+ALLOCATOR_READS = {"cumem_allocator": ("get_instance", "pointer_to_data"),
+                   "allocation_data": ("tag", "handle", "is_asleep")}
 
 Call = tuple[str, str, dict[str, list[str]], Any]
 
@@ -72,6 +73,7 @@ def marl_calls() -> list[Call]:
         wire.sync_weights(url, Path(folder))
         wire.sleep_for_training(url)
         wire.sync_weights_waking(url, Path(folder))
+        wire.wake_fits(url, "vllm.gpu_memory_utilization")
         for asleep in (False, True):
             wire.before_transfer(url, asleep=asleep)
             wire.after_transfer(url, asleep=asleep)
@@ -143,7 +145,7 @@ def _answer(path: str, body: Any) -> tuple[bytes, str]:
     if path == "/reset_prefix_cache":
         return b'{"success": true}', "application/json"
     if path == "/collective_rpc":
-        fits = {"gpu": 0, "free_bytes": 2, "kv_cache_bytes": 1, "holders": []}
+        fits = {"gpu": 0, "free_bytes": 2**40, "kv_cache_bytes": 2**30, "holders": []}
         return json.dumps({"results": [fits]}).encode(), "application/json"
     if path != "/v1/completions":
         return b"{}", "application/json"
@@ -309,7 +311,7 @@ def problems_of_worker_extension(manifest: dict[str, Any]) -> list[str]:
     for key, fields in ALLOCATOR_READS.items():
         facts = classes.get(key) or {"fields": [], "attributes": []}
         problems += [f"the worker extension reads {key}.{f}, which vLLM lacks" for f in fields
-                     if f not in facts["fields"] + facts["attributes"]]
+                     if f not in facts["fields"] + facts["attributes"] + list(facts.get("methods", {}))]
     return sorted(set(problems)) + _import_problems(manifest)
 
 

@@ -33,11 +33,12 @@ import httpx
 
 from servers.backends import GenerationChunk, SamplingParams
 from servers.engines.lead_tokens import lead_to_strings
+from servers.engines.wake_memory import wake_problem
 
 __all__ = ["PAUSED_ERROR", "PAUSED_ERRORS", "LoopClients", "VLLMPaused", "after_transfer", "before_transfer",
            "completion_body", "generate_one_token", "paused_error", "paused_refusal", "reset_prefix_cache",
            "sleep_for_training", "stream_completion", "sync_weights", "sync_weights_waking", "transfer_abandoned",
-           "whole_completion"]
+           "wake_fits", "whole_completion", "VLLMWakeRefused"]
 
 #: The `vllm_xargs` key of `SamplingParams.lead`, which `vllm_lead.LeadConstraint` reads in vLLM's process.
 LEAD_ARG = "marl_lead"
@@ -246,15 +247,38 @@ def sleep_for_training(url: str, timeout_s: float = 600.0) -> None:
         _checked(http.post("/sleep", params={"level": 1, "mode": "wait"}, timeout=None))
 
 
-def sync_weights_waking(url: str, weights_dir: Path, timeout_s: float = 600.0) -> None:
+class VLLMWakeRefused(RuntimeError):
+    """vLLM's KV cache would not fit in its GPUs' free memory: not woken (the wake would kill its engine core)."""
+
+
+#: The setting to lower when the KV cache does not fit (`VLLMLaunch.kv_setting` names the one in use).
+KV_SETTING = "vllm.gpu_memory_utilization"
+
+
+def wake_fits(url: str, kv_setting: str = KV_SETTING, timeout_s: float = 60.0) -> None:
+    """Before `/wake_up?tags=kv_cache`: VLLMWakeRefused, one line naming each GPU short of memory, what holds it
+    and `kv_setting`, unless every worker has room for the KV cache it will map again (servers.engines.wake_memory;
+    the readings come from the worker extension)."""
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
+        readings = _answer(_checked(http.post("/collective_rpc", json={"method": "marl_wake_memory"})))
+    problem = wake_problem([r for r in readings.get("results") or [] if isinstance(r, dict)], kv_setting)
+    if problem is not None:
+        raise VLLMWakeRefused(problem)
+
+
+def sync_weights_waking(url: str, weights_dir: Path, timeout_s: float = 600.0, kv_setting: str = KV_SETTING) -> None:
     """`sync_weights` for a vLLM that `sleep_for_training` put to sleep: wake the weights' memory, reload them in
-    place, then wake the KV cache, which resumes serving (the sleep already emptied the prefix cache). Waking the
-    weights alone first keeps the KV cache's memory free while the reload runs."""
+    place, then, once `wake_fits`, wake the KV cache, which resumes serving (the sleep already emptied the prefix
+    cache). Waking the weights alone first keeps the KV cache's memory free while the reload runs. When the KV cache
+    does not fit, vLLM stays as it is (VLLMWakeRefused): a wake of every tag would kill its engine core."""
     with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
         try:
             _checked(http.post("/wake_up", params={"tags": "weights"}))
             _reload(http, weights_dir)
+            wake_fits(url, kv_setting)
             _checked(http.post("/wake_up", params={"tags": "kv_cache"}))
+        except VLLMWakeRefused:
+            raise
         except BaseException:
             with contextlib.suppress(httpx.HTTPError):
                 http.post("/wake_up")  # every tag: serving again rather than asleep for good
@@ -272,11 +296,12 @@ def before_transfer(url: str, *, asleep: bool, timeout_s: float = 600.0) -> None
             _checked(http.post("/pause", params={"mode": "wait"}, timeout=None))
 
 
-def after_transfer(url: str, *, asleep: bool, timeout_s: float = 600.0) -> None:
+def after_transfer(url: str, *, asleep: bool, timeout_s: float = 600.0, kv_setting: str = KV_SETTING) -> None:
     """After a push: as `sync_weights` and `sync_weights_waking` after their reload (empty the prefix cache and
-    resume; or wake the KV cache, which resumes)."""
+    resume; or, once `wake_fits`, wake the KV cache, which resumes)."""
     with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
         if asleep:
+            wake_fits(url, kv_setting)
             _checked(http.post("/wake_up", params={"tags": "kv_cache"}))
         else:
             _reset_prefix_cache(http)
