@@ -98,7 +98,7 @@ vllm-contract: setup vllm
 	for wheel in $(VLLM_WHEELS)/*.whl; do \
 		$(BIN)/python bench/vllm_contract.py read $$wheel --out tests/servers/vllm_contract/ || exit 1; \
 	done
-	PYTHONPATH=servers/engines $(VLLM_VENV)/bin/python bench/vllm_contract_import.py
+	PYTHONPATH=servers/engines $(VLLM_VENV)/bin/python bench/contract/vllm_contract_import.py
 	$(BIN)/python bench/vllm_contract.py check --stamp
 
 clean:

@@ -6,9 +6,11 @@ back, the classes it hands vLLM and the worker methods it calls are checked agai
 
     python bench/vllm_contract.py read SOURCE --out MANIFEST   # SOURCE: a wheel, or a folder holding `vllm/`
     python bench/vllm_contract.py check [MANIFEST ...]         # marl's code against the manifests (the CI test)
+    python bench/vllm_contract.py --smoke                      # the same check (every bench has a smoke mode)
     make vllm-contract                                        # both pinned builds' wheels read, checked, stamped
 
-A manifest (`tests/servers/vllm_contract/<distribution>-<version>.json`, written by bench/vllm_contract_read.py)
+A manifest (`tests/servers/vllm_contract/<distribution>-<version>.json`, written by bench/contract/
+vllm_contract_read.py)
 holds vLLM's facts. marl's side is taken from marl's code as it runs, not declared: the command line and environment
 of several launches, the HTTP calls of every weight sync, sleep, wake, push, adapter load and generation (recorded by
 a stand-in server), the logits processor imported against stand-ins of vLLM's base classes built from the manifest
@@ -34,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = ROOT / "tests" / "servers" / "vllm_contract"
 STAMP = MANIFESTS / "stamp.json"
 #: The files whose change can change what marl asks of vLLM (the stamp's hash covers them and the pins).
-SPEAKING = ("servers/engines/vllm_*.py", "servers/engines/lead_tokens.py", "servers/engines/weight_transfer.py",
-            "servers/trainers/fsdp_push.py", "bench/vllm_contract*.py")
+SPEAKING = ("servers/engines/vllm_*.py", "servers/engines/lead_tokens.py", "servers/engines/wake_memory.py",
+            "servers/engines/weight_transfer.py", "servers/trainers/fsdp_push.py", "bench/vllm_contract.py",
+            "bench/contract/*.py")
 #: The Makefile's pins of the two builds.
 PIN = re.compile(r"^(VLLM_(?:CUDA|CPU)_PIN)\s*:?=\s*(\S+)", re.M)
 
@@ -170,7 +173,8 @@ def manifests() -> list[Path]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--smoke", action="store_true", help="check the committed manifests (as `check`)")
+    sub = parser.add_subparsers(dest="command")
     read = sub.add_parser("read", help="write the manifest of the vLLM at SOURCE (a wheel, or a folder with vllm/)")
     read.add_argument("source", type=Path)
     read.add_argument("--out", type=Path, required=True, help="a file, or a folder (named after the build)")
@@ -178,7 +182,9 @@ def main() -> int:
     checking.add_argument("manifests", type=Path, nargs="*")
     checking.add_argument("--stamp", action="store_true", help="record the pins and sources hash once they pass")
     args = parser.parse_args()
-    sys.path[:0] = [str(ROOT), str(Path(__file__).parent)]
+    sys.path[:0] = [str(ROOT), str(Path(__file__).parent / "contract")]
+    if args.command is None and not args.smoke:
+        parser.error("a command (read, check) or --smoke")
     if args.command == "read":
         from vllm_contract_read import read_manifest
 
@@ -188,6 +194,8 @@ def main() -> int:
         args.out.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
         print(f"{manifest_name(manifest)}: {args.out}")
         return 0
+    if args.command is None:  # --smoke
+        return run_check(manifests(), stamp=False)
     return run_check(args.manifests or manifests(), stamp=args.stamp)
 
 

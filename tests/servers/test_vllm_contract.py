@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "bench" / "contract")]
 
 import vllm_contract  # noqa: E402 - a script's module, from bench/
 from vllm_contract_marl import problems_of_lead  # noqa: E402

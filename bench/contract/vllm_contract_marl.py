@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENGINES = ROOT / "servers" / "engines"
 #: The modules vLLM imports from marl inside its own process (PYTHONPATH = servers/engines/).
 IN_VLLM = ("vllm_lead", "vllm_lead_v1", "vllm_lead_v2", "vllm_worker_ext", "lead_tokens")
