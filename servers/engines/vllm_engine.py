@@ -191,7 +191,10 @@ class VLLMEngine(InferenceEngine):
 
             def reload(replica: Replica) -> None:
                 try:
-                    (sync_weights_waking if replica.asleep else sync_weights)(replica.process.url, weights)
+                    if replica.asleep:
+                        sync_weights_waking(replica.process.url, weights, kv_setting=self._launch.kv_setting)
+                    else:
+                        sync_weights(replica.process.url, weights)
                 finally:
                     replica.asleep = False  # awake, or failed: the failed step stops the engine
 

@@ -13,8 +13,9 @@
   cache reset, resume); with sleep mode (CUDA only), sleep before the training step, then wake the weights, reload,
   wake the KV cache. Through vLLM's weight-transfer engine the same calls surround the trainer's push instead of the
   reload (`before_transfer`, `after_transfer`; the push itself: servers.engines.weight_transfer).
-- A paused vLLM that refuses a new generation (503 `engine_paused`, vLLM 0.33) is told apart once, in
-  `paused_refusal`, and raised as `VLLMPaused` for the engine to send it again.
+- A paused vLLM that refuses a new generation (vLLM 0.33: 503 with error type `ServiceUnavailableError`, or, streamed,
+  HTTP 200 and an SSE error event before any token) is told apart once, in `paused_error`, and raised as
+  `VLLMPaused` for the engine to send it again.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -31,10 +33,12 @@ import httpx
 
 from servers.backends import GenerationChunk, SamplingParams
 from servers.engines.lead_tokens import lead_to_strings
+from servers.engines.wake_memory import wake_problem
 
-__all__ = ["PAUSED_ERROR", "LoopClients", "VLLMPaused", "after_transfer", "before_transfer", "completion_body",
-           "generate_one_token", "paused_refusal", "reset_prefix_cache", "sleep_for_training", "stream_completion",
-           "sync_weights", "sync_weights_waking", "transfer_abandoned", "whole_completion"]
+__all__ = ["PAUSED_ERROR", "PAUSED_ERRORS", "LoopClients", "VLLMPaused", "after_transfer", "before_transfer",
+           "completion_body", "generate_one_token", "paused_error", "paused_refusal", "reset_prefix_cache",
+           "sleep_for_training", "stream_completion", "sync_weights", "sync_weights_waking", "transfer_abandoned",
+           "wake_fits", "whole_completion", "VLLMWakeRefused"]
 
 #: The `vllm_xargs` key of `SamplingParams.lead`, which `vllm_lead.LeadConstraint` reads in vLLM's process.
 LEAD_ARG = "marl_lead"
@@ -86,6 +90,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
     httpx errors (vLLM unreachable or gone) pass through.
     """
     last: GenerationChunk | None = None
+    started = False
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         if response.status_code != 200:
             _refused(response.status_code, await response.aread())
@@ -93,6 +98,9 @@ async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str,
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line.removeprefix("data: "))
+            if not started and paused_error(event.get("error")):  # refused before any token: send it again
+                raise VLLMPaused(f"vLLM is paused: {line[:200]}")
+            started = True
             _count_usage(event, on_usage)
             chunk = _chunk(event)
             if chunk is None:
@@ -125,21 +133,30 @@ class VLLMPaused(RuntimeError):
     """vLLM refused a new generation because it is paused (`paused_refusal`): worth sending again once it resumes."""
 
 
-#: What vLLM 0.33 names the refusal of a new request while it is paused (503; docs/backends.md, "vLLM: requests
-#: during a weight sync"). The CPU build 0.32 queues such requests instead and never sends it.
+#: The error types and codes that say "paused, send it again" (docs/backends.md, "vLLM: requests during a weight
+#: sync"). vLLM 0.33 refuses a new request while paused with a retryable error (code `engine_paused` inside its
+#: engine), which its HTTP layer turns into `{"error": {"type": "ServiceUnavailableError", "code": 503, ...}}`: status
+#: 503, or in a stream HTTP 200 and that body as an SSE event. `engine_paused` is kept for a vLLM that would say so.
+#: The CPU build 0.32 queues such requests instead and sends none of this.
+PAUSED_ERRORS = ("ServiceUnavailableError", "engine_paused")
 PAUSED_ERROR = "engine_paused"
 
 
+def paused_error(error: object) -> bool:
+    """Whether an OpenAI-shaped error (`{"message", "type", "param", "code"}`) is vLLM's "retry later": its type or
+    code one of `PAUSED_ERRORS`. The one place that decides; the message text is never read."""
+    return isinstance(error, dict) and any(error.get(key) in PAUSED_ERRORS for key in ("type", "code"))
+
+
 def paused_refusal(status: int, content: bytes) -> bool:
-    """Whether vLLM's answer is the refusal of a paused engine: a 503 whose OpenAI-shaped error body (`{"error":
-    {"message", "type", "param", "code"}}`) names `PAUSED_ERROR` as its type or code. The one place that decides."""
+    """Whether a whole (non-streamed) answer is the refusal of a paused vLLM: a 503 carrying a `paused_error`."""
     if status != 503:
         return False
     try:
         error = json.loads(content).get("error")
     except (ValueError, AttributeError):
         return False
-    return isinstance(error, dict) and PAUSED_ERROR in (error.get("type"), error.get("code"))
+    return paused_error(error)
 
 
 def _refused(status: int, content: bytes) -> None:
@@ -189,7 +206,7 @@ def sync_weights(url: str, weights_dir: Path, timeout_s: float = 600.0) -> None:
         _checked(http.post("/pause", params={"mode": "wait"}, timeout=None))  # as long as the running requests take
         try:
             _reload(http, weights_dir)
-            _checked(http.post("/reset_prefix_cache"))
+            _reset_prefix_cache(http)
         except BaseException:
             with contextlib.suppress(httpx.HTTPError):
                 http.post("/resume")
@@ -199,7 +216,27 @@ def sync_weights(url: str, weights_dir: Path, timeout_s: float = 600.0) -> None:
 
 def reset_prefix_cache(url: str, timeout_s: float = 60.0) -> None:
     """Empty vLLM's prefix cache (benches compare routings from a cold cache)."""
-    _checked(httpx.post(f"{url}/reset_prefix_cache", timeout=timeout_s))
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
+        _reset_prefix_cache(http)
+
+
+#: How often, and how far apart, an unsuccessful prefix-cache reset is tried again.
+RESET_TRIES, RESET_WAIT_S = 20, 0.25
+
+
+def _reset_prefix_cache(http: httpx.Client) -> None:
+    """`/reset_prefix_cache`, tried again while vLLM answers 200 `{"success": false}` (0.32 and 0.33: blocks still
+    held, e.g. by an asynchronous KV offload; "callers may retry"); RuntimeError after `tries`, because serving on
+    with cached keys and values of the old weights would sample from a model nobody trains (invariant 4): the sync
+    fails as any failed sync does. An answer without the field (an older vLLM) counts as done. `RESET_TRIES` and
+    `RESET_WAIT_S` are read at each call."""
+    for attempt in range(RESET_TRIES):
+        if _answer(_checked(http.post("/reset_prefix_cache"))).get("success") is not False:
+            return
+        if attempt + 1 < RESET_TRIES:
+            time.sleep(RESET_WAIT_S)
+    raise RuntimeError(f"vLLM did not empty its prefix cache ({RESET_TRIES} tries {RESET_WAIT_S} s apart answered"
+                       " success: false): its blocks still hold keys and values of the old weights")
 
 
 def sleep_for_training(url: str, timeout_s: float = 600.0) -> None:
@@ -210,15 +247,38 @@ def sleep_for_training(url: str, timeout_s: float = 600.0) -> None:
         _checked(http.post("/sleep", params={"level": 1, "mode": "wait"}, timeout=None))
 
 
-def sync_weights_waking(url: str, weights_dir: Path, timeout_s: float = 600.0) -> None:
+class VLLMWakeRefused(RuntimeError):
+    """vLLM's KV cache would not fit in its GPUs' free memory: not woken (the wake would kill its engine core)."""
+
+
+#: The setting to lower when the KV cache does not fit (`VLLMLaunch.kv_setting` names the one in use).
+KV_SETTING = "vllm.gpu_memory_utilization"
+
+
+def wake_fits(url: str, kv_setting: str = KV_SETTING, timeout_s: float = 60.0) -> None:
+    """Before `/wake_up?tags=kv_cache`: VLLMWakeRefused, one line naming each GPU short of memory, what holds it
+    and `kv_setting`, unless every worker has room for the KV cache it will map again (servers.engines.wake_memory;
+    the readings come from the worker extension)."""
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
+        readings = _answer(_checked(http.post("/collective_rpc", json={"method": "marl_wake_memory"})))
+    problem = wake_problem([r for r in readings.get("results") or [] if isinstance(r, dict)], kv_setting)
+    if problem is not None:
+        raise VLLMWakeRefused(problem)
+
+
+def sync_weights_waking(url: str, weights_dir: Path, timeout_s: float = 600.0, kv_setting: str = KV_SETTING) -> None:
     """`sync_weights` for a vLLM that `sleep_for_training` put to sleep: wake the weights' memory, reload them in
-    place, then wake the KV cache, which resumes serving (the sleep already emptied the prefix cache). Waking the
-    weights alone first keeps the KV cache's memory free while the reload runs."""
+    place, then, once `wake_fits`, wake the KV cache, which resumes serving (the sleep already emptied the prefix
+    cache). Waking the weights alone first keeps the KV cache's memory free while the reload runs. When the KV cache
+    does not fit, vLLM stays as it is (VLLMWakeRefused): a wake of every tag would kill its engine core."""
     with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
         try:
             _checked(http.post("/wake_up", params={"tags": "weights"}))
             _reload(http, weights_dir)
+            wake_fits(url, kv_setting)
             _checked(http.post("/wake_up", params={"tags": "kv_cache"}))
+        except VLLMWakeRefused:
+            raise
         except BaseException:
             with contextlib.suppress(httpx.HTTPError):
                 http.post("/wake_up")  # every tag: serving again rather than asleep for good
@@ -236,14 +296,15 @@ def before_transfer(url: str, *, asleep: bool, timeout_s: float = 600.0) -> None
             _checked(http.post("/pause", params={"mode": "wait"}, timeout=None))
 
 
-def after_transfer(url: str, *, asleep: bool, timeout_s: float = 600.0) -> None:
+def after_transfer(url: str, *, asleep: bool, timeout_s: float = 600.0, kv_setting: str = KV_SETTING) -> None:
     """After a push: as `sync_weights` and `sync_weights_waking` after their reload (empty the prefix cache and
-    resume; or wake the KV cache, which resumes)."""
+    resume; or, once `wake_fits`, wake the KV cache, which resumes)."""
     with httpx.Client(base_url=url, timeout=httpx.Timeout(timeout_s, connect=10.0)) as http:
         if asleep:
+            wake_fits(url, kv_setting)
             _checked(http.post("/wake_up", params={"tags": "kv_cache"}))
         else:
-            _checked(http.post("/reset_prefix_cache"))
+            _reset_prefix_cache(http)
             _checked(http.post("/resume"))
 
 
@@ -260,6 +321,15 @@ def _reload(http: httpx.Client, weights_dir: Path) -> None:
     """The reload itself, through the worker extension (paths only cross `collective_rpc`: docs/backends.md)."""
     _checked(http.post("/collective_rpc", json={
         "method": "marl_reload_weights", "kwargs": {"weights_path": str(weights_dir)}}))
+
+
+def _answer(response: httpx.Response) -> dict[str, Any]:
+    """A dev route's JSON object ({} when it answered none)."""
+    try:
+        answer = response.json()
+    except ValueError:
+        return {}
+    return answer if isinstance(answer, dict) else {}
 
 
 def _checked(response: httpx.Response) -> httpx.Response:

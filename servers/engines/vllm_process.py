@@ -268,6 +268,12 @@ class VLLMLaunch:
         return self.device == "cpu"
 
     @property
+    def kv_setting(self) -> str:
+        """The setting that sized the KV cache, to lower when it does not fit at a wake (servers.engines.
+        wake_memory): kv_cache_gb when set, else gpu_memory_utilization."""
+        return "vllm.kv_cache_gb" if self.settings.kv_cache_gb is not None else "vllm.gpu_memory_utilization"
+
+    @property
     def base_stand_in(self) -> bool:
         """Whether the base is served as an adapter of no weights (LoRA on the CPU build: servers.engines.vllm_lora)."""
         return self.lora is not None and self.on_cpu

@@ -7,6 +7,7 @@ logged and counted, and turns it off.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,7 +59,7 @@ class TransferSync:
             self._failed(exc)
             _on_each(transfer_abandoned, urls, asleep)
             return False
-        _on_each(after_transfer, urls, asleep)
+        _on_each(functools.partial(after_transfer, kv_setting=self._launch.kv_setting), urls, asleep)
         self._stats.weight_transfers += 1
         return True
 

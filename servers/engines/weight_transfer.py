@@ -56,8 +56,9 @@ import httpx
 import torch
 
 __all__ = ["TRANSFER_BACKENDS", "Replica", "ReplicaPost", "TransferRoutes", "TransferTarget", "WeightPusher",
-           "WeightTransferError", "attempt", "first_failure", "layer_buckets", "ordinary_allocations", "replica_posts",
-           "unique_tensors", "update_metadata"]
+           "WeightTransferError", "allocator_conf", "attempt", "conf_options", "first_failure", "layer_buckets",
+           "ordinary_allocations", "release_shared", "replica_posts", "unique_tensors", "update_metadata",
+           "with_expandable_segments"]
 
 log = logging.getLogger(__name__)
 
@@ -327,34 +328,74 @@ def share_cuda_tensor(tensor: torch.Tensor) -> dict[str, tuple]:
 
 
 def set_allocator_settings(settings: str) -> None:
-    """The CUDA caching allocator's settings, changed at run time (`PYTORCH_CUDA_ALLOC_CONF`'s syntax). torch 2.13's
-    `torch.cuda.memory._set_allocator_settings` is a deprecated wrapper of this call."""
+    """The CUDA caching allocator's settings, changed at run time (`PYTORCH_CUDA_ALLOC_CONF`'s syntax). It replaces
+    the whole configuration (vLLM says the same, `vllm/device_allocator/alloc_conf.py`): pass every option. torch
+    2.13's `torch.cuda.memory._set_allocator_settings` is a deprecated wrapper of this call."""
     torch._C._accelerator_setAllocatorSettings(settings)
 
 
-def _expandable_segments() -> bool:
-    conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
+def allocator_conf() -> str:
+    """The allocator configuration this process started with: `PYTORCH_CUDA_ALLOC_CONF`, then the newer
+    `PYTORCH_ALLOC_CONF` (torch reads both; the later wins an option both name)."""
+    return ",".join(conf for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+                    if (conf := os.environ.get(name, "").strip()))
+
+
+def conf_options(conf: str) -> list[tuple[str, str]]:
+    """`key:value` options in order, split at the commas outside brackets (`roundup_power2_divisions:[256:1,512:2]`
+    is one option); a key named twice keeps its last value, where it first appeared."""
+    options: dict[str, str] = {}
+    depth, start = 0, 0
+    for i, char in enumerate(conf + ","):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            if part := conf[start:i].strip():
+                key, _, value = part.partition(":")
+                options[key.strip()] = value.strip()
+            start = i + 1
+    return list(options.items())
+
+
+def with_expandable_segments(conf: str, on: bool) -> str:
+    """`conf` with `expandable_segments` set to `on` and every other option as it was."""
+    options = dict(conf_options(conf))
+    options["expandable_segments"] = "True" if on else "False"
+    return ",".join(f"{key}:{value}" for key, value in options.items())
+
+
+def _expandable_segments(conf: str) -> bool:
+    return dict(conf_options(conf)).get("expandable_segments", "").lower() == "true"
 
 
 @contextlib.contextmanager
 def ordinary_allocations() -> Iterator[None]:
-    """Expandable segments off while the buckets shared over CUDA IPC are allocated, back on after; a no-op without
-    CUDA or when they are off already. FSDP ranks run with them on (servers.trainers.fsdp_worker, RANK_ALLOCATOR),
-    and a tensor in an expandable segment crosses CUDA IPC through PyTorch's expandable-segment sharing path, which
-    vLLM's torch would have to rebuild: buckets in ordinary (cudaMalloc) segments take the plain cudaIpc path. The
-    cache is emptied first, so that no bucket reuses a free block of an expandable segment, and after, so that the
-    buckets' segments are not kept."""
-    if not torch.cuda.is_available() or not _expandable_segments():
+    """Expandable segments off while the buckets shared over CUDA IPC are allocated, back on after, every other
+    allocator option kept (the call replaces the whole configuration); a no-op without CUDA or when they are off
+    already. FSDP ranks run with them on (servers.trainers.fsdp_worker, RANK_ALLOCATOR), and a tensor in an
+    expandable segment crosses CUDA IPC through PyTorch's expandable-segment sharing path, which vLLM's torch would
+    have to rebuild: buckets in ordinary (cudaMalloc) segments take the plain cudaIpc path. The cache is emptied
+    first, so that no bucket reuses a free block of an expandable segment, and after, so that the buckets' segments
+    are not kept."""
+    conf = allocator_conf()
+    if not torch.cuda.is_available() or not _expandable_segments(conf):
         yield
         return
     torch.cuda.empty_cache()
-    set_allocator_settings("expandable_segments:False")
+    set_allocator_settings(with_expandable_segments(conf, False))
     try:
         yield
     finally:
         torch.cuda.empty_cache()
-        set_allocator_settings("expandable_segments:True")
+        set_allocator_settings(with_expandable_segments(conf, True))
+
+
+def release_shared() -> None:
+    """After the last bucket's update answered: the blocks vLLM's workers held through IPC handles go back to this
+    process's cache (`ipc_collect`) and to the driver (`empty_cache`), before vLLM's KV cache wakes into that memory.
+    (Between buckets `ipc_collect` alone runs: the next bucket reuses the blocks.)"""
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
 
 
 #: Every rank's value, in rank order: a collective under FSDP (`dist.all_gather_object`), [value] in one process.
@@ -443,6 +484,7 @@ class WeightPusher:
                 del bucket  # every replica answered: vLLM has every layer of it
         if failure is None:
             failure = first_failure(exchange(attempt(self._finish, target, mine)))
+        release_shared()  # vLLM has every layer: what it held of the last bucket is freed (failed or not)
         if failure is not None:
             raise WeightTransferError(failure)
 

@@ -3,8 +3,10 @@ vLLM: `stand_in_python(dir)` writes an interpreter the engine starts (`VLLMEngin
 which runs this file with vLLM's command line (only `--port` is read).
 
 It answers `GET /health`, `/v1/completions` (two token ids, streamed or whole; the usage reports no cached tokens)
-and every other POST with 200, and records (path, query, JSON body), which `GET /calls` returns. Like vLLM 0.33 as
-issue 37 reports it, a `/pause` makes it refuse new completions with 503 `engine_paused` until `/resume`. A
+and every other POST with 200, and records (path, query, JSON body), which `GET /calls` returns. As vLLM 0.33 does
+(read in its wheel: `v1/engine/core.py` `_reject_add_while_paused`, `entrypoints/serve/exception_handling/
+error_response.py`), a `/pause` makes it refuse new completions until `/resume`: a whole one with 503 and
+`PAUSED_BODY`, a streamed one with HTTP 200, then `PAUSED_BODY` as an SSE event and `[DONE]`. A
 `/collective_rpc` (the weight reload) waits, while `/hold_reloads` is on, until `/release_reloads`.
 """
 
@@ -17,7 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
-PAUSED_BODY = {"error": {"message": "the engine is paused", "type": "engine_paused", "param": None, "code": 503}}
+PAUSED_BODY = {"error": {"message": "Generation is paused. Please retry after it resumes.",
+                         "type": "ServiceUnavailableError", "param": None, "code": 503}}
 CONTROL = ("/hold_reloads", "/release_reloads")
 
 
@@ -69,6 +72,8 @@ class _Handler(BaseHTTPRequestHandler):
         return self._json(200, {})
 
     def _completion(self, body: dict) -> None:
+        if self.server.paused and body.get("stream"):
+            return self._send(200, f"data: {json.dumps(PAUSED_BODY)}\n\ndata: [DONE]\n\n".encode(), "text/event-stream")
         if self.server.paused:
             return self._json(503, PAUSED_BODY)
         choice = {"index": 0, "text": "", "token_ids": [5, 6], "logprobs": {"token_logprobs": [-1.0, -2.0]},

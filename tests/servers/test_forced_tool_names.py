@@ -48,8 +48,10 @@ def test_vllm_gets_the_lead_in_vllm_xargs_under_the_key_its_logits_processor_rea
     led = completion_body([1, 2], SamplingParams(max_tokens=4, lead=((7, 8), (9,))), max_tokens=4, stop_token_ids=[0])
     assert led["vllm_xargs"] == {LEAD_ARG: ["7 8", "9"]} and led["logprobs"] == 0
     assert "vllm_xargs" not in completion_body([1], SamplingParams(max_tokens=4), max_tokens=4, stop_token_ids=[0])
-    processor = (Path(vllm_http.__file__).parent / "vllm_lead.py").read_text()  # runs in vLLM's venv only
-    assert f'LEAD_ARG = "{LEAD_ARG}"' in processor and f"class {LEAD_PROCESSOR.split(':')[1]}(" in processor
+    engines = Path(vllm_http.__file__).parent  # the processors run in vLLM's venv only
+    assert f"class {LEAD_PROCESSOR.split(':')[1]}(" in (engines / "vllm_lead.py").read_text()
+    for interface in ("vllm_lead_v1.py", "vllm_lead_v2.py"):  # V1 (the CPU build) and Model Runner V2 (CUDA)
+        assert f'LEAD_ARG = "{LEAD_ARG}"' in (engines / interface).read_text()
     argv = VLLMLaunch(Path("m"), 2048, device="cpu", python=Path(sys.executable)).command(port=8123)
     assert argv[argv.index("--logits-processors") + 1] == LEAD_PROCESSOR == "vllm_lead:LeadConstraint"
 

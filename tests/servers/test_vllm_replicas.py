@@ -1,10 +1,12 @@
 """The vLLM engine's replicas (`vllm.data_parallel_size`): sticky routing of a lease's calls, every weight load on every
 replica, and calls held (not failed) while a weight sync has vLLM paused. The engine runs for real, on two stand-in
-vLLM processes (tests/servers/stand_in_vllm.py) that answer 503 `engine_paused` while paused, as vLLM 0.33 does."""
+vLLM processes (tests/servers/stand_in_vllm.py) that refuse while paused as vLLM 0.33 does (503
+`ServiceUnavailableError`; streamed, an SSE error event before any token)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -13,10 +15,10 @@ import pytest
 
 from servers.backends import SamplingParams
 from servers.engines.vllm_engine import VLLMEngine
-from servers.engines.vllm_http import paused_refusal
+from servers.engines.vllm_http import paused_error, paused_refusal
 from servers.engines.vllm_process import VLLMSettings
 from servers.engines.vllm_replicas import AffinityRouter, SyncGate
-from tests.servers.stand_in_vllm import stand_in_python
+from tests.servers.stand_in_vllm import PAUSED_BODY, stand_in_python
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -76,11 +78,14 @@ def test_the_gate_holds_a_waiter_on_its_loop_until_another_thread_opens_it():
 
 
 def test_a_paused_refusal_is_told_by_its_error_type_or_code_alone():
+    assert paused_refusal(503, json.dumps(PAUSED_BODY).encode())  # vLLM 0.33's, exactly
+    assert paused_error(PAUSED_BODY["error"])  # its streamed form: the same body as an SSE event
     assert paused_refusal(503, b'{"error": {"message": "x", "type": "engine_paused", "code": 503}}')
     assert paused_refusal(503, b'{"error": {"message": "x", "type": "ServiceUnavailable", "code": "engine_paused"}}')
     assert not paused_refusal(503, b'{"error": {"message": "engine_paused", "type": "x", "code": 503}}')
-    assert not paused_refusal(500, b'{"error": {"type": "engine_paused"}}')
+    assert not paused_refusal(500, json.dumps(PAUSED_BODY).encode())
     assert not paused_refusal(503, b"Service Unavailable")
+    assert not paused_error({"message": "x", "type": "InternalServerError", "code": 500}) and not paused_error(None)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -156,13 +161,15 @@ def test_a_call_during_a_weight_sync_is_held_then_served(engine, model_dir):
     assert calls(home)[-5:] == [*SYNC, "/v1/completions"]  # sent once vLLM resumed
 
 
-def test_a_call_vllm_refuses_as_paused_is_sent_again_until_served(engine):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_vllm_refuses_as_paused_is_sent_again_until_served(engine, stream):
     home = engine.replica_urls[engine._replicas.router.home_of("episode-b")]
-    httpx.post(f"{home}/pause")  # paused behind the engine's back: only vLLM's 503 says so
+    before = engine.stats.paused_retries
+    httpx.post(f"{home}/pause")  # paused behind the engine's back: only vLLM's refusal says so
     served: list[list[int]] = []
-    caller = threading.Thread(target=lambda: served.append(generate(engine, "episode-b")))
+    caller = threading.Thread(target=lambda: served.append(generate(engine, "episode-b", stream=stream)))
     caller.start()
-    wait_until(lambda: engine.stats.paused_retries >= 2)
+    wait_until(lambda: engine.stats.paused_retries >= before + 2)
     assert caller.is_alive()  # held, not failed
     httpx.post(f"{home}/resume")
     caller.join(30)

@@ -13,8 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from servers.engines import vllm_http
 from servers.engines.vllm_engine import _served_context
-from servers.engines.vllm_http import sleep_for_training, sync_weights, sync_weights_waking
+from servers.engines.vllm_http import (
+    VLLMWakeRefused,
+    after_transfer,
+    sleep_for_training,
+    sync_weights,
+    sync_weights_waking,
+)
 from servers.engines.vllm_process import (
     ENTRY_MODULE,
     VLLM_DTYPES,
@@ -23,6 +30,7 @@ from servers.engines.vllm_process import (
     VLLMSettings,
     VLLMSettingsError,
 )
+from servers.engines.wake_memory import wake_problem
 
 PYTHON = Path(sys.executable)  # any existing python: the command line is only built
 ALL_SET = VLLMSettings(max_model_len=4096, gpu_memory_utilization=0.3, kv_cache_gb=2.5, tensor_parallel_size=2,
@@ -176,8 +184,43 @@ def test_sleep_mode_sleeps_then_wakes_weights_syncs_and_wakes_the_kv_cache(recor
     sleep_for_training(vllm.url)
     sync_weights_waking(vllm.url, tmp_path)
     assert vllm.paths() == ["/sleep?level=1&mode=wait", "/wake_up?tags=weights", "/collective_rpc",
-                            "/wake_up?tags=kv_cache"]
+                            "/collective_rpc", "/wake_up?tags=kv_cache"]
     assert vllm.calls[2] == reload_call(tmp_path)
+    assert vllm.calls[3][2] == {"method": "marl_wake_memory"}  # the room for the KV cache, asked before its wake
+
+
+GIB = 2**30
+
+
+def reading(gpu: int, free_gib: float, kv_gib: float, holders: list | None = None) -> dict:
+    """What `WeightReload.marl_wake_memory` answers for one worker."""
+    return {"gpu": gpu, "free_bytes": int(free_gib * GIB), "kv_cache_bytes": int(kv_gib * GIB),
+            "holders": holders or []}
+
+
+def test_the_kv_cache_wakes_only_where_it_fits_and_a_short_gpu_is_named_with_what_holds_it():
+    assert wake_problem([reading(0, 41.0, 40.0), reading(1, 50.0, 40.0)], "vllm.gpu_memory_utilization") is None
+    assert wake_problem([{"gpu": None, "free_bytes": None, "kv_cache_bytes": 0}], "x") is None  # the CPU build
+    problem = wake_problem([reading(0, 41.0, 40.0), reading(3, 30.0, 40.0, [{"pid": 71, "bytes": 31 * GIB},
+                                                                             {"pid": 70, "bytes": 16 * GIB}])],
+                           "vllm.kv_cache_gb")
+    assert problem == ("vLLM's KV cache would not fit when it wakes (GPU 3: 30.00 GiB free, the KV cache needs 40.00"
+                       " GiB (+0.25 GiB); held by pid 71 31.00 GiB, pid 70 16.00 GiB): lower vllm.kv_cache_gb (vLLM's"
+                       " share of each GPU, sized at start), or what the trainer keeps on those GPUs between steps")
+    assert "\n" not in problem and wake_problem([reading(0, 40.1, 40.0)], "x") is not None  # within the margin
+
+
+@pytest.mark.parametrize("pushed", [False, True])
+def test_a_kv_cache_that_would_not_fit_is_not_woken(recording, tmp_path, pushed):
+    """Neither the KV cache's wake nor the catch-all wake of a failed sync: either would kill vLLM's engine core."""
+    short = {"results": [reading(0, 10.0, 40.0, [{"pid": 9, "bytes": 60 * GIB}])]}
+    vllm = recording(answers={"/collective_rpc": [{}, short]} if not pushed else {"/collective_rpc": [short]})
+    with pytest.raises(VLLMWakeRefused, match="GPU 0: 10.00 GiB free.*pid 9 60.00 GiB.*lower vllm.kv_cache_gb"):
+        if pushed:
+            after_transfer(vllm.url, asleep=True, kv_setting="vllm.kv_cache_gb")
+        else:
+            sync_weights_waking(vllm.url, tmp_path, kv_setting="vllm.kv_cache_gb")
+    assert not [path for path in vllm.paths() if path.startswith("/wake_up") and path != "/wake_up?tags=weights"]
 
 
 def test_a_failed_reload_after_sleep_wakes_everything_and_raises(recording, tmp_path):
@@ -191,3 +234,26 @@ def test_a_refused_sleep_raises(recording):
     vllm = recording(failing=("/sleep",))
     with pytest.raises(RuntimeError, match="vLLM /sleep answered 500"):
         sleep_for_training(vllm.url)
+
+
+def test_a_prefix_cache_reset_that_did_not_happen_is_tried_again(recording, tmp_path, monkeypatch):
+    """vLLM 0.32/0.33 answer 200 `{"success": false}` while blocks are still held: tried again, then done."""
+    monkeypatch.setattr(vllm_http, "RESET_WAIT_S", 0.0)
+    vllm = recording(answers={"/reset_prefix_cache": [{"success": False}, {"success": False}, {"success": True}]})
+    sync_weights(vllm.url, tmp_path)
+    assert vllm.paths() == ["/pause?mode=wait", "/collective_rpc", *["/reset_prefix_cache"] * 3, "/resume"]
+
+
+def test_a_prefix_cache_that_never_empties_fails_the_sync_and_vllm_resumes(recording, tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_http, "RESET_WAIT_S", 0.0)
+    monkeypatch.setattr(vllm_http, "RESET_TRIES", 3)
+    vllm = recording(answers={"/reset_prefix_cache": [{"success": False}]})
+    with pytest.raises(RuntimeError, match="did not empty its prefix cache .* old weights"):
+        sync_weights(vllm.url, tmp_path)
+    assert vllm.paths() == ["/pause?mode=wait", "/collective_rpc", *["/reset_prefix_cache"] * 3, "/resume"]
+
+
+def test_the_setting_a_short_wake_names_is_the_one_that_sized_the_kv_cache():
+    assert VLLMLaunch(Path("m"), 64, device="cuda", python=PYTHON).kv_setting == "vllm.gpu_memory_utilization"
+    sized = VLLMLaunch(Path("m"), 64, device="cuda", python=PYTHON, settings=VLLMSettings(kv_cache_gb=4.0))
+    assert sized.kv_setting == "vllm.kv_cache_gb"

@@ -27,8 +27,11 @@ from servers.engines.weight_transfer import (
     TransferTarget,
     WeightPusher,
     WeightTransferError,
+    allocator_conf,
+    conf_options,
     replica_posts,
     unique_tensors,
+    with_expandable_segments,
 )
 from tests.servers.fsdp_rank_checks import spawn_ranks
 from tests.servers.transfer_rank_checks import digest, push_to_replicas
@@ -99,7 +102,7 @@ def test_the_buckets_are_allocated_and_shared_with_expandable_segments_off(recor
     events: list[str] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the CUDA path, recorded
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
-    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: None)
+    monkeypatch.setattr(torch.cuda, "ipc_collect", lambda: events.append("ipc_collect"))
     monkeypatch.setattr(weight_transfer, "set_allocator_settings", events.append)
     if conf is None:
         monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
@@ -113,11 +116,26 @@ def test_the_buckets_are_allocated_and_shared_with_expandable_segments_off(recor
     vllm = recording()
     tensors = [(f"model.layers.{i}.w", torch.ones(4)) for i in range(3)]
     WeightPusher(share=share).push(TransferTarget("ipc", [Replica(vllm.url, "s")], bucket_bytes=1), tensors)
+    shared = ["share", "ipc_collect"] * 3  # each bucket's handles collected once the next can reuse its blocks
+    released = ["ipc_collect", "empty_cache"]  # after the last bucket: back to the driver before the KV cache wakes
     if conf is None:  # off already: nothing to switch
-        assert events == ["share"] * 3
+        assert events == shared + released
     else:
-        assert events == ["empty_cache", "expandable_segments:False", "share", "share", "share", "empty_cache",
-                          "expandable_segments:True"]
+        assert events == ["empty_cache", "expandable_segments:False", *shared, "empty_cache",
+                          "expandable_segments:True", *released]
+
+
+def test_the_allocator_toggle_keeps_every_other_option(monkeypatch):
+    conf = "max_split_size_mb:128, expandable_segments:True,roundup_power2_divisions:[256:1,512:2],backend:native"
+    assert conf_options(conf) == [("max_split_size_mb", "128"), ("expandable_segments", "True"),
+                                  ("roundup_power2_divisions", "[256:1,512:2]"), ("backend", "native")]
+    assert with_expandable_segments(conf, False) == ("max_split_size_mb:128,expandable_segments:False,"
+                                                     "roundup_power2_divisions:[256:1,512:2],backend:native")
+    assert with_expandable_segments("garbage_collection_threshold:0.6", True) == \
+        "garbage_collection_threshold:0.6,expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    assert allocator_conf() == "max_split_size_mb:64,expandable_segments:True"
 
 
 # ------------------------------------------------------------------------------------------------------------------
