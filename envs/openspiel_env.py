@@ -94,6 +94,7 @@ class OpenSpielEnv(TextAECEnv):
         self._news: dict[str, list[str]] = {}
         self._told_rules: set[str] = set()
         self._moves: dict[str, list[str]] = {}
+        self._fallbacks_seen: dict[str, int] = {}
         self.final_rewards: dict[str, float] = {}
 
     # --- roles ---------------------------------------------------------------------------------------------------
@@ -121,6 +122,7 @@ class OpenSpielEnv(TextAECEnv):
         self._news = {a: [] for a in self.possible_agents}
         self._moves = {a: [] for a in self.possible_agents}
         self._told_rules = set()
+        self._fallbacks_seen: dict[str, int] = {}
         self.final_rewards, self.winner = {}, None
         self._advance()
 
@@ -185,7 +187,9 @@ class OpenSpielEnv(TextAECEnv):
         player = self.player_of(agent)
         self._told_rules.add(agent)
         self._news[agent] = []
-        self._moves[agent].append(self.text.move_name(self.state, player, action).lower())
+        fallback = self.fallbacks.get(agent, 0) > self._fallbacks_seen.get(agent, 0)  # counted before this call
+        self._fallbacks_seen[agent] = self.fallbacks.get(agent, 0)
+        self._moves[agent].append("invalid" if fallback else self.text.move_name(self.state, player, action).lower())
         told = self.text.move(self.state, player, action)
         for other in self.possible_agents:
             if other != agent:
@@ -220,7 +224,7 @@ class OpenSpielEnv(TextAECEnv):
         return self.final_rewards[agent] > 0
 
     def action_labels(self) -> dict[str, list[str]]:
-        """Each agent's moves by name, lower case (`bet`, `x(1,1)`)."""
+        """Each agent's moves by name, lower case (`bet`, `x(1,1)`); `invalid` where the fallback was played."""
         return {agent: list(moves) for agent, moves in self._moves.items() if moves}
 
     def summary(self) -> dict[str, Any]:

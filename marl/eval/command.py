@@ -77,7 +77,7 @@ def split_arguments(pairs: list[str]) -> tuple[dict[str, list[str]], list[str]]:
 def run_eval_command(args: argparse.Namespace) -> None:
     if args.exploitability:
         from marl.eval.exploit_command import run_exploitability_command
-        run_exploitability_command(args)
+        run_exploitability_command(args, split_arguments)
         return
     from rich.console import Console
 

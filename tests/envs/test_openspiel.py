@@ -81,6 +81,7 @@ def test_invalid_replies_are_retried_then_the_first_legal_move_is_played_and_cou
     env.step("???")
     env.step("still no")  # the third invalid reply in a row: the fallback (Pass) is played
     assert env.invalid_actions["player_0"] == 3 and env.fallbacks["player_0"] == 1
+    assert env.action_labels() == {"player_0": ["invalid"]}
     assert env.agent_selection == "player_1" and "Player 0 checks." in str(env.observe("player_1"))
     env.step("Pass")  # check, check: the King wins the antes
     assert env.final_rewards == {"player_0": -1.0, "player_1": 1.0}
