@@ -14,8 +14,8 @@ In a topology: `env: {openspiel: kuhn_poker, args: {params: {...}}}` (docs/envs.
   `deals="episode"` each repeat is dealt from the seed and its episode number. The reset option `chance_outcomes`
   (a list of OpenSpiel action ids) deals those instead, in order: how `marl eval --exploitability` reaches an
   information state.
-- **Observations** are worded by `envs/openspiel_text.py`: the rules at an agent's first turn, what happened since
-  its last turn (the other players' moves where they are seen, public cards), its private information, and its
+- **Observations** are worded by `envs/openspiel_text.py`: the rules at an agent's first turn (`rules=False`: never;
+  a prompt a third as long, for a model too small to read them), what happened since its last turn (the other players' moves where they are seen, public cards), its private information, and its
   legal moves by name (OpenSpiel's `action_to_string`, listed unnumbered).
 - **Moves** are parsed as a person writes them: the move's name in any case, with brackets or around other words
   ("I [Bet]"), or a common synonym (`check` for Kuhn's Pass). An invalid reply is asked again, then the first legal
@@ -67,7 +67,8 @@ class OpenSpielEnv(TextAECEnv):
 
     def __init__(self, game: str, params: Mapping[str, Any] | None = None, *, shared_role: str | None = None,
                  deals: str = "task", invalid_penalty: float = 0.0, max_invalid_retries: int = 2,
-                 scripted_policy: str | Mapping[str, Any] = "uniform", render_mode: str | None = None):
+                 scripted_policy: str | Mapping[str, Any] = "uniform", rules: bool = True,
+                 render_mode: str | None = None):
         if deals not in DEALS:
             raise GameRefused("deals", f"deals must be one of {', '.join(DEALS)}; got {deals!r}")
         if not invalid_penalty >= 0:
@@ -81,7 +82,7 @@ class OpenSpielEnv(TextAECEnv):
         self.metadata = {**TextAECEnv.metadata, "name": f"openspiel_{game}"}
         super().__init__(render_mode=render_mode)
         self.shared_role, self.deals, self.invalid_penalty = shared_role, deals, float(invalid_penalty)
-        self.max_invalid_retries = max_invalid_retries
+        self.max_invalid_retries, self.tell_rules = max_invalid_retries, rules
         self.text: GameText = game_text(self.game)
         try:
             self.scripted: dict[str, ScriptedPolicy] = scripted_policies(self.game, scripted_policy,
@@ -107,8 +108,8 @@ class OpenSpielEnv(TextAECEnv):
         return self.possible_agents.index(agent)
 
     def system_prompt(self, agent: str) -> str:
-        return (f"You are Player {self.player_of(agent)} in a game of {self.game.get_type().long_name}. Read the"
-                " rules and your information, then reply with your move only, written as it is listed.")
+        return (f"You are Player {self.player_of(agent)} in a game of {self.game.get_type().long_name}. Reply with"
+                " your move only, as it is listed.")
 
     # --- the game ------------------------------------------------------------------------------------------------
 
@@ -152,7 +153,7 @@ class OpenSpielEnv(TextAECEnv):
     def _observe_text(self, agent: str) -> str:
         player = self.player_of(agent)
         parts = []
-        if agent == self.agent_selection and agent not in self._told_rules:
+        if self.tell_rules and agent == self.agent_selection and agent not in self._told_rules:
             parts.append(self.text.rules(player))
         parts.extend(self._news.get(agent, []))
         if self.state is not None and not self.state.is_terminal():

@@ -77,12 +77,10 @@ class KuhnText(GameText):
     aliases = {"pass": ("check", "fold"), "bet": ("call",)}
 
     def rules(self, player: int) -> str:
-        return ("You are playing Kuhn Poker against one opponent. The deck has three cards: Jack, Queen and King"
-                " (King is highest). Each player puts 1 chip in the pot and is dealt one card, which only they see."
-                " Player 0 acts first. On your turn you Pass or Bet. Bet puts 1 more chip in the pot; Pass puts in"
-                " nothing. If nobody has bet, Pass is a check. Facing a bet, Bet calls it and Pass folds: the"
-                " bettor takes the pot. If both players check, or a bet is called, the higher card takes the pot."
-                f" You win or lose 1 or 2 chips a hand. You are Player {player}.")
+        return ("Kuhn Poker: the deck is Jack, Queen, King (King highest). Each player antes 1 chip and gets one"
+                " card, which only they see. Player 0 acts first. Pass is a check, or a fold when facing a bet."
+                " Bet puts in 1 chip: a bet, or a call when facing one. After two checks or a call, the higher card"
+                f" takes the pot; a fold gives it to the bettor. You are Player {player}.")
 
     def private(self, state: Any, player: int) -> str:
         card = state.history()[player]

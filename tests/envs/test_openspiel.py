@@ -59,6 +59,9 @@ def test_each_turn_tells_the_rules_once_the_news_the_private_card_and_the_moves(
     env.step("bet")
     third = str(env.observe("player_0"))
     assert "Kuhn Poker" not in third and third.startswith("Player 1 bets.\nYour card: King.")
+    quiet = OpenSpielEnv("kuhn_poker", rules=False)
+    quiet.reset(seed=0, options={CHANCE_OPTION: [2, 0]})
+    assert str(quiet.observe("player_0")).startswith("Your card: King.\n- Pass")
 
 
 def test_replies_are_parsed_as_a_person_writes_a_move():
