@@ -15,8 +15,9 @@ In a topology: `env: {openspiel: kuhn_poker, args: {params: {...}}}` (docs/envs.
   (a list of OpenSpiel action ids) deals those instead, in order: how `marl eval --exploitability` reaches an
   information state.
 - **Observations** are worded by `envs/openspiel_text.py`: the rules at an agent's first turn (`rules=False`: never;
-  a prompt a third as long, for a model too small to read them), what happened since its last turn (the other players' moves where they are seen, public cards), its private information, and its
-  legal moves by name (OpenSpiel's `action_to_string`, listed unnumbered).
+  a prompt a third as long, for a model too small to read them), what happened since its last turn (the other
+  players' moves where they are seen, public cards), its private information, and its legal moves by name
+  (OpenSpiel's `action_to_string`, listed unnumbered).
 - **Moves** are parsed as a person writes them: the move's name in any case, with brackets or around other words
   ("I [Bet]"), or a common synonym (`check` for Kuhn's Pass). An invalid reply is asked again, then the first legal
   move is played (`max_invalid_retries`), counted in `invalid_actions`; each invalid reply costs `invalid_penalty`
