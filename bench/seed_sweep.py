@@ -92,18 +92,24 @@ def verdict(pairings: list[dict], roles: list[str], against_initial: bool = Fals
     return out
 
 
-def run_seed(file: str, seed: int, out: Path, overrides: list[str], roles: list[str], judging: Judging) -> dict:
-    """One seed: the run, then its evaluation (`judging`); returns the seed's verdict with the two commands' wall
-    times."""
-    run_dir = out / f"seed-{seed}"
+def marl_run(file: str, seed: int, run_dir: Path, overrides: list[str]) -> float:
+    """`marl run FILE run.seed=S run.run_dir=RUN_DIR [overrides]`, its output in RUN_DIR/run.log; its wall seconds.
+    Exits with the reason when the run fails."""
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with (run_dir / "run.log").open("w") as log:
         run = subprocess.run([*MARL, "run", file, f"run.seed={seed}", f"run.run_dir={run_dir}", *overrides],
                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    run_s = time.monotonic() - started
     if run.returncode != 0:
         raise SystemExit(f"seed {seed}: marl run exited {run.returncode}; see {run_dir / 'run.log'}")
+    return time.monotonic() - started
+
+
+def run_seed(file: str, seed: int, out: Path, overrides: list[str], roles: list[str], judging: Judging) -> dict:
+    """One seed: the run, then its evaluation (`judging`); returns the seed's verdict with the two commands' wall
+    times."""
+    run_dir = out / f"seed-{seed}"
+    run_s = marl_run(file, seed, run_dir, overrides)
     started = time.monotonic()
     pairings = []
     for name, checkpoints in judging.evaluations().items():  # the same --seed: every pairing plays the same games

@@ -124,7 +124,7 @@ class OpenSpielEnv(TextAECEnv):
         self._news = {a: [] for a in self.possible_agents}
         self._moves = {a: [] for a in self.possible_agents}
         self._told_rules = set()
-        self._fallbacks_seen: dict[str, int] = {}
+        self._fallbacks_seen = {}
         self.final_rewards, self.winner = {}, None
         self._advance()
 
