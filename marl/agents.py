@@ -16,7 +16,7 @@ server then starts a new training sample for this agent (merging needs an unchan
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import openai
@@ -28,15 +28,17 @@ from marl.protocol import AGENT_HEADER, ErrorCode, agent_headers
 class LLMAgent:
     def __init__(self, client: Any, model: str, *, system_prompt: str, max_tokens: int = 64,
                  temperature: float = 1.0, top_p: float | None = None, stop: str | Sequence[str] | None = None,
-                 agent_tag: str | None = None):
+                 agent_tag: str | None = None, choices: Callable[[], Sequence[str] | None] | None = None):
         """`agent_tag` (the role) tags every call, set once as the `X-Marl-Agent` header of the agent's client: a copy
         of `client` (`with_options`; it shares the connection pool) when one is given, so a client shared by several
         agents stays untagged. `max_tokens`, `temperature`, `top_p` and `stop` go with every call (`top_p` and `stop`
-        only when set: the server's defaults otherwise)."""
+        only when set: the server's defaults otherwise). `choices`, asked before each call, gives the moves the reply
+        must be one of (sent as `structured_outputs`; None or empty: a free reply)."""
         self.client = tagged_client(client, agent_tag)
         self.model, self.system_prompt = model, system_prompt
         self.max_tokens, self.temperature, self.agent_tag = max_tokens, temperature, agent_tag
         self.top_p, self.stop = top_p, [stop] if isinstance(stop, str) else list(stop) if stop else None
+        self.choices = choices
         self.messages: list[dict[str, str]] = []
         self.reset()
 
@@ -71,9 +73,10 @@ class LLMAgent:
         messages and growing with the game, the coordinator's largest cost per call (bench/scale.py). Any other
         OpenAI-shaped client gets `chat.completions.create`."""
         body = {"model": self.model, "messages": list(self.messages), **self.sampling_options()}
+        held = {"structured_outputs": {"choice": list(moves)}} if self.choices and (moves := self.choices()) else {}
         if isinstance(self.client, openai.OpenAI):
-            return self.client.post("/chat/completions", body=body, cast_to=ChatCompletion)
-        return self.client.chat.completions.create(**body)
+            return self.client.post("/chat/completions", body={**body, **held}, cast_to=ChatCompletion)
+        return self.client.chat.completions.create(**body, **({"extra_body": held} if held else {}))
 
     def sampling_options(self) -> dict[str, Any]:
         """The sampling settings every call sends."""

@@ -281,7 +281,8 @@ def plot_exploitability(report: Mapping[str, Any], path: Path) -> Path:
     """The exploitability of each profile of a `marl eval --exploitability` report (its JSON document), in order,
     with its 95% interval, against the reference points (dashed): a curve over versions with `--diagonal`."""
     profiles = report["profiles"]
-    labels = [" ".join(dict.fromkeys(str(ref) for ref in p["checkpoints"].values())) for p in profiles]  # "10", not "10 10"
+    # one label per distinct checkpoint of a profile: "10", not "10 10"
+    labels = [" ".join(dict.fromkeys(str(ref) for ref in p["checkpoints"].values())) for p in profiles]
     x = list(range(len(profiles)))
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(profiles) + 3), 4))

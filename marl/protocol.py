@@ -684,6 +684,28 @@ class StreamOptions(BaseModel):
     include_usage: Bool = False
 
 
+#: The most strings a `structured_outputs.choice` may list, and the longest one (a move's name, a label).
+MAX_CHOICES, MAX_CHOICE_CHARS = 64, 256
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extension, its `choice` form only: the reply is exactly one of these strings
+    (each spelled as the tokenizer spells it alone, then the end of the reply). The logprobs recorded stay the
+    model's own, as for a forced tool call (docs/design.md, "The other APIs, tool choice")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    choice: list[Annotated[str, Field(min_length=1, max_length=MAX_CHOICE_CHARS)]] = Field(
+        min_length=1, max_length=MAX_CHOICES)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _choice_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (other := sorted(k for k in data if k != "choice")):
+            raise ValueError(f"structured_outputs {other} is not supported here: only choice (a list of strings)")
+        return data
+
+
 class ChatCompletionRequest(_Request):
     # Unknown OpenAI parameters (frequency_penalty, ...) are accepted and ignored, as vLLM does.
     model_config = ConfigDict(extra="ignore")
@@ -707,6 +729,8 @@ class ChatCompletionRequest(_Request):
     top_logprobs: Int | None = Field(None, ge=0, le=0, description="Not supported: the server records and returns"
                                      " the sampled token's logprob only (omit it, or send 0).")
     return_token_ids: Bool = Field(False, description="vLLM extension: include prompt and completion token ids.")
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM extension, `choice` only: the"
+                                                         " reply is exactly one of the strings listed.")
 
     @field_validator("top_logprobs", mode="before")
     @classmethod

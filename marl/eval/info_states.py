@@ -45,6 +45,7 @@ class PromptedState:
     role: str
     messages: list[dict[str, str]]
     parse: Callable[[str], int | None]
+    moves: list[str] | None = None  # the env's legal moves here, as a reply held to them names them (None: free)
 
 
 def info_states(game: Any) -> list[InfoState]:
@@ -104,7 +105,8 @@ class OpenSpielSeats(PolicySeats):
         env.reset(seed=0, options={CHANCE_OPTION: chance})
         agent = self.agents[info.player]
         messages = play_to(env, agent, [lambda p=p, a=a: env.text.move_name(env.state, p, a) for p, a in moves])
-        return PromptedState(info, role, messages, lambda reply: env.action_of(agent, reply))
+        return PromptedState(info, role, messages, lambda reply: env.action_of(agent, reply),
+                             env.legal_actions(agent))
 
     def scripted(self, info: InfoState, role: str) -> dict[int, float]:
         env = self.make_env()

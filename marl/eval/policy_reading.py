@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import openai
@@ -32,6 +32,7 @@ class ReadSettings:
     max_tokens: int = 16
     concurrency: int = 16
     seed: int = 0
+    choice: bool = False  # hold each reply to the legal moves, as the role's games do (`roles.R.sampling.choice`)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class RoleSource:
     role: str
     label: str
     snapshot: Snapshot | None = None  # None: scripted
+    choice: bool = False  # the role's replies are held to the legal moves (`roles.R.sampling.choice`)
 
 
 def role_sources(topology: Topology, seats: PolicySeats, run_dir: Path,
@@ -54,18 +56,19 @@ def role_sources(topology: Topology, seats: PolicySeats, run_dir: Path,
     servers = topology.spec.servers
     sources: dict[str, list[RoleSource]] = {}
     for role in roles:
-        server = topology.server_of(role)
+        server, sampling = topology.server_of(role), topology.spec.roles[role].sampling
+        held = bool(sampling and sampling.choice)
         if server is None:
             sources[role] = [RoleSource(role, SCRIPTED)]
         elif servers[server].trainable or servers[server].past_of is not None:
             learner = role_checkpoints(topology, role)
-            sources[role] = [RoleSource(role, ref, resolve_snapshot(topology, run_dir, learner, ref))
+            sources[role] = [RoleSource(role, ref, resolve_snapshot(topology, run_dir, learner, ref), held)
                              for ref in choices.get(role, [LATEST])]
         elif servers[server].kind is ServerKind.LOCAL_STATIC:
             if role in choices:
                 raise SnapshotError(f"role {role} is played by static server {server}: it has no checkpoints")
             sources[role] = [RoleSource(role, "static", Snapshot(server, None, servers[server].model or "",
-                                                                 trainable=False))]
+                                                                 trainable=False), held)]
         else:
             raise SnapshotError(f"role {role} is played by {server}, an endpoint marl does not serve: read a policy"
                                 " off a local server (trainable, past_of or static) or a scripted role")
@@ -82,7 +85,7 @@ def read_policy(seats: PolicySeats, source: RoleSource, fleet: StaticFleet, sett
     else:
         endpoint = fleet.endpoints([source.snapshot])[source.snapshot]
         prompts = [seats.prompt(info, source.role) for info in infos]
-        states = sample_states(endpoint, prompts, settings, on_state)
+        states = sample_states(endpoint, prompts, replace(settings, choice=source.choice), on_state)
     return [PlayerPolicy(source.role, source.label, p, [s for s in states if s.info.player == p]) for p in players]
 
 
@@ -104,9 +107,10 @@ def sample_states(endpoint: StaticEndpoint, prompts: Sequence[PromptedState], se
 def _reply(client: openai.OpenAI, model: str | None, prompt: PromptedState, settings: ReadSettings, k: int) -> str:
     # a seed per (state, sample): the same settings read the same replies again
     seed = int.from_bytes(hashlib.sha256(f"{settings.seed}/{prompt.info.key}/{k}".encode()).digest()[:6], "big")
+    held = {"structured_outputs": {"choice": prompt.moves}} if settings.choice and prompt.moves else None
     response = client.chat.completions.create(model=model or "default", messages=prompt.messages,  # type: ignore[arg-type]
                                               max_tokens=settings.max_tokens, temperature=settings.temperature,
-                                              seed=seed)
+                                              seed=seed, extra_body=held)
     return response.choices[0].message.content or ""
 
 

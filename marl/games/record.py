@@ -63,10 +63,12 @@ class Sampling(BaseModel):
     temperature: float = 1.0
     top_p: float | None = None  # None: not sent (the server's default, 1.0)
     stop: tuple[str, ...] | None = None  # None: not sent (no stop strings)
+    choice: bool = False  # each reply held to one of the env's legal moves (`structured_outputs`)
 
     def request_options(self) -> dict[str, Any]:
-        """The chat-completion keyword arguments these settings make (unset ones left out)."""
-        return self.model_dump(mode="json", exclude_none=True)
+        """The chat-completion keyword arguments these settings make (unset ones left out; `choice` is sent as
+        `structured_outputs` with the moves of each turn, by the agent)."""
+        return self.model_dump(mode="json", exclude_none=True, exclude={"choice"})
 
 
 class Turn(BaseModel):

@@ -52,6 +52,7 @@ class Seat:
     temperature: float = 1.0
     top_p: float | None = None  # None: not sent (the server's default)
     stop: tuple[str, ...] | None = None  # None: no stop strings
+    choice: bool = False  # True: each reply held to one of the env's legal moves at that turn
     env: Any = field(default=None, repr=False, compare=False)  # the game's env, for scripted play
 
     @property
@@ -62,7 +63,8 @@ class Seat:
     @property
     def sampling(self) -> Sampling:
         """How this seat's model samples: the run's settings, overridden by its role's `sampling:`."""
-        return Sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, stop=self.stop)
+        return Sampling(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p, stop=self.stop,
+                        choice=self.choice)
 
 
 def default_player(seat: Seat, client: openai.OpenAI | None = None) -> LLMAgent | ScriptedAgent:
@@ -76,8 +78,10 @@ def default_player(seat: Seat, client: openai.OpenAI | None = None) -> LLMAgent 
     if client is None:
         client = openai.OpenAI(base_url=seat.base_url, api_key=seat.api_key, max_retries=0 if seat.trainable else 2,
                                timeout=600, http_client=seats_http_client())
+    moves = (lambda: seat.env.legal_actions(seat.agent)) if seat.choice else None
     return LLMAgent(client, seat.model, system_prompt=seat.system_prompt, max_tokens=seat.max_tokens,
-                    temperature=seat.temperature, top_p=seat.top_p, stop=seat.stop, agent_tag=seat.agent_tag)
+                    temperature=seat.temperature, top_p=seat.top_p, stop=seat.stop, agent_tag=seat.agent_tag,
+                    choices=moves)
 
 
 @functools.cache

@@ -503,6 +503,9 @@ class SamplingSpec(_Spec):
     max_tokens: int | None = Field(None, ge=1, description="Longest reply per turn (default: run.max_tokens).")
     stop: list[str] | None = Field(None, max_length=16, description="Strings that end a reply (one string or a list"
                                    " of up to 16); the reply stops before the first one.")
+    choice: bool | None = Field(None, description="Hold each reply to one of the env's legal moves (the server's"
+                                " structured_outputs choice): no invalid reply, and the model's own preference"
+                                " among the moves. A turn of free text is not held.")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -278,4 +278,16 @@ def _prompt(formatter: ChatFormatter, body: p.ChatCompletionRequest, choice: Too
         prefill = formatter.tool_call_format.forced_prefix(choice)
         lead = tuple(tuple(formatter.control_tokens.encode(text, ()))  # names are text, never control tokens
                      for text in formatter.tool_call_format.name_leads(choice))
+    if body.structured_outputs is not None:
+        if choice.forced:
+            raise Refusal(400, ErrorCode.UNSUPPORTED_VALUE, "structured_outputs and a forced tool call cannot both"
+                          " hold the reply: send one of them", param="structured_outputs")
+        lead = choice_leads(formatter, body.structured_outputs.choice)
     return prefill, formatter.prompt_ids(body, history, context_length, prefill), lead
+
+
+def choice_leads(formatter: ChatFormatter, choices: list[str]) -> tuple[tuple[int, ...], ...]:
+    """`structured_outputs.choice` as `SamplingParams.lead`: each string's tokens (text, never control tokens), then
+    one of the tokens that end a reply, so that the reply is the whole string and nothing after it."""
+    ends = sorted(formatter.eos_token_ids)
+    return tuple(tuple(formatter.control_tokens.encode(text, ())) + (end,) for text in choices for end in ends)

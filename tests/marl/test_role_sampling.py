@@ -112,7 +112,35 @@ def test_each_role_samples_with_its_own_settings_and_games_jsonl_says_so(tiny_mo
         assert game.sampling == {"speaker": Sampling(temperature=0.3, max_tokens=3, stop=("\n\n",)),
                                  "listener": Sampling(temperature=1.5, top_p=0.5, max_tokens=9)}
     row = json.loads((tmp_path / "run" / "games.jsonl").read_text().splitlines()[0])
-    assert row["sampling"]["speaker"] == {"max_tokens": 3, "temperature": 0.3, "top_p": None, "stop": ["\n\n"]}
+    assert row["sampling"]["speaker"] == {"max_tokens": 3, "temperature": 0.3, "top_p": None, "stop": ["\n\n"],
+                                          "choice": False}
+
+
+def test_a_role_held_to_the_legal_moves_sends_them_each_turn_and_never_replies_invalid(tiny_model, tmp_path,
+                                                                                       monkeypatch):
+    pytest.importorskip("pyspiel")
+    from marl.run import run
+
+    monkeypatch.setenv("ROLE_SAMPLING_ADMIN", ADMIN)
+    with LocalServer(tiny_model, tmp_path / "server") as server, Relay(server.url) as relay:
+        with admin_http(server.url) as http:
+            start_rolling(http, **TRAIN)
+        spec = yaml.safe_load(open(topology(tmp_path, {"player_0": {"server": "m", "sampling": {"choice": True}},
+                                                       "player_1": {"server": "m"}},
+                                            {"swarm_url": relay.url, "admin_token_env": "ROLE_SAMPLING_ADMIN",
+                                             "trainable": True, "train": TRAIN})))
+        spec["env"] = {"openspiel": "kuhn_poker", "args": {"max_invalid_retries": 0}}
+        spec["run"]["games"] = 4
+        (tmp_path / "kuhn.yaml").write_text(yaml.safe_dump(spec))
+        summary = run(str(tmp_path / "kuhn.yaml"))
+    assert summary.error is None and summary.games == 4
+    held = [body for role, body, _ in relay.calls if role == "player_0"]
+    assert held and all(body["structured_outputs"] == {"choice": ["Pass", "Bet"]} for body in held)
+    assert all("structured_outputs" not in body for role, body, _ in relay.calls if role == "player_1")
+    games = read_games(tmp_path / "run" / "games.jsonl")
+    assert all(game.invalid_actions.get("player_0", 0) == 0 for game in games)
+    assert sum(game.invalid_actions.get("player_1", 0) for game in games) > 0  # the tiny model, unheld
+    assert games[0].sampling["player_0"].choice and not games[0].sampling["player_1"].choice
 
 
 def test_a_role_without_sampling_keeps_the_runs_and_a_scripted_role_records_none():
