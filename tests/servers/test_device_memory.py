@@ -111,7 +111,9 @@ def test_the_step_releases_memory_before_the_weights_then_the_kv_cache_wake(tiny
         deadline = time.monotonic() + 60
         while client.status().policy_version < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
+    # the weights reload, then the workers' free memory is asked (marl_wake_memory) before the KV cache wakes
     assert vllm.paths() == ["/sleep?level=1&mode=wait", "release", "/wake_up?tags=weights", "/collective_rpc",
-                            "/wake_up?tags=kv_cache"]
+                            "/collective_rpc", "/wake_up?tags=kv_cache"]
+    assert vllm.bodies()[4]["method"] == "marl_wake_memory"
     (record,) = [json.loads(line) for line in (tmp_path / "server" / "metrics.jsonl").read_text().splitlines()]
     assert record["device_reserved_gb"] == 1.5  # the trainer's release, in the step's metrics
