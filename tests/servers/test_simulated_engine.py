@@ -151,16 +151,17 @@ def test_waiting_requests_get_freed_slots_in_order_and_a_cancelled_one_loses_non
     assert engine.stats.running == engine.stats.waiting == 0 and engine.stats.max_running == 1
 
     async def closed_while_waiting():
-        holder = asyncio.create_task(_generate(engine, SamplingParams(max_tokens=50)))
-        while engine.stats.running == 0:
-            await asyncio.sleep(0.001)
+        # the holder keeps the one slot while it is not pulled on: at speed 20 its 50 tokens took 17 ms, and on a
+        # loaded machine the waiter could find the slot free again and never wait (this test then hung)
+        holder = engine.generate([5, 6, 7], SamplingParams(max_tokens=50))
+        await holder.__anext__()
         waiter = asyncio.create_task(_generate(engine, SamplingParams(max_tokens=2)))
         while engine.stats.waiting == 0:
             await asyncio.sleep(0.001)
         engine.close()
         with pytest.raises(RuntimeError, match="closed"):
             await waiter
-        await holder
+        await holder.aclose()
 
     asyncio.run(closed_while_waiting())
 
