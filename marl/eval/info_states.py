@@ -110,7 +110,7 @@ class OpenSpielSeats(PolicySeats):
 
     def scripted(self, info: InfoState, role: str) -> dict[int, float]:
         env = self.make_env()
-        return env.scripted[self.agents[info.player]].probabilities(_state_at(self.game, info), info.player)
+        return env.scripted[self.agents[info.player]].probabilities(state_at(self.game, info), info.player)
 
 
 # TextArena's KuhnPoker-v0 with one round: its Player 1 opens (OpenSpiel's player 0), and its moves name what Pass and
@@ -197,7 +197,8 @@ def play_to(env: Any, target: str, moves: Sequence[Callable[[], str]]) -> list[d
     return messages
 
 
-def _state_at(game: Any, info: InfoState) -> Any:
+def state_at(game: Any, info: InfoState) -> Any:
+    """OpenSpiel's state at the history that reaches `info`."""
     state = game.new_initial_state()
     for action in info.history:
         state.apply_action(action)
