@@ -283,6 +283,8 @@ class ErrorCode(enum.StrEnum):
     CALLS_IN_FLIGHT = "calls_in_flight"
     # 5xx: the server failed
     ENGINE_ERROR = "engine_error"  # generation failed
+    # the model's logprobs overflowed (NaN or inf: an adapter's huge weights); the call is not recorded
+    NON_FINITE_OUTPUT = "non_finite_output"
     INTERNAL_ERROR = "internal_error"  # anything unexpected
     HTTP_ERROR = "http_error"  # another HTTP-level refusal
 
@@ -297,6 +299,7 @@ _ERROR_TYPE_OF_CODE = {
     ErrorCode.INVALID_API_KEY: ErrorType.AUTHENTICATION,
     ErrorCode.NOT_LEASE_HOLDER: ErrorType.PERMISSION,
     ErrorCode.ENGINE_ERROR: ErrorType.SERVER,
+    ErrorCode.NON_FINITE_OUTPUT: ErrorType.SERVER,
     ErrorCode.INTERNAL_ERROR: ErrorType.SERVER,
     ErrorCode.LEDGER_UNAVAILABLE: ErrorType.SERVER,
 }

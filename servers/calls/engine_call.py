@@ -11,6 +11,7 @@ the server's own time on the call (`server_timing`, `marl.protocol.SERVER_TIMING
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractContextManager
@@ -60,6 +61,16 @@ class CallService(Protocol):
         """Count the finished call and record it on its session."""
 
 
+class NonFiniteOutput(RuntimeError):
+    """The engine gave a NaN or infinite logprob: the weights overflow (a frozen adapter of huge values). Such a
+    token can be neither sent (JSON has no NaN) nor trained on, so the call fails there and is never recorded."""
+
+    def __init__(self, token_index: int):
+        super().__init__(f"the logprob of generated token {token_index} is not finite (NaN or inf): its weights"
+                         " overflow (docs/lora-policies.md, 'Adapters whose weights overflow'); the call is not"
+                         " recorded")
+
+
 class EngineCall:
     """Runs the engine for one call (the session counts as busy meanwhile) and records the call once it finishes."""
 
@@ -87,6 +98,9 @@ class EngineCall:
             async for chunk in self.engine.generate(self.prompt_ids, self.params):
                 if first:
                     self.version, first = self._model.policy_version, False
+                if not math.isfinite(sum(chunk.logprobs, 0.0)):  # finite exactly when every term is
+                    raise NonFiniteOutput(len(self.ids) + next(
+                        i for i, x in enumerate(chunk.logprobs) if not math.isfinite(x)))
                 self.ids += chunk.token_ids
                 self.logprobs += chunk.logprobs
                 if chunk.finish_reason:
@@ -112,7 +126,10 @@ class EngineCall:
         `Refusal` (the call was refused before it generated) is passed on as it is."""
         if isinstance(exc, Refusal):
             return exc
-        refusal = Refusal(500, ErrorCode.ENGINE_ERROR, f"generation failed: {exc}")
+        if isinstance(exc, NonFiniteOutput):
+            refusal = Refusal(500, ErrorCode.NON_FINITE_OUTPUT, f"model {self.model_name}: {exc}")
+        else:
+            refusal = Refusal(500, ErrorCode.ENGINE_ERROR, f"generation failed: {exc}")
         self.service.telemetry.errors.report(refusal.message)
         return refusal
 

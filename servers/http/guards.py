@@ -61,11 +61,16 @@ PARSE_OFF_LOOP_BYTES = 64 * 2**10
 MAX_BODY_OBJECTS = 8192
 #: How deep a body's arrays and objects may nest: a chat request is 5 levels, a tool's JSON schema a few more each.
 MAX_BODY_DEPTH = 64
+#: Token ids of the longest prompt a body must carry: a 128k-token context.
+PROMPT_IDS_FIT = 2**17
+#: Values beside such a prompt: every other field's keys and values (a completions call's usual ten take ~20).
+OTHER_VALUES_FIT = 4096
 #: JSON values one body may hold (every string, number, literal, key, array and object): a token-id prompt of a
-#: 128k-token context fits. Parsing and validating this many valid values takes ~20 ms. When all of them fail, pydantic
-#: listed 131,063 problems of a Responses `input` in 0.21 s (the GIL held, an idle 2-core CPU; 262,144 took 1.2 s
-#: loaded), so the long lists of the request models fail fast (`Field(fail_fast=True)`: the first bad item answers).
-MAX_BODY_VALUES = 2**17
+#: 128k-token context fits, with its other fields. Parsing and validating this many valid values takes ~20 ms.
+#: When all of them fail, pydantic listed 131,063 problems of a Responses `input` in 0.21 s (the GIL held, an idle
+#: 2-core CPU; 262,144 took 1.2 s loaded), so the long lists of the request models fail fast
+#: (`Field(fail_fast=True)`: the first bad item answers).
+MAX_BODY_VALUES = PROMPT_IDS_FIT + OTHER_VALUES_FIT
 #: A small body with more commas than this (values) is parsed and validated off the loop too, as a large one is.
 INLINE_MAX_COMMAS = 2048
 #: Scope key of a body the gate parsed (servers.http.routes' routes take it from there).

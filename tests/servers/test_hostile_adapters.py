@@ -219,10 +219,58 @@ def test_a_call_with_non_finite_logprobs_is_never_recorded(policies) -> None:
         r = httpx.post(lease["base_url"] + "/chat/completions", timeout=60, headers={
             "Authorization": f"Bearer {lease['api_key']}"}, json={
             "model": lease["model"], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
-        assert r.status_code in (200, 500), r.text
+        assert (r.status_code, r.json()["error"]["code"]) == (500, "non_finite_output"), r.text
         r = http.post(f"/episodes/{lease['episode_id']}/end", json={"client_id": "c", "task_id": "t", "reward": 1.0})
         assert r.status_code == 200, r.text
         assert r.json()["samples"] == 0
         assert greedy_ids_and_logprobs(http, "listener") == listener_before
     finally:
         engine._queue_adapter("speaker", PreparedAdapter("speaker", engine.lora._rank, good))
+
+
+OVERFLOW_CALLS = {  # route, body, streamed: every data-plane API a frozen policy answers
+    "completions with logprobs": ("/completions", {"prompt": "hello", "logprobs": 0}, False),
+    "completions streamed": ("/completions", {"prompt": "hello", "stream": True}, True),
+    "chat with logprobs": ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+                           False),
+    "chat": ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, False),
+    "chat streamed": ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}, True),
+    "responses": ("/responses", {"input": "hi"}, False),
+    "messages": ("/messages", {"messages": [{"role": "user", "content": "hi"}]}, False),
+}
+
+
+def _not_json(constant: str) -> None:
+    raise AssertionError(f"a bare {constant} was sent: not JSON")
+
+
+def _error_of(r: httpx.Response, streamed: bool) -> dict:
+    """The call's error object: the body's, or a streamed call's SSE error event (after which nothing follows)."""
+    if not streamed:
+        assert r.status_code == 500, r.text[:300]
+        return json.loads(r.text, parse_constant=_not_json)["error"]
+    events = [json.loads(line[6:], parse_constant=_not_json) for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert events and "error" in events[-1], r.text[:300]
+    return events[-1]["error"]
+
+
+@pytest.mark.parametrize("fill", [1e10, 1e30])
+def test_an_overflowing_frozen_adapter_answers_every_call_with_a_json_error(policies, tmp_path, fill) -> None:
+    """Weights finite in the model's dtype (so loaded) whose products overflow: every API answers its own error
+    object (valid JSON: no bare NaN), and the live policies are untouched."""
+    srv, http = policies
+    listener_before = greedy_ids_and_logprobs(http, "listener")
+    r = load(http, "speaker@9", write_adapter(tmp_path / "huge", srv, fill=fill))
+    assert r.status_code == 200, r.text
+    key = r.json()["api_key"]
+    try:
+        for case, (route, body, streamed) in OVERFLOW_CALLS.items():
+            r = httpx.post(f"{srv.url}/v1{route}", headers={"Authorization": f"Bearer {key}"}, timeout=60,
+                           json={"model": "speaker@9", "max_tokens": 4, "temperature": 0, **body})
+            error = _error_of(r, streamed)
+            assert error["code"] == "non_finite_output", (case, error)
+            assert "not finite" in error["message"] and "speaker@9" in error["message"], (case, error)
+        assert greedy_ids_and_logprobs(http, "listener") == listener_before
+    finally:
+        http.delete("/control/frozen/speaker@9")

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from marl.protocol import ErrorCode
-from servers.http.guards import MAX_BODY_DEPTH, MAX_BODY_VALUES
+from servers.http.guards import MAX_BODY_DEPTH, MAX_BODY_VALUES, PROMPT_IDS_FIT
 from servers.http.routes import MAX_LISTED_PROBLEMS
 from tests.servers.test_untrusted_input import begin, can_continue, refused, slowest_health_while
 
@@ -98,6 +98,24 @@ def test_a_body_at_the_value_limit_that_fails_everywhere_is_refused_while_health
     small = with_raw({"model": "tiny", "messages": HI}, "tools", "[" + "1," * 3000 + "1]")
     answer = call(lease, "/chat/completions", small)
     assert answer.status_code == 400 and str(MAX_LISTED_PROBLEMS) in answer.text
+
+
+def test_a_128k_token_id_prompt_with_the_usual_fields_fits_the_body_limits(rolling):
+    """The value limit counts keys too: a 128k-token prompt of ids beside a completions call's usual fields passes
+    the gate and reaches the route (which refuses it only for the tiny model's short context); one value more than
+    the limit is a 413 at once, with /health answering meanwhile."""
+    srv, http = rolling
+    lease = begin(http)
+    usual = {"model": "tiny", "max_tokens": 8, "temperature": 0.7, "top_p": 0.95, "seed": 3, "stop": ["\n", "END"],
+             "logprobs": 0, "n": 1, "stream": False, "user": "player_0", "presence_penalty": 0.0}
+    fits = with_raw(usual, "prompt", json.dumps(list(range(PROMPT_IDS_FIT))))
+    r = call(lease, "/completions", fits)
+    assert r.status_code == 400 and r.json()["error"]["code"] == ErrorCode.CONTEXT_LENGTH_EXCEEDED, r.text[:300]
+    over = with_raw(usual, "prompt", json.dumps(list(range(MAX_BODY_VALUES))))
+    answer, slowest = slowest_health_while(srv, lambda: call(lease, "/completions", over))
+    assert answer.status_code == 413 and answer.json()["error"]["code"] == ErrorCode.REQUEST_TOO_LARGE
+    assert slowest < 0.5, f"/health took {slowest:.2f}s"
+    assert can_continue(http, lease["episode_id"])
 
 
 @pytest.mark.parametrize("tool_choice", [list(range(30_000)), {"type": "function", "function": {"name": "x" * 10**6}},
