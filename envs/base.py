@@ -27,6 +27,7 @@ See docs/envs.md. This package never imports `servers/` or `marl/`.
 
 from __future__ import annotations
 
+import numbers
 import random
 import re
 import string
@@ -41,12 +42,28 @@ from pettingzoo import AECEnv
 
 from envs.invalid_replies import InvalidReplies, default_reason
 
-__all__ = ["EPISODE_OPTION", "GameEnv", "InvalidAction", "RoleInfo", "TextAECEnv", "TextObservation", "match_choice",
-           "play", "printable"]
+__all__ = ["EPISODE_OPTION", "MAX_OPTION_COUNT", "GameEnv", "InvalidAction", "RoleInfo", "TextAECEnv",
+           "TextObservation", "count_option", "episode_of", "match_choice", "play", "printable"]
 
 #: The `reset` option in which marl passes which repeat of its task a game is (0, 1, ...: the episodes of one GRPO
 #: group share the task's seed). An env may draw what should differ between those episodes from it; others ignore it.
 EPISODE_OPTION = "episode"
+#: The largest count a `reset` option may hold (an episode index, a chance outcome): far past any real one, and small
+#: enough for every RNG and C++ game marl hands it to.
+MAX_OPTION_COUNT = 2**31 - 1
+
+
+def count_option(name: str, value: Any) -> int:
+    """A `reset` option that counts (an episode index, an action id), checked: a non-negative int, else a ValueError
+    naming the option. bool is refused (True is not episode 1); numpy's ints are accepted."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value <= MAX_OPTION_COUNT:
+        raise ValueError(f"reset option {name!r} must be an int from 0 to {MAX_OPTION_COUNT}, got {value!r}")
+    return int(value)
+
+
+def episode_of(options: Mapping[str, Any] | None) -> int:
+    """Which repeat of its task a game is: `options[EPISODE_OPTION]`, checked (`count_option`); 0 when absent."""
+    return count_option(EPISODE_OPTION, (options or {}).get(EPISODE_OPTION, 0))
 
 #: Characters allowed in observations and actions (the charset of both `Text` spaces).
 CHARSET = string.printable
@@ -359,6 +376,10 @@ class TextAECEnv(AECEnv):
         return self._spaces[kind, agent]
 
     def reset(self, seed: int | None = None, options: dict | None = None) -> None:
+        # options checked before anything changes: a refused reset leaves the game as it was
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(f"reset's options must be a dict, got {type(options).__name__}")
+        episode_of(options)  # checked for every env, whether or not it reads it
         if seed is not None:
             self.rng = random.Random(seed)
         self.agents = list(self.possible_agents)

@@ -41,7 +41,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from envs.base import EPISODE_OPTION, TextAECEnv, match_choice, printable
+from envs.base import TextAECEnv, count_option, episode_of, match_choice, printable
 from envs.openspiel_policies import ScriptedPolicy, scripted_policies
 from envs.openspiel_text import GameText, game_text
 
@@ -117,9 +117,9 @@ class OpenSpielEnv(TextAECEnv):
     def _reset_game(self, seed: int | None, options: dict | None) -> None:
         options = options or {}
         seed = self.rng.randrange(2**31) if seed is None else seed
-        episode = options.get(EPISODE_OPTION, 0) if self.deals == "episode" else 0
+        episode = episode_of(options) if self.deals == "episode" else 0
         self._chance_rng = random.Random(f"{seed}/{episode}")  # its own stream: scripted draws leave the deal alone
-        self._forced = [int(a) for a in options.get(CHANCE_OPTION) or ()]
+        self._forced = _chance_outcomes(options.get(CHANCE_OPTION))
         self.state = self.game.new_initial_state()
         self._news = {a: [] for a in self.possible_agents}
         self._moves = {a: [] for a in self.possible_agents}
@@ -290,3 +290,12 @@ def chance_and_moves(game: Any, history: Sequence[int]) -> tuple[list[int], list
             moves.append((state.current_player(), action))
         state.apply_action(action)
     return chance, moves
+
+
+def _chance_outcomes(value: Any) -> list[int]:
+    """The `CHANCE_OPTION` of a reset, checked: a list of action ids (the deal to force), or None."""
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise ValueError(f"reset option {CHANCE_OPTION!r} must be a list of chance action ids, got {value!r}")
+    return [count_option(f"{CHANCE_OPTION}[{i}]", a) for i, a in enumerate(value)]

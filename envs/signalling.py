@@ -30,7 +30,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from envs.base import EPISODE_OPTION, InvalidAction, TextAECEnv, match_choice, named_options, printable
+from envs.base import InvalidAction, TextAECEnv, episode_of, match_choice, named_options, printable
 
 #: Short, distinct items; no item's words contain another item's name.
 ITEMS = (
@@ -88,7 +88,7 @@ class SignallingGame(TextAECEnv):
         self.items = self.rng.sample(self.item_pool, self.num_items)
         self.target = self.rng.choice(self.items)
         if self.orders_per == "episode":
-            self.orders = self._episode_orders((options or {}).get(EPISODE_OPTION, 0))
+            self.orders = self._episode_orders(episode_of(options))
         else:
             self.orders = {g: self.rng.sample(self.items, len(self.items)) for g in self.guessers}
         self.message, self.choices = None, {}
