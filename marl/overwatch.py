@@ -160,6 +160,9 @@ class ServerView:
 
         lines.append(Text(f"tokens/s {snap.tokens_per_s:.1f} · calls {status.metrics.get('calls', 0):.0f} · "
                           f"train steps {len(snap.recent_steps) and snap.recent_steps[-1].step}"))
+        idle = _idle_work(status.metrics)
+        if idle:
+            lines.append(Text(idle, style="bold yellow"))
         lines.append(_reward_table(snap))
         if snap.errors:
             latest = snap.errors[-1]
@@ -196,6 +199,17 @@ def _diversity(metrics: dict[str, float], suffix: str) -> Text:
     if nll is None or same is None:
         return Text("")
     return Text(f"{nll:.3f} · {same:.0%}", style="red" if collapsed(nll, same) else "")
+
+
+def _idle_work(metrics: dict[str, float]) -> str:
+    """What this server did that trained nothing (never shown as progress): steps without a trained token, and
+    episodes of groups in which its agent never called the model."""
+    empty, silent = metrics.get("train_steps_empty", 0), metrics.get("episodes_silent", 0)
+    parts = [f"{empty:.0f} of {metrics.get('train_steps', 0):.0f} steps trained nothing (no group with a learning"
+             " signal)"] if empty else []
+    if silent:
+        parts.append(f"{silent:.0f} episodes dropped: the agent never called the model in them")
+    return " · ".join(parts)
 
 
 def step_caption(step: StepRecord) -> str:

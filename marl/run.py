@@ -74,6 +74,7 @@ from marl.plan import plan_topology
 from marl.plot import percent, plot_run, summarize_games
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, ServerStatus
 from marl.server_watch import ServerMonitor, ServerView
+from marl.stall_watch import LearnerNeeds, StallWatch
 from marl.terminal import safe
 from marl.topology import Problem, ServerKind, ServerSpec, Topology, TopologyError
 from marl.topology.bundles import ray_bundles
@@ -246,6 +247,8 @@ class _Session:
         self.coordinator: Coordinator | None = None
         self.decisions: DecisionLog | None = None  # the two-phase commits of games across several servers
         self.error: str | None = None  # a game that kept failing
+        self.stalls: StallWatch | None = None
+        self.stalled: str | None = None  # why a learner can never take a step (run.on_stall: stop)
         self.interrupted = False
 
     def start(self) -> None:
@@ -279,6 +282,7 @@ class _Session:
             decisions=self.decisions,
             runner=self.cluster.play if self.cluster and run.ray.spread_games else None,
         )
+        self.stalls = _stall_watch(self.topology, endpoints)
         if run.eval_every is not None:
             self.evals = PeriodicEval(self.topology, self.run_dir, token, report=self.console.log).start()
 
@@ -348,11 +352,22 @@ class _Session:
             if progress is not None:
                 progress.close()
         self.console.print()  # the live table's last line has no newline of its own
-        self.error = stats.error
+        self.error = stats.error or self.stalled
 
     def _record(self, result: GameRecord) -> None:
         if self.board.record(result) == 1:
             self.say(f"first game done ({result.turns} turns, {result.seconds:.1f}s)", log=True)
+        if self.stalls is not None:
+            for reason in self.stalls.observe(result, self.monitor.versions(self.stalls.needs)):
+                self._stall(reason)
+
+    def _stall(self, reason: str) -> None:
+        """A learner can never fill a batch: stop (the default) or, with run.on_stall: warn, say so and go on."""
+        if self.spec.run.on_stall == "stop":
+            self.stalled = self.stalled or f"{reason} (run.stall_batches; run.on_stall: warn goes on)"
+            self.say(f"stopping: {reason}", "red", log=True)
+        else:
+            self.say(f"warning: {reason}; going on (run.on_stall: warn)", "yellow", log=True)
 
     def progress_line(self, interval_s: float, games_before: int) -> str:
         """Games so far and per minute over the last `interval_s` seconds (`games_before` at its start), failed
@@ -362,7 +377,7 @@ class _Session:
         return f"{self.board.games} games ({rate:.1f}/min), {self.board.failed} failed attempts; {servers}"
 
     def _should_stop(self) -> bool:
-        if self._fatal():
+        if self._fatal() or self.stalled:
             return True
         max_steps = self.spec.run.max_steps
         if max_steps is None:
@@ -374,12 +389,19 @@ class _Session:
         return (self.supervisor and self.supervisor.fatal) or (self.monitor and self.monitor.fatal) or None
 
     def _step_done(self, server: str, status: ServerStatus) -> None:
-        """The monitor saw a new policy version: one line per training step, so progress shows in logs too."""
+        """The monitor saw a new policy version: one line per training step, so progress shows in logs too (a step
+        that trained no token says so instead: it is not progress)."""
         rewards = {role: round(mean, 3) for role, mean in self.board.recent_rewards().items()}
         actions = self.board.recent_actions()
         shares = f"; recent actions {json.dumps(actions)}" if actions else ""
-        self.say(f"{server}: step {status.policy_version} done; {self.board.games} games;"
-                 f" recent reward {json.dumps(rewards)}{shares}", log=True)
+        metrics = status.metrics
+        if metrics.get("tokens_trained") == 0:
+            self.say(f"{server}: step {status.policy_version} trained nothing (no group had a learning signal:"
+                     f" {metrics.get('groups_zero_variance', 0):.0f} of {metrics.get('groups', 0):.0f} of zero reward"
+                     f" variance); {metrics.get('train_steps_empty', 0):.0f} such steps so far", "yellow", log=True)
+        else:
+            self.say(f"{server}: step {status.policy_version} done; {self.board.games} games;"
+                     f" recent reward {json.dumps(rewards)}{shares}", log=True)
         for warning in self.collapse.observe(server, status.metrics, self.board.action_counts()):
             self.say(f"warning: {warning}", "yellow", log=True)
 
@@ -570,6 +592,19 @@ def _endpoint(topology: Topology, name: str, processes: dict[str, ServerProcess 
     train = server.policy_train(policy) if policy is not None else server.train
     learner = f"{name}{LEARNER_SEPARATOR}{policy}" if policy is not None else name
     return TrainableEndpoint(learner, client=client, max_concurrency=run.per_server_concurrency, train_config=train)
+
+
+def _stall_watch(topology: Topology, endpoints: dict[str, Endpoint]) -> StallWatch:
+    """The stall watch of the run's linked learners: each one's roles, and the games a batch of its takes."""
+    run, seating = topology.spec.run, topology.role_learners()
+    needs = {}
+    for learner in topology.linked_learners():
+        train = getattr(endpoints[learner], "train_config", None)
+        batch = train.batch_size * train.num_repeat if train is not None else 1
+        if train is not None and train.overlap:  # rollouts may run max_staleness batches ahead of a slow step
+            batch *= 1 + train.max_staleness
+        needs[learner] = LearnerNeeds(tuple(role for role, who in seating.items() if who == learner), batch)
+    return StallWatch(needs, stall_batches=run.stall_batches, in_flight=run.concurrency)
 
 
 def _repoint(endpoint: Endpoint, url: str, token: str) -> None:

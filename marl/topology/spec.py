@@ -642,7 +642,8 @@ class RaySpec(_Spec):
 
 class RunSpec(_Spec):
     games: int | None = Field(None, ge=1, description="Total games (None: until max_steps).")
-    max_steps: int | None = Field(None, ge=1, description="Stop once every trainable server took this many steps.")
+    max_steps: int | None = Field(None, ge=1, description="Stop once every trainable learner (server, or LoRA policy)"
+                                  " is at policy version max_steps or later: the slowest one decides.")
     repeats: int | None = Field(None, ge=1, description="Games per task id (= every trainable server's num_repeat).")
     concurrency: int = Field(8, ge=1, description="Games in flight.")
     per_server_concurrency: int | None = Field(None, ge=1, description="Cap of concurrent leases per server.")
@@ -663,6 +664,12 @@ class RunSpec(_Spec):
         " observation and reply, each cut to 2000 characters, 64000 a game, and the env's summary), summary (the"
         " env's summary and the replies), off (neither).")
     ray: RaySpec | None = Field(None, description="Run on a Ray cluster (None: everything on this machine).")
+    stall_batches: int = Field(10, ge=2, description="A trainable learner that took no training step in this many"
+                               " batches' worth of games (batch_size x num_repeat each, plus run.concurrency) is"
+                               " stalled: its pool cannot fill (a role that never calls the model, say). The run"
+                               " then says why and acts as run.on_stall says.")
+    on_stall: Literal["stop", "warn"] = Field("stop", description="What a stalled learner does to the run: stop"
+                                              " (exit 1, with the reason) or warn (say it once and go on).")
 
     @field_validator("transcripts", mode="before")
     @classmethod

@@ -67,7 +67,7 @@ CREATE TABLE IF NOT EXISTS samples (
     loss_mask BLOB NOT NULL,
     logprobs BLOB NOT NULL,
     versions BLOB,  -- Sample.versions, flattened (version, count, ...); NULL: every token at policy_version
-    -- NULL: in the pool; N > 0: claimed by training step N; -1: dropped as too stale to train on
+    -- NULL: in the pool; N > 0: claimed by training step N; -1: dropped as too stale to train on; -2: dropped silent
     consumed_step INTEGER
 );
 CREATE INDEX IF NOT EXISTS samples_pool ON samples (consumed_step, job, task_id, agent);
@@ -75,6 +75,8 @@ CREATE INDEX IF NOT EXISTS samples_episode ON samples (episode_id);
 """
 
 DROPPED_STALE = -1
+#: consumed_step of the samples of a silent group (every episode complete, no call in any: nothing to train on)
+DROPPED_SILENT = -2
 T = TypeVar("T")
 
 #: Columns added to `episodes` after its first release, created on open in ledgers written before them.
@@ -287,6 +289,23 @@ class Ledger:
             )
         return cur.rowcount
 
+    def drop_silent(self, num_repeat: int) -> int:
+        """Take out of the pool every group of `num_repeat` episodes or more in which the agent never called the
+        model (empty samples only: nothing can ever train on it, and without this such groups pile up for as long as
+        the role stays silent); returns how many episodes it held (never silently)."""
+        silent = [key for key in self._counts().silent if self._counts().groups.get(key, 0) >= num_repeat]
+        if not silent:
+            return 0
+        episodes = 0
+        with self.transaction():
+            self._pool = None  # samples leave the pool: count it again
+            for key in silent:
+                cur = self.db.execute(
+                    "UPDATE samples SET consumed_step = ? WHERE consumed_step IS NULL AND job = ? AND task_id = ?"
+                    " AND agent = ?", (DROPPED_SILENT, key.job, key.task_id, key.agent))
+                episodes += cur.rowcount  # one empty sample per episode and agent
+        return episodes
+
     def claim_batch(self, step: int, groups: Iterable[GroupKey]) -> dict[GroupKey, list[Sample]]:
         """Mark every pooled sample of these groups as consumed by `step` and return them."""
         claimed: dict[GroupKey, list[Sample]] = {}
@@ -426,6 +445,9 @@ class LedgerThread:
 
     async def drop_stale(self, min_version: int) -> int:
         return await self.run(self.ledger.drop_stale, min_version)
+
+    async def drop_silent(self, num_repeat: int) -> int:
+        return await self.run(self.ledger.drop_silent, num_repeat)
 
     async def claim_batch(self, step: int, groups: Iterable[GroupKey]) -> dict[GroupKey, list[Sample]]:
         return await self.run(self.ledger.claim_batch, step, list(groups))

@@ -105,7 +105,11 @@ def _counter_families() -> list[tuple[Metric, Any]]:
          if engine("cached")(r) is not None else None),
         (_counter("marl_samples_recorded", "Training samples written to the ledger."), count("samples_recorded")),
         (_counter("marl_samples_dropped_stale", "Samples too stale to train on."), count("samples_dropped_stale")),
+        (_counter("marl_episodes_silent", "Episodes of groups whose agent never called the model (dropped: nothing"
+                  " to train on)."), count("episodes_silent")),
         (_counter("marl_train_steps", "Training steps taken by this process."), count("train_steps")),
+        (_counter("marl_train_steps_empty", "Training steps that trained no token (no group with a learning"
+                  " signal)."), count("train_steps_empty")),
         (_counter("marl_generation_busy_seconds", "Wall seconds with at least one generation running (its rate is"
                   " the engine's busy fraction; 1 - rate is the rollout idle fraction)."),
          lambda r: r.generation_busy_s),

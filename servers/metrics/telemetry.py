@@ -40,7 +40,9 @@ class Counters:
     tokens_generated: int = 0
     samples_recorded: int = 0
     samples_dropped_stale: int = 0
+    episodes_silent: int = 0  # in groups whose agent never called the model: dropped, nothing to train on
     train_steps: int = 0
+    train_steps_empty: int = 0  # steps that trained no token (every group of zero reward variance, or empty)
 
     def as_metrics(self) -> dict[str, float]:
         return {name: float(value) for name, value in dataclasses.asdict(self).items()}

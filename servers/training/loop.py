@@ -60,6 +60,10 @@ class TrainLoop:
 
     async def _advance(self) -> None:
         lifecycle = self._lifecycle
+        silent = await self._ledger.drop_silent(lifecycle.config.num_repeat)
+        if silent:  # a role that never speaks must not fill the pool with groups nothing can train on
+            self._telemetry.counters.episodes_silent += silent
+            log.info("dropped %d episodes of groups in which the agent never called the model", silent)
         if lifecycle.config.overlap:
             if self._overlapped is not None:
                 await self._bound_rollouts()
@@ -140,6 +144,7 @@ class TrainLoop:
         if generation != lifecycle.generation:
             return
         counters.train_steps += 1
+        counters.train_steps_empty += metrics.get("tokens_trained") == 0  # counted, never shown as progress
         self._record.append(step, {**metrics, **self._rollout_idle()})
         if overlap:
             # Still ROLLING. Set after the checkpoint, so a version a client sees is one a restart comes back to; a

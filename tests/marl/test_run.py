@@ -129,6 +129,55 @@ def test_a_game_that_always_fails_ends_the_run_with_exit_1_and_the_reason(tiny_m
     assert read_games(tmp_path / "run" / "games.jsonl") == []
 
 
+#: A listener that never acts: the speaker's word ends the game, and the listener's server never sees a token.
+MUTE_ENV = """
+from envs.base import TextAECEnv
+
+
+class MuteListener(TextAECEnv):
+    possible_agents = ["speaker", "listener"]
+
+    def _reset_game(self, seed, options):
+        self.agent_selection = "speaker"
+
+    def _observe_text(self, agent):
+        return "Say a word."
+
+    def _legal_actions(self, agent):
+        return ["red", "green", "blue"]
+
+    def _apply(self, agent, action):
+        for who in self.agents:
+            self.rewards[who] = float(action == "red")
+            self.terminations[who] = True
+"""
+
+
+def test_a_role_that_never_gets_a_token_stops_the_run_with_exit_1_and_the_reason(tiny_model, tmp_path):
+    """Liveness (issue 55): the listener's server can never fill a batch, so run.max_steps could never be reached;
+    the run notices within run.stall_batches batches' worth of games and stops, naming the role."""
+    (tmp_path / "mute_env.py").write_text(MUTE_ENV)
+    spec = json.loads(json.dumps(TOPOLOGY))
+    for server in spec["servers"].values():
+        server["model"] = str(tiny_model)
+    spec["env"] = {"class": "mute_env:MuteListener"}
+    spec["run"].update(run_dir=str(tmp_path / "run"), max_steps=1000, stall_batches=2)
+    (tmp_path / "topology.yaml").write_text(yaml.safe_dump(spec))
+    python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))  # the env module
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "marl.cli", "run", str(tmp_path / "topology.yaml")],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "COLUMNS": "250", "PYTHONPATH": python_path})
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert time.monotonic() - started < 180, output
+    assert "gave up: listener's episodes have no tokens: every game ended before listener called the model" in output
+    bound = 2 * 1 * 2 + 2  # stall_batches x batch_size x num_repeat + concurrency
+    games = read_games(tmp_path / "run" / "games.jsonl")
+    assert bound < len(games) <= bound + 2 * 2, len(games)  # noticed at once (the games in flight still finish)
+    assert all(g.replies.get("listener", 0) == 0 for g in games)
+
+
 def test_games_jsonl_rows_of_older_versions_still_read(tmp_path):
     path = tmp_path / "games.jsonl"
     old = {"time": 1.0, "task_id": "t-0", "seed": 0, "agent_rewards": {"speaker": 1.0},  # as the first version wrote

@@ -198,3 +198,30 @@ def test_the_pools_kept_counts_equal_sqlites_after_every_kind_of_write(tmp_path)
     record("e6", "t5", ("v",), version=1)
     assert ledger.pool_groups()[GroupKey("j", "t5", "v")] == 2 and agrees()  # both episodes, at the e5's place
     assert list(ledger.pool_groups())[-1] == GroupKey("j", "t5", "v")
+
+
+def test_a_complete_group_whose_agent_never_called_the_model_leaves_the_pool(tmp_path):
+    """Issue 55: a role that never speaks must not pile up groups nothing can train on; a group still short of
+    num_repeat waits (an episode that called may join it), one that called is kept."""
+    ledger = Ledger(tmp_path / "l.sqlite")
+
+    def record(episode: str, task: str, called: bool) -> None:
+        sample = _sample(episode, "v") if called else Sample(
+            episode_id=episode, agent="v", token_ids=[], loss_mask=[], logprobs=[], reward=0.0, policy_version=0,
+            num_calls=0)
+        ledger.record_episode(episode_id=episode, job="j", task_id=task, client_id="c", reward=0.0,
+                              agent_rewards={"v": 0.0}, metadata={}, num_calls=int(called), samples=[sample])
+
+    try:
+        for i in range(3):
+            record(f"s{i}", "silent", called=False)
+        record("w0", "waiting", called=False)
+        record("m0", "mixed", called=False)
+        record("m1", "mixed", called=True)
+        assert ledger.drop_silent(num_repeat=2) == 3  # the 3 episodes of the complete silent group
+        assert ledger.drop_silent(num_repeat=2) == 0
+        assert ledger.pool_groups() == {GroupKey("j", "mixed", "v"): 2}
+        assert ledger.pending_episodes() == ledger.count_pending_episodes() == 3  # w0 waits, m0 and m1 stay
+        assert ledger.recover(resume_step=0) == 0  # dropped is not claimed: a failed step never brings it back
+    finally:
+        ledger.close()
