@@ -37,6 +37,7 @@ import contextlib
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -67,6 +68,8 @@ from servers.model_files import load_tokenizer
 __all__ = ["VLLMEngine", "VLLMStats", "vllm_engine_factory"]
 
 log = logging.getLogger(__name__)
+#: How long a vLLM restart waits for the copy of weights pushed just before it died (a 7B model's export: ~1 min).
+RESTART_COPY_WAIT_S = 600.0
 
 
 
@@ -125,7 +128,11 @@ class VLLMEngine(InferenceEngine):
         stand_in = zero_adapter(config) if self._launch.base_stand_in else None
         self._adapters = VLLMAdapters(self.work_dir / "adapters", base_stand_in=stand_in)
         self._weights: Path | None = None  # our copy of the latest weights loaded (a restart loads them again)
-        self._pushed = False  # the latest weights were pushed (no copy: a restart cannot bring them back)
+        self._pushed = False  # the latest weights were pushed and no copy of them is kept yet
+        #: Clear from a push until the train loop hands over the pushed weights' copy (`keep_restart_copy`): a
+        #: restart meanwhile waits for it rather than find nothing to start from.
+        self._restart_copy = threading.Event()
+        self._restart_copy.set()
         self._transfer = TransferSync(self._launch, self.stats)
         self._clients = LoopClients()
         self._replicas = VLLMReplicas(self._launch, self.work_dir, replay=self._replay,
@@ -218,12 +225,26 @@ class VLLMEngine(InferenceEngine):
             pushed = self._transfer.sync([replica.process for replica in replicas], push, asleep=self._asleep)
             self._pushed = pushed  # failed: the disk sync that follows leaves a copy (and fixes a restart meanwhile)
             if pushed:
+                self._restart_copy.clear()  # until the train loop's export lands (`keep_restart_copy`)
                 for replica in replicas:
                     replica.asleep = False
                 self._awake()
                 self.stats.weight_loads += 1
                 self.stats.last_weight_sync_s = time.perf_counter() - started
             return pushed
+
+    def keep_restart_copy(self, directory: Path | None) -> None:
+        """The weights just pushed, as the trainer exported them after the push (None: the export failed): what a
+        vLLM that dies from now on restarts with. A push leaves vLLM no file to reload, and the trainer's own weights
+        move on at its next step, so the train loop exports them while the rollouts run and waits for this before
+        that step."""
+        try:
+            if directory is not None:
+                target = self.work_dir / f"weights-{self.stats.weight_loads}-pushed"
+                self._weights = _keep_copy(Path(directory), target, self._weights)
+                self._pushed = False
+        finally:
+            self._restart_copy.set()
 
     @property
     def transfer_off(self) -> str | None:
@@ -307,8 +328,15 @@ class VLLMEngine(InferenceEngine):
         self._adapters.load_all(process.url)
 
     def _unrestorable(self) -> str | None:
-        return ("its latest weights were pushed through the weight-transfer engine, which leaves no copy to restart it"
-                " with") if self._pushed else None
+        """Why a vLLM that died cannot be restarted with what it served (None: it can). Right after a push, the
+        copy being exported is waited for (`keep_restart_copy`)."""
+        self._restart_copy.wait(RESTART_COPY_WAIT_S)
+        if not self._pushed:
+            return None
+        return ("its latest weights were pushed through the weight-transfer engine and their copy for restarts"
+                " could not be exported (see the server log)" if self._restart_copy.is_set() else
+                f"its latest weights were pushed through the weight-transfer engine and their copy for restarts did"
+                f" not land within {RESTART_COPY_WAIT_S:g}s")
 
 
 def _checked_prompt(prompt_ids: list[int], params: SamplingParams, vocab_size: int, context_length: int) -> list[int]:

@@ -55,7 +55,7 @@ class EngineLifecycle:
         self.engine_factory = engine_factory
         self.trainer_factory = trainer_factory
         self.checkpoints = CheckpointDir(data_dir / "checkpoints")
-        self._data_dir = data_dir  # exported weights pass through it on their way to an engine in another process
+        self.data_dir = data_dir  # exported weights pass through it on their way to an engine in another process
         self._ledger = ledger
         self._errors = errors
         self._wakeup = wakeup  # woken once ROLLING: the pool may already hold a full batch
@@ -168,7 +168,7 @@ class EngineLifecycle:
 
         if engine.takes_tensors and await asyncio.to_thread(load_tensors):
             return
-        with tempfile.TemporaryDirectory(prefix=".weights-", dir=self._data_dir) as scratch:
+        with tempfile.TemporaryDirectory(prefix=".weights-", dir=self.data_dir) as scratch:
             exported = await asyncio.to_thread(trainer.export_weights, Path(scratch))
             await asyncio.to_thread(engine.load_weights_from, exported)
 

@@ -19,8 +19,10 @@ import asyncio
 import ctypes
 import json
 import logging
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from marl.protocol import RUNNING_STATES, EngineState, TrainingProgress
 from servers.backends import Group, InferenceEngine, TrainBatch, Trainer
@@ -47,6 +49,7 @@ class TrainLoop:
         self._training: tuple[int, int, float] | None = None  # (step, samples, monotonic start) while one runs
         self._overlapped: asyncio.Task | None = None  # the step running beside the rollouts (`overlap`)
         self._idle_mark: tuple[float, float] | None = None  # the generation clock at the last step's end
+        self._restart_copy: asyncio.Task | None = None  # exporting the weights just pushed (`_keep_restart_copy`)
 
     async def run(self) -> None:
         """Forever: on every wake-up, drain once the batch is complete, and train once the leases are gone."""
@@ -55,8 +58,9 @@ class TrainLoop:
                 await self._wakeup.wait()
                 await self._guarded(self._advance())
         finally:
-            if self._overlapped is not None:
-                self._overlapped.cancel()
+            for task in (self._overlapped, self._restart_copy):
+                if task is not None:
+                    task.cancel()
 
     async def _advance(self) -> None:
         lifecycle = self._lifecycle
@@ -162,10 +166,28 @@ class TrainLoop:
         the push failed (the engine logs and counts it), as the lifecycle publishes them (tensors, or a directory)."""
         pushed, push = getattr(served, "push_weights", None), getattr(trainer, "push_weights", None)
         if pushed is not None and push is not None and await asyncio.to_thread(pushed, push):
+            self._restart_copy = asyncio.create_task(self._keep_restart_copy(served, trainer))
             return
         await self._lifecycle.publish_weights(served, trainer)
 
+    async def _keep_restart_copy(self, served: InferenceEngine, trainer: Trainer) -> None:
+        """After a push: export the weights just pushed for the engine to restart with (a push leaves it no file),
+        while the rollouts run; the next step waits for this before it changes the trainer's weights."""
+        exported = None
+        scratch = tempfile.TemporaryDirectory(prefix=".weights-", dir=self._lifecycle.data_dir)
+        try:
+            exported = await asyncio.to_thread(trainer.export_weights, Path(scratch.name))
+        except Exception:  # noqa: BLE001 - the engine then cannot restart, and says so; serving goes on
+            log.exception("could not export the pushed weights for a vLLM restart")
+        try:
+            await asyncio.to_thread(served.keep_restart_copy, exported)  # type: ignore[attr-defined]
+        finally:
+            await asyncio.to_thread(scratch.cleanup)
+
     async def _train(self, batch: TrainBatch, trainer: Trainer) -> dict[str, float]:
+        if self._restart_copy is not None:  # the last push's copy, from the weights this step is about to change
+            await self._restart_copy
+            self._restart_copy = None
         samples = sum(len(g.samples) for g in batch.groups)
         log.info("step %d: training on %d groups (%d samples)", batch.step, len(batch.groups), samples)
         self._training = (batch.step, samples, time.monotonic())

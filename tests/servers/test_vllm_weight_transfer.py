@@ -17,11 +17,14 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from tiny_model import build_tiny_model
@@ -421,17 +424,34 @@ def test_a_transfer_vllm_refuses_falls_back_to_the_disk_and_the_steps_weights_se
         assert_matches(checkpoint, body)  # vLLM serves the step's weights, reloaded from the disk
         prompt, completion, served = ids_and_logprobs(body)
         assert max_gap(fp32_logprobs(model, prompt, completion), served) > 10 * LOGPROB_TOLERANCE  # not the old ones
-        check_no_restart_after_a_push(engine, http)
+        check_a_restart_after_a_push_starts_from_its_copy(engine, http, model)  # the initial weights: not step 1's
         assert http.post("/control/stop").status_code == 200
 
 
-def check_no_restart_after_a_push(engine, http) -> None:
-    """Weights that came through a push leave no copy to restart vLLM with: a vLLM that dies then is not restarted,
-    and calls fail saying why. (A CPU cannot push for real: the engine is told that its latest weights were.)"""
-    from test_vllm_engine import leased, until_refused
+def check_a_restart_after_a_push_starts_from_its_copy(engine, http, weights: Path) -> None:
+    """A push leaves vLLM no file to reload: the train loop exports the pushed weights after it, and a vLLM that
+    dies restarts from that copy, waiting for it while it has not landed; when the export failed, the engine is down
+    and says why. (A CPU cannot push for real: the engine is put in the state a push leaves it in.)"""
+    from test_vllm_engine import ask, assert_matches, leased, until_refused
 
     engine._pushed = True
+    engine._restart_copy.clear()  # the loop's export still to come
     with leased(http) as (_, client):
+        threading.Timer(3.0, engine.keep_restart_copy, [weights]).start()  # lands while vLLM restarts
         os.kill(engine.pid, signal.SIGKILL)
-        until_refused(client, "leaves no copy")
-    assert engine.stats.restarts == 0
+        deadline = time.monotonic() + 300
+        while True:  # a call racing the crash's detection may fail first
+            try:
+                body = ask(client, [{"role": "user", "content": "Say yes."}], max_tokens=16, seed=3)
+                break
+            except openai.InternalServerError:
+                assert time.monotonic() < deadline, "vLLM never served again after its restart"
+                time.sleep(0.5)
+        assert engine.stats.restarts == 1
+        assert_matches(weights, body)  # the copy's weights serve, not those vLLM had before it died
+        engine._pushed = True
+        engine._restart_copy.clear()
+        engine.keep_restart_copy(None)  # the export failed
+        os.kill(engine.pid, signal.SIGKILL)
+        until_refused(client, "could not be exported")
+    assert engine.stats.restarts == 1
