@@ -52,13 +52,14 @@ def _conversation(rng: random.Random) -> tuple[list[dict], list[dict] | None]:
 
 
 def build_tool_model(directory: str | Path, *, steps: int = 200, seed: int = 0, forced: bool = False,
-                     extra_merges: tuple[tuple[str, str], ...] = ()) -> Path:
+                     extra_merges: tuple[tuple[str, str], ...] = (), **shape: int) -> Path:
     """`forced`: trained only on replies forced as `tool_choice: "required"` with two tools forces them (the
-    prompt ends with FORCED_OPENING, the model writes the rest); `extra_merges`: see `build_tokenizer`."""
+    prompt ends with FORCED_OPENING, the model writes the rest); `extra_merges`: see `build_tokenizer`; `shape`:
+    `build_tiny_model`'s sizes (vLLM's CPU attention needs a head of 32 or more: hidden_size=64, num_heads=2)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory = build_tiny_model(directory, seed=seed, extra_merges=extra_merges)
+    directory = build_tiny_model(directory, seed=seed, extra_merges=extra_merges, **shape)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory)
     opening = FORCED_OPENING if forced else ""
