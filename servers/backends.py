@@ -55,8 +55,9 @@ class SamplingParams:
     #: vllm_replicas).
     affinity: str | None = None
     #: Token sequences the generation must begin with one of (a forced tool call's declared function names:
-    #: servers.calls.tool_choice): until one is complete, only a token that continues one of them is sampled; after it,
-    #: sampling is free. The logprobs stay the raw model's, as under temperature and top-p. Empty: no constraint.
+    #: servers.calls.tool_choice, with the tokens that cross their end: servers.calls.lead_texts): until one is
+    #: complete, only a token that continues one of them is sampled; after it, sampling is free. The logprobs stay the
+    #: raw model's, as under temperature and top-p. Empty: no constraint.
     lead: tuple[tuple[int, ...], ...] = ()
 
 

@@ -7,6 +7,7 @@ built-in corpus, ChatML special tokens and chat template (with tool support), an
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -43,8 +44,13 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 42 100. What is 2 + 3? It is 5. Red green 
 """
 
 
-def build_tokenizer(vocab_size: int = 512, model_max_length: int = 2048):
-    """A byte-level BPE tokenizer with ChatML special tokens, as a `PreTrainedTokenizerFast`."""
+def build_tokenizer(vocab_size: int = 512, model_max_length: int = 2048, *,
+                    extra_merges: tuple[tuple[str, str], ...] = ()):
+    """A byte-level BPE tokenizer with ChatML special tokens, as a `PreTrainedTokenizerFast`.
+
+    `extra_merges` (pairs of token strings, in the byte-level alphabet: " " is "Ġ") are appended after the trained
+    merges, and the text is then no longer split at word and punctuation boundaries, so that a merge may join them
+    (as `": {"`, one token in some real vocabularies)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -58,6 +64,8 @@ def build_tokenizer(vocab_size: int = 512, model_max_length: int = 2048):
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 20, trainer=trainer)
+    if extra_merges:
+        tok = _with_merges(tok, extra_merges)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
@@ -67,6 +75,19 @@ def build_tokenizer(vocab_size: int = 512, model_max_length: int = 2048):
         chat_template=CHAT_TEMPLATE,
         model_max_length=model_max_length,
     )
+
+
+def _with_merges(tok, merges: tuple[tuple[str, str], ...]):
+    from tokenizers import Tokenizer
+
+    state = json.loads(tok.to_str())
+    state["pre_tokenizer"]["use_regex"] = False
+    vocab = state["model"]["vocab"]
+    for left, right in merges:
+        assert left in vocab and right in vocab, (left, right)
+        state["model"]["merges"].append([left, right])
+        vocab.setdefault(left + right, len(vocab))
+    return Tokenizer.from_str(json.dumps(state))
 
 
 def build_tiny_model(
@@ -79,13 +100,14 @@ def build_tiny_model(
     max_position_embeddings: int = 2048,
     vocab_size: int = 512,
     seed: int = 0,
+    extra_merges: tuple[tuple[str, str], ...] = (),
 ) -> Path:
     """Write a randomly initialised Llama (about 0.1M-5M parameters) plus tokenizer to `directory`."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     directory = Path(directory)
-    tokenizer = build_tokenizer(vocab_size, model_max_length=max_position_embeddings)
+    tokenizer = build_tokenizer(vocab_size, model_max_length=max_position_embeddings, extra_merges=extra_merges)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

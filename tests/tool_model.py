@@ -24,6 +24,13 @@ TOOL_REPLY = f'<tool_call>{{"name": "{TOOL_NAME}", "arguments": {json.dumps(TOOL
 WEATHER_TOOL = {"type": "function", "function": {
     "name": TOOL_NAME, "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "The time in a city.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+#: `":` and ` {"` as one token (`build_tokenizer`'s `extra_merges`): it crosses the end of a forced call's lead
+#: (`get_weather", "arguments":`, whose own tokens end in `":`), as tokens of real BPE vocabularies do.
+CROSSING_MERGE = ('":', 'Ġ{"')
+#: What a forced reply starts with under `tool_choice: "required"` and several tools (the tiny template's opening).
+FORCED_OPENING = '<tool_call>{"name": "'
 _WORDS = "the quick brown fox weather Paris city what is it sunny rain you are a helpful assistant 2 + 3 ?".split()
 
 
@@ -44,14 +51,19 @@ def _conversation(rng: random.Random) -> tuple[list[dict], list[dict] | None]:
     return messages, tools
 
 
-def build_tool_model(directory: str | Path, *, steps: int = 200, seed: int = 0) -> Path:
+def build_tool_model(directory: str | Path, *, steps: int = 200, seed: int = 0, forced: bool = False,
+                     extra_merges: tuple[tuple[str, str], ...] = (), **shape: int) -> Path:
+    """`forced`: trained only on replies forced as `tool_choice: "required"` with two tools forces them (the
+    prompt ends with FORCED_OPENING, the model writes the rest); `extra_merges`: see `build_tokenizer`; `shape`:
+    `build_tiny_model`'s sizes (vLLM's CPU attention needs a head of 32 or more: hidden_size=64, num_heads=2)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory = build_tiny_model(directory, seed=seed)
+    directory = build_tiny_model(directory, seed=seed, extra_merges=extra_merges, **shape)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     model = AutoModelForCausalLM.from_pretrained(directory)
-    reply = tokenizer.encode(TOOL_REPLY, add_special_tokens=False) + [tokenizer.eos_token_id]
+    opening = FORCED_OPENING if forced else ""
+    reply = tokenizer.encode(TOOL_REPLY.removeprefix(opening), add_special_tokens=False) + [tokenizer.eos_token_id]
     rng = random.Random(seed)
     torch.manual_seed(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=5e-3)
@@ -60,8 +72,10 @@ def build_tool_model(directory: str | Path, *, steps: int = 200, seed: int = 0) 
         rows = []
         for _ in range(8):
             messages, tools = _conversation(rng)
+            if forced:
+                tools = [WEATHER_TOOL, TIME_TOOL]
             prompt = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
-            rows.append(tokenizer.encode(prompt, add_special_tokens=False) + reply)
+            rows.append(tokenizer.encode(prompt + opening, add_special_tokens=False) + reply)
         width = max(map(len, rows))
         ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
         labels = torch.full_like(ids, -100)

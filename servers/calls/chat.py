@@ -276,8 +276,7 @@ def _prompt(formatter: ChatFormatter, body: p.ChatCompletionRequest, choice: Too
                           " supported for this model: its chat template writes no <tool_call> blocks, so a tool"
                           " call cannot be forced; use 'auto'", param="tool_choice")
         prefill = formatter.tool_call_format.forced_prefix(choice)
-        lead = tuple(tuple(formatter.control_tokens.encode(text, ()))  # names are text, never control tokens
-                     for text in formatter.tool_call_format.name_leads(choice))
+        lead = formatter.text_lead(formatter.tool_call_format.name_leads(choice))
     if body.structured_outputs is not None:
         if choice.forced:
             raise Refusal(400, ErrorCode.UNSUPPORTED_VALUE, "structured_outputs and a forced tool call cannot both"

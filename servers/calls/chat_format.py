@@ -22,6 +22,7 @@ from typing import Any
 
 from marl.protocol import ChatCompletionRequest, FunctionCall, ToolCall
 from servers.calls.control_tokens import Control, ControlTokens, ControlTokenText
+from servers.calls.lead_texts import Lead, LeadVocabulary
 from servers.calls.tool_choice import ToolCallFormat
 from servers.episodes.samples import CallRecord
 
@@ -81,6 +82,18 @@ class ChatFormatter:
         """How this template writes a tool call (what a forced `tool_choice` prefills); None: no Hermes blocks."""
         return ToolCallFormat.probe(lambda messages, tools: self._apply_template(messages, tools,
                                                                                  generation_prompt=False))
+
+    @functools.cached_property
+    def lead_vocabulary(self) -> LeadVocabulary:
+        """The vocabulary by token text (built at the first forced call that needs it: 0.1-0.5 s)."""
+        return LeadVocabulary(self.tokenizer)
+
+    def text_lead(self, texts: list[str]) -> Lead:
+        """`SamplingParams.lead` for a reply that must begin with one of `texts`: each text's tokens (text, never
+        control tokens), widened by the tokens that finish one and go on (`LeadVocabulary.crossing`); none without."""
+        if not texts:
+            return ()
+        return self.lead_vocabulary.crossing(tuple(tuple(self.control_tokens.encode(text, ())) for text in texts))
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(

@@ -9,8 +9,9 @@ conversation with the model's own template (`ToolCallFormat.probe`); a template 
 
 Under `"required"` with several tools the model writes the name itself, and the engine holds it to the declared
 ones (`name_leads`, `SamplingParams.lead`: until the name and the text before the arguments are written, only tokens
-that continue a declared name are sampled; then sampling is free), so it never names a function the request did not
-declare, as OpenAI's API never does. The tokens and logprobs recorded are still the engine's (raw logprobs).
+that continue a declared name are sampled, a token that finishes one and goes on included: `servers.calls.lead_texts`;
+then sampling is free), so it never names a function the request did not declare, as OpenAI's API never does. The
+tokens and logprobs recorded are still the engine's (raw logprobs).
 
 The forced text is prompt (recorded as context, mask 0): the model sampled only what follows it. The reply is then
 parsed as a tool call whatever the model wrote: a well-formed block as usual, else its name and its arguments text

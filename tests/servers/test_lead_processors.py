@@ -1,7 +1,8 @@
 """The forced-call constraint inside vLLM (servers/engines/vllm_lead*.py), without vLLM: Model Runner V2's processor
 (vLLM 0.33's default on CUDA, which the CPU build never runs) against a stand-in of V2's interface shaped exactly as
 0.33's (checked against the committed manifest read from its wheel), `vllm_lead.LeadConstraint` built as each loader
-builds it, and the masking both share. The V1 processor runs for real in tests/servers/test_vllm_engine.py."""
+builds it, the masking both share, and both on a lead widened by a token that crosses its end (issue 54). The V1
+processor runs for real in tests/servers/test_vllm_engine.py."""
 
 from __future__ import annotations
 
@@ -18,8 +19,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from tiny_model import build_tokenizer
+from tool_model import CROSSING_MERGE, TIME_TOOL, TOOL_NAME
 
+from servers.backends import SamplingParams
+from servers.calls.chat_format import ChatFormatter
+from servers.calls.tool_choice import ToolChoice
 from servers.engines.lead_tokens import hold_to_lead
+from servers.engines.vllm_http import completion_body
 
 ENGINES = Path(__file__).resolve().parents[2] / "servers" / "engines"
 MANIFEST = Path(__file__).parent / "vllm_contract" / "vllm-0.33.0.json"
@@ -206,3 +213,45 @@ def test_the_shared_masking_frees_a_row_once_it_outgrew_every_sequence():
     assert hold_to_lead(untouched, 0, ((2, 3),), [2, 3])  # spelled, not yet longer: still tracked, unmasked
     assert torch.equal(untouched, torch.zeros(1, 10))
     assert not hold_to_lead(untouched, 0, ((2, 3),), [2, 3, 9])
+
+
+def test_both_processors_let_through_a_token_that_crosses_the_leads_end(lead_modules, monkeypatch):
+    """The lead the server sends for a forced call (widened by `": {"`, which finishes `get_weather", "arguments":`
+    and goes on), read from `vllm_xargs` as vLLM hands it over: V1 and V2 allow that token where the lead's own last
+    one is due, and hold nothing once it is written."""
+    tokenizer = build_tokenizer(extra_merges=(CROSSING_MERGE,))
+    formatter = ChatFormatter(tokenizer, frozenset({tokenizer.eos_token_id}))
+    names = (TOOL_NAME, TIME_TOOL["function"]["name"])
+    texts = formatter.tool_call_format.name_leads(ToolChoice("required", names=names))
+    weather = tuple(formatter.control_tokens.encode(texts[0], ()))
+    crossing = tokenizer.convert_tokens_to_ids("".join(CROSSING_MERGE))
+    body = completion_body([1], SamplingParams(max_tokens=8, lead=formatter.text_lead(texts)), max_tokens=8,
+                           stop_token_ids=[0])
+    request = SimpleNamespace(extra_args=body["vllm_xargs"])
+    width = len(tokenizer)
+    due, written = list(weather[:-1]), [*weather[:-1], crossing]
+
+    runner = Runner(width=32)
+    v2 = lead_modules.LeadConstraint(None, runner.state())
+    v2.add_request(0, request)
+    runner.request(0, prompt=[1], output=due)
+    assert torch.isfinite(v2.apply(torch.zeros(1, width), context([0]))).nonzero()[:, 1].tolist() == sorted(
+        {weather[-1], crossing})
+    runner.request(0, prompt=[1], output=written)
+    assert torch.isfinite(v2.apply(torch.zeros(1, width), context([0]))).all()
+
+    v1_module = sys.modules["vllm_lead_v1"]
+    monkeypatch.setattr(v1_module, "process_dict_updates", _process_dict_updates)
+    v1 = lead_modules.LeadConstraint(None, torch.device("cpu"), False)
+    output = list(due)  # the live list vLLM appends each token to
+    v1.update_state(SimpleNamespace(added=[(0, request, [1], output)]))
+    assert torch.isfinite(v1.apply(torch.zeros(1, width))).nonzero()[:, 1].tolist() == sorted({weather[-1], crossing})
+    output.append(crossing)
+    assert torch.isfinite(v1.apply(torch.zeros(1, width))).all()
+
+
+def _process_dict_updates(rows: dict, batch_update: Any, new_state: Any) -> None:
+    """vLLM 0.32's `process_dict_updates` (vllm/v1/sample/logits_processor/builtin.py), for added requests only."""
+    for index, sampling_params, prompt, output in batch_update.added:
+        if (state := new_state(sampling_params, prompt, output)) is not None:
+            rows[index] = state
