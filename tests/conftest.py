@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.launch import ServerProcess, free_port
 from marl.protocol import TrainConfig
+from marl.testing import server_process as testing_server_process
 from servers.entrypoint import ServeOptions, build_server, http_server
 from servers.http.routes import create_app
 from servers.training.lifecycle import TrainerFactory
@@ -205,14 +206,14 @@ def wait_version(http: httpx.Client, version: int, timeout: float = 60) -> dict:
 
 @contextlib.contextmanager
 def server_process(model: Path, data_dir: Path, *, static: bool = False) -> Iterator[tuple[ServerProcess, str]]:
-    """`marl serve` as a real subprocess (for crash tests); yields (process, url). `process.kill()` is SIGKILL."""
-    proc = ServerProcess(model=str(model), admin_token=ADMIN, data_dir=data_dir, static=static, device="cpu",
-                         served_name="tiny", log_path=data_dir.parent / f"server-{data_dir.name}.log").start()
-    try:
-        proc.wait_healthy(timeout=60)
-        yield proc, proc.url
-    finally:
-        proc.kill()
+    """`marl serve` as a real subprocess (for crash tests), on `marl.testing.server_process`; yields (process, url).
+    `process.kill()` is SIGKILL, and what is still running at the end is killed too (no graceful stop)."""
+    with testing_server_process(model, data_dir, static=static, admin_token=ADMIN, timeout=60,
+                                log_path=data_dir.parent / f"server-{data_dir.name}.log") as proc:
+        try:
+            yield proc, proc.url
+        finally:
+            proc.kill()
 
 
 def trainable(name: str, url: str, **config):
