@@ -26,8 +26,8 @@ from tests.servers.recording_vllm import RecordingVLLM
 #: Test files that boot vLLM or run marl's own processes (`marl run`, `marl serve` subprocesses, FSDP ranks, Ray, the
 #: benches): marked `heavy`, which `make test-fast` (the inner loop) leaves out. `make test` runs everything.
 HEAVY_FILES = frozenset({
-    "test_backends_run", "test_coordinator", "test_coordinator_shutdown", "test_durability", "test_eval",
-    "test_exploitability",
+    "test_backends_run", "test_check_env", "test_coordinator", "test_coordinator_shutdown", "test_durability",
+    "test_eval", "test_exploitability",
     "test_eval_policies", "test_first_contact", "test_fsdp_lora", "test_fsdp_scale", "test_fsdp_trainer",
     "test_league", "test_learning", "test_placement", "test_plan_measured", "test_proxy_cli", "test_ray",
     "test_ray_placement", "test_recompute_logprobs", "test_resume", "test_run", "test_run_policies", "test_benches",
