@@ -8,10 +8,34 @@
 - `marl check-env MODULE:CLASS`: an env played end to end through such a server, with a verdict
   (`marl.testing.check_env`; docs/envs.md, "Try your env in a minute").
 
-Importing it imports neither pytest nor torch (the builder imports torch when called).
+Importing it imports neither pytest nor torch (the builder imports torch when called); its names load on first use,
+so `python -m marl.testing.tiny_model` runs the module once.
 """
 
-from marl.testing.serving import server_process
-from marl.testing.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tiny_model, build_tokenizer
+from __future__ import annotations
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_tiny_model", "build_tokenizer", "server_process"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {"CHAT_TEMPLATE": "marl.testing.tiny_model", "SPECIAL_TOKENS": "marl.testing.tiny_model",
+            "build_tiny_model": "marl.testing.tiny_model", "build_tokenizer": "marl.testing.tiny_model",
+            "server_process": "marl.testing.serving"}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from marl.testing.serving import server_process  # noqa: F401
+    from marl.testing.tiny_model import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tiny_model, build_tokenizer  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'marl.testing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # cache: the next lookup skips __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
