@@ -110,15 +110,22 @@ def load_env(section: Mapping[str, Any]) -> tuple[Callable[..., Any], dict[str, 
 
 
 def _check_arguments(factory: Callable[..., Any], args: Mapping[str, Any]) -> None:
+    """Each key of `args` one the env takes (as a topology's `env.args` is checked); UsageError naming the first
+    that is not, with the closest name."""
+    from marl.topology.problems import did_you_mean
+
     try:
-        signature = inspect.signature(factory)
+        params = list(inspect.signature(factory).parameters.values())
     except (TypeError, ValueError):  # nothing to read: the call will tell
         return
-    try:
-        signature.bind_partial(**args)
-    except TypeError as exc:
-        names = [p for p in signature.parameters if p not in ("self", "args", "kwargs")]
-        raise UsageError(f"--args: {exc}; it takes {', '.join(names) or 'no arguments'}") from None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for key in args:
+        if key not in names:
+            name = getattr(factory, "__qualname__", repr(factory))
+            raise UsageError(f"--args {key}: {name}() takes no argument {key!r}{did_you_mean(key, names)}; its"
+                             f" arguments: {', '.join(names) or '(none)'}")
 
 
 def _construct(factory: Callable[..., Any], args: Mapping[str, Any]) -> Any:

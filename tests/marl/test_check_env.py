@@ -90,7 +90,7 @@ def test_check_env_fails_an_env_that_api_test_refuses_before_starting_a_server(t
     (["no_such_module:Game"], "cannot import module 'no_such_module'"),
     (["envs.signalling:SignalingGame"], "did you mean 'SignallingGame'"),
     (["envs.signalling.SignallingGame"], "did you mean 'envs.signalling:SignallingGame'"),
-    (["envs.signalling:SignallingGame", "--args", "num_itemz=3"], "num_itemz"),
+    (["envs.signalling:SignallingGame", "--args", "num_itemz=3"], "did you mean 'num_items'"),
     (["textarena:KuhnPokr-v0"], "did you mean 'KuhnPoker-v0'"),
     (["envs.signalling:SignallingGame", "--games", "0"], "--games"),
 ])
