@@ -234,6 +234,32 @@ def _episode(args: argparse.Namespace) -> None:
         sys.exit(2)
 
 
+def _check_env(args: argparse.Namespace) -> None:
+    # The check reads the server's ledger, as `marl episode` does: the reader goes in from here.
+    from marl.testing.check_env import main as check_env
+    from servers.episodes.view import recorded_samples
+
+    sys.exit(check_env(args, recorded_samples))
+
+
+def _add_check_env(sub: argparse._SubParsersAction) -> None:
+    check = sub.add_parser("check-env", help="play a new env end to end through a tiny trainable server: a verdict",
+                           description="PettingZoo's api_test on the env, then a few games with every role played"
+                                       " through a real swarm server on a tiny random model (built offline), as"
+                                       " `marl run` plays them, and one training step; checks that every role's"
+                                       " episodes were recorded and merged with the env's rewards. Exit 0 OK, 1"
+                                       " FAILED, 2 usage error (docs/envs.md).")
+    check.add_argument("target", metavar="MODULE:CLASS", help="the env: module:Class or module:factory, or a game of"
+                                                             " a suite: textarena:KuhnPoker-v0, openspiel:kuhn_poker")
+    check.add_argument("--args", nargs="+", default=[], metavar="KEY=VALUE",
+                       help="the env's arguments: key=value words (values read as YAML) or one JSON object")
+    check.add_argument("--games", type=int, default=4, help="games to play (default 4; in pairs of one deal)")
+    check.add_argument("--model", help="a model dir or alias to play with instead of the tiny random model")
+    check.add_argument("--max-tokens", type=int, default=32, help="longest reply per turn (default 32)")
+    check.add_argument("--run-dir", help="keep the server's data dir and log, games.jsonl and topology.yaml here")
+    check.set_defaults(func=_check_env, trailing="args")
+
+
 def _games(args: argparse.Namespace) -> None:
     from marl.games.view import GamesViewError, list_games, show_game
 
@@ -470,7 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     from marl.proxy import add_proxy_parser
 
     for add in (_add_serve, _add_trainer_node, _add_status, _add_topology, _add_plan, _add_run, _add_overwatch,
-                _add_plot, _add_games, _add_episode, add_eval_parser, add_proxy_parser):
+                _add_plot, _add_games, _add_episode, _add_check_env, add_eval_parser, add_proxy_parser):
         add(sub)
     return parser
 

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from marl.launch import ServerProcess, free_port
 from marl.protocol import TrainConfig
+from marl.testing import server_process as testing_server_process
 from servers.entrypoint import ServeOptions, build_server, http_server
 from servers.http.routes import create_app
 from servers.training.lifecycle import TrainerFactory
@@ -25,8 +26,8 @@ from tests.servers.recording_vllm import RecordingVLLM
 #: Test files that boot vLLM or run marl's own processes (`marl run`, `marl serve` subprocesses, FSDP ranks, Ray, the
 #: benches): marked `heavy`, which `make test-fast` (the inner loop) leaves out. `make test` runs everything.
 HEAVY_FILES = frozenset({
-    "test_backends_run", "test_coordinator", "test_coordinator_shutdown", "test_durability", "test_eval",
-    "test_exploitability", "test_soak",
+    "test_backends_run", "test_check_env", "test_coordinator", "test_coordinator_shutdown", "test_durability",
+    "test_eval", "test_exploitability", "test_soak",
     "test_eval_policies", "test_first_contact", "test_fsdp_lora", "test_fsdp_scale", "test_fsdp_trainer",
     "test_league", "test_learning", "test_placement", "test_plan_measured", "test_proxy_cli", "test_ray",
     "test_ray_placement", "test_recompute_logprobs", "test_resume", "test_run", "test_run_policies", "test_benches",
@@ -205,14 +206,14 @@ def wait_version(http: httpx.Client, version: int, timeout: float = 60) -> dict:
 
 @contextlib.contextmanager
 def server_process(model: Path, data_dir: Path, *, static: bool = False) -> Iterator[tuple[ServerProcess, str]]:
-    """`marl serve` as a real subprocess (for crash tests); yields (process, url). `process.kill()` is SIGKILL."""
-    proc = ServerProcess(model=str(model), admin_token=ADMIN, data_dir=data_dir, static=static, device="cpu",
-                         served_name="tiny", log_path=data_dir.parent / f"server-{data_dir.name}.log").start()
-    try:
-        proc.wait_healthy(timeout=60)
-        yield proc, proc.url
-    finally:
-        proc.kill()
+    """`marl serve` as a real subprocess (for crash tests), on `marl.testing.server_process`; yields (process, url).
+    `process.kill()` is SIGKILL, and what is still running at the end is killed too (no graceful stop)."""
+    with testing_server_process(model, data_dir, static=static, admin_token=ADMIN, timeout=60,
+                                log_path=data_dir.parent / f"server-{data_dir.name}.log") as proc:
+        try:
+            yield proc, proc.url
+        finally:
+            proc.kill()
 
 
 def trainable(name: str, url: str, **config):

@@ -140,6 +140,16 @@ def list_episodes(data_dir: Path, limit: int = 20, console: Console | None = Non
         ledger.close()
 
 
+def recorded_samples(data_dir: Path) -> list[Sample]:
+    """Every sample in the ledger of `data_dir`, oldest episode first: what `marl check-env` tallies per role."""
+    ledger = open_ledger(data_dir)
+    try:
+        rows = ledger.episodes(limit=-1)  # SQLite's LIMIT -1: every row
+        return [sample for row in reversed(rows) for sample in ledger.samples_of(row.episode_id)]
+    finally:
+        ledger.close()
+
+
 def show_episode(data_dir: Path, episode_id: str | None = None, *, model: str | None = None, tokens: bool = False,
                  console: Console | None = None) -> None:
     """Print one episode (default: the latest ended one); `episode_id` may be a unique prefix."""
