@@ -82,7 +82,7 @@ def run_eval_command(args: argparse.Namespace) -> None:
     from rich.console import Console
 
     from marl.eval.matrix import evaluate, results_table, write_outputs
-    from marl.eval.pairings import EvalFailed, EvalSettings, fleet_devices, plan_pairings
+    from marl.eval.pairings import EvalFailed, EvalSettings, fleet_devices, plan_pairings, run_dir_of
     from marl.snapshots import StaticFleet
     from marl.topology import Topology
 
@@ -90,13 +90,14 @@ def run_eval_command(args: argparse.Namespace) -> None:
     try:
         choices, overrides = split_arguments(args.pairs)
         topology = Topology.load(args.file, overrides)
-        run_dir = Path(args.run_dir or topology.spec.run.run_dir)
+        run_dir = run_dir_of(topology, args.run_dir)
         pairings = plan_pairings(topology, run_dir, choices)
     except ValueError as exc:  # a TopologyError, a SnapshotError, a malformed ROLE=CHECKPOINTS
-        print(f"marl eval: {exc}", file=sys.stderr)
+        print(f"marl eval: error: {exc}", file=sys.stderr)
         sys.exit(2)
     if args.role is not None and args.role not in topology.spec.roles:
-        print(f"marl eval: --role {args.role}: no such role ({', '.join(topology.spec.roles)})", file=sys.stderr)
+        print(f"marl eval: error: --role {args.role}: no such role ({', '.join(topology.spec.roles)})",
+              file=sys.stderr)
         sys.exit(2)
     run = topology.spec.run
     settings = EvalSettings(games=args.games, seed=run.seed if args.seed is None else args.seed,
@@ -112,7 +113,7 @@ def run_eval_command(args: argparse.Namespace) -> None:
         results = evaluate(topology, pairings, fleet, settings,
                            on_result=lambda r: console.print(f"played {r.pairing.label}"))
     except (EvalFailed, RuntimeError) as exc:
-        print(f"marl eval: {exc}", file=sys.stderr)
+        print(f"marl eval: error: {exc}", file=sys.stderr)
         sys.exit(1)
     finally:
         fleet.close()
