@@ -73,6 +73,8 @@ def made_up_mistake(path: tuple[str, ...]) -> list[tuple[list[str], str]]:
         parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[name]
     positionals = [a for a in parser._actions if not a.option_strings and a.nargs != 0
                    and not isinstance(a, argparse._SubParsersAction)]
+    if any(isinstance(a, argparse._SubParsersAction) for a in parser._actions):
+        return [([], "")]
     return [([MISSING] * len(positionals) if positionals else ["--no-such-option"], "")]
 
 
@@ -82,18 +84,28 @@ def marl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 
 def assert_one_line_mistake(result: subprocess.CompletedProcess, path: tuple[str, ...], fragment: str) -> str:
-    """Exit 2, no traceback; stderr (past argparse's usage lines) is one line: `marl <command>...`, with `fragment`."""
+    """Exit 2, no traceback; stderr (past argparse's usage lines) is one line: `marl <command>...` (argparse's
+    `marl: error: unrecognized arguments` for an unknown option), with `fragment`."""
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert "Traceback" not in output, output
     said = [line for line in result.stderr.splitlines() if line and not line.startswith(("usage:", " "))]
-    assert len(said) == 1 and said[0].startswith(f"marl {path[0]}"), result.stderr
+    assert len(said) == 1 and said[0].startswith((f"marl {path[0]}", "marl: error:")), result.stderr
     assert fragment in said[0], result.stderr
     return said[0]
 
 
 def test_every_command_in_mistakes_exists():
     assert set(MISTAKES) <= set(COMMANDS), set(MISTAKES) - set(COMMANDS)
+
+
+@pytest.mark.parametrize("path", [("serve",), ("plot",), ("games",)], ids=" ".join)
+def test_a_command_not_in_mistakes_gets_a_made_up_one(path):
+    """What a new command is run with until `MISTAKES` names its own (a command without positionals: an option it
+    does not have; with some: a missing file for each; of subcommands: none)."""
+    (args, fragment), = made_up_mistake(path)
+    assert args == {"serve": ["--no-such-option"], "plot": [MISSING], "games": []}[path[0]]
+    assert_one_line_mistake(marl(*path, *args), path, fragment)
 
 
 @pytest.mark.parametrize("path", sorted(COMMANDS), ids=" ".join)
