@@ -19,7 +19,7 @@ from itertools import islice
 
 import yaml
 
-from marl import ADMIN_TOKEN_ENV, SwarmClient, SwarmError
+from marl import ADMIN_TOKEN_ENV, SwarmClient, SwarmError, TrainConfig
 from marl.agentscope_agents import Fallback, agentscope_players
 from marl.coordinator import Coordinator, GameFailed, GameSettings
 from marl.endpoints import TrainableEndpoint
@@ -80,23 +80,13 @@ def play(coordinator: Coordinator, games: list[tuple[str, int]]) -> int:
     return failed
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if not args.admin_token:
-        print(f"error: give the server's admin token (--admin-token or ${ADMIN_TOKEN_ENV})", file=sys.stderr)
-        return 2
+def build(args: argparse.Namespace, client: SwarmClient) -> tuple[Coordinator, TrainConfig, list[str]]:
+    """The coordinator of the games on `client`'s server, the config that server trains, and the roles the AgentScope
+    agents play there. Nothing is asked of the server yet."""
     make_env = import_env_factory(args.env)
     env_args = {key: yaml.safe_load(value) for key, _, value in (arg.partition("=") for arg in args.env_arg)}
     role_servers, ours = ours_and_theirs(make_env(**env_args), args.roles)
-
-    # The server trains this config (synced, and its engine started, if it is not running yet).
-    config = {"job": "agentscope", "batch_size": args.batch_size, "num_repeat": args.repeats}
-    client = SwarmClient(args.server, admin_token=args.admin_token)
-    try:
-        client.auto_sync_train_config_and_start_engine(config)
-    except SwarmError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    config = TrainConfig(job="agentscope", batch_size=args.batch_size, num_repeat=args.repeats)
     fallback = Fallback(args.fallback_url, args.fallback_model, args.fallback_api_key) if args.fallback_url else None
     coordinator = Coordinator(
         env_factory=lambda: make_env(**env_args),
@@ -105,7 +95,25 @@ def main(argv: list[str] | None = None) -> int:
         settings=GameSettings(max_tokens=args.max_tokens, temperature=args.temperature),
         player_factory=agentscope_players(fallback),
     )
-    others = "the fallback model" if fallback else "scripted"
+    return coordinator, config, ours
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.admin_token:
+        print(f"error: give the server's admin token (--admin-token or ${ADMIN_TOKEN_ENV})", file=sys.stderr)
+        return 2
+    client = SwarmClient(args.server, admin_token=args.admin_token)
+    coordinator, config, ours = build(args, client)
+    try:
+        # The server trains this config (synced, and its engine started, if it is not running yet).
+        client.auto_sync_train_config_and_start_engine(config)
+    except SwarmError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        coordinator.close()
+        client.close()
+        return 2
+    others = "the fallback model" if args.fallback_url else "scripted"
     print(f"{args.env}: {', '.join(ours)} played by AgentScope agents on {args.server}; other roles {others}")
     try:
         failed = play(coordinator, list(islice(tasks("agentscope", args.repeats, args.seed), args.games)))

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from marl import ADMIN_TOKEN_ENV, SwarmClient
+from marl import ADMIN_TOKEN_ENV, SwarmClient, TrainConfig
 
 QUESTIONS = [
     "What color is the sky on a clear day?", "Which animal says moo?", "What is the opposite of hot?",
@@ -63,7 +63,7 @@ def start_server(run_dir: Path, token: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running swarm server (default: start one)")
     parser.add_argument("--steps", type=int, default=24, help="training steps to run")
@@ -72,8 +72,17 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=2e-5)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--run-dir", default="runs/learn_format")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
 
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """What the server trains: `batch_size` questions x `num_repeat` answers a step, a checkpoint every 8 steps."""
+    return TrainConfig(job="learn-format", batch_size=args.batch_size, num_repeat=args.num_repeat,
+                       grpo={"learning_rate": args.learning_rate}, save_freq=8)
+
+
+def main() -> None:
+    args = parse_args()
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     token = os.environ.get(ADMIN_TOKEN_ENV) or "learn-format-demo"
@@ -84,9 +93,7 @@ def main() -> None:
         with SwarmClient(args.url, admin_token=token, max_wait_s=1800) as client:
             print("syncing config and starting the engine (the first run converts SmolLM2: about a minute)...",
                   flush=True)
-            client.auto_sync_train_config_and_start_engine({
-                "job": "learn-format", "batch_size": args.batch_size, "num_repeat": args.num_repeat,
-                "learning_rate": args.learning_rate, "save_freq": 8})
+            client.auto_sync_train_config_and_start_engine(train_config(args))
             curve = train(client, args)
         (run_dir / "curve.json").write_text(json.dumps(curve, indent=1))
         first, last = curve[0]["reward"], sum(p["reward"] for p in curve[-3:]) / len(curve[-3:])

@@ -31,7 +31,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from marl import ADMIN_TOKEN_ENV
+from marl import ADMIN_TOKEN_ENV, TrainConfig
 
 QUESTIONS = [
     "What color is the sky on a clear day?", "Which animal says moo?", "What is the opposite of hot?",
@@ -71,15 +71,20 @@ def wait_healthy(url: str, process: subprocess.Popen, what: str, timeout_s: floa
     raise SystemExit(f"{what} did not come up within {timeout_s:.0f}s; see its log")
 
 
+def proxy_command(args: argparse.Namespace, port: int) -> list[str]:
+    """`marl proxy` (as `python -m marl.proxy`) on `port`, with the train config it syncs."""
+    config = TrainConfig(job="proxy-app", batch_size=args.batch_size, num_repeat=args.num_repeat,
+                         grpo={"learning_rate": args.learning_rate}, save_freq=0, lease_patience_s=900)
+    return [sys.executable, "-m", "marl.proxy", "--server", args.url, "--port", str(port),
+            "--reward", "rule", "--reward-option", "max_words=1", "--num-repeat", str(args.num_repeat),
+            "--conversation-idle-s", "0", "--max-wait-s", "900",
+            "--train-config", config.model_dump_json(exclude_unset=True)]
+
+
 def start_proxy(args: argparse.Namespace, run_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    """`marl proxy` (as `python -m marl.proxy`): syncs the config, starts the engine, serves the app."""
+    """`marl proxy`: syncs the config, starts the engine, serves the app."""
     port = free_port()
-    config = {"job": "proxy-app", "batch_size": args.batch_size, "num_repeat": args.num_repeat,
-              "learning_rate": args.learning_rate, "save_freq": 0, "lease_patience_s": 900}
-    command = [sys.executable, "-m", "marl.proxy", "--server", args.url, "--port", str(port),
-               "--reward", "rule", "--reward-option", "max_words=1", "--num-repeat", str(args.num_repeat),
-               "--conversation-idle-s", "0", "--max-wait-s", "900", "--train-config", json.dumps(config)]
-    proxy = start(command, run_dir / "proxy.log", env)
+    proxy = start(proxy_command(args, port), run_dir / "proxy.log", env)
     print(f"started the proxy on port {port} (log: {run_dir / 'proxy.log'}); it boots the engine first (the first"
           " run converts SmolLM2: about a minute)", flush=True)
     url = f"http://127.0.0.1:{port}"
@@ -126,7 +131,7 @@ def drive(app: openai.OpenAI, proxy_url: str, args: argparse.Namespace) -> dict[
     return rewards_by_version(proxy_url)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running swarm server (default: start one)")
     parser.add_argument("--prompts", type=int, default=48, help="questions the app asks")
@@ -135,7 +140,11 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=2e-5)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--run-dir", default="runs/proxy_app")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
 
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 
 def _gigabytes(text: str) -> float:
@@ -146,24 +147,38 @@ def _vllm_settings(args: argparse.Namespace):
         raise ValueError("; ".join(f"{_vllm_flag(key)}: {message}" for key, message in exc.problems)) from None
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _swarm_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected a server's URL such as http://127.0.0.1:10086, got {text!r}"
+                                         " (add http://)")
+    return text
+
+
 def _status(args: argparse.Namespace) -> None:
     from marl.client import SwarmClient
 
-    with SwarmClient(args.url, admin_token=args.admin_token) as client:
+    # A short timeout: an unreachable server is said within seconds, not after the client's 30 s (SwarmTimeout).
+    with SwarmClient(args.url, admin_token=args.admin_token, timeout=args.timeout) as client:
         print(json.dumps(client.status().model_dump(mode="json"), indent=2))
 
 
 def _topology_show(args: argparse.Namespace) -> None:
     from rich.console import Console
 
-    from marl.topology import Topology, TopologyError
+    from marl.topology import Topology
     from marl.topology_view import topology_tree
 
-    try:
-        topology = Topology.load(args.file, args.overrides, check_env=not args.no_env_check)
-    except TopologyError as exc:
-        print(exc, file=sys.stderr)
-        sys.exit(2)
+    topology = Topology.load(args.file, args.overrides, check_env=not args.no_env_check)  # TopologyError: main()
     # Piped output: no colours (rich drops them) and no wrapping at 80 columns.
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
     console.print(topology_tree(topology))
@@ -172,14 +187,10 @@ def _topology_show(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace) -> None:
     from marl.launch import ServerStartError
     from marl.run import run
-    from marl.topology import TopologyError
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        summary = run(args.file, args.overrides)
-    except TopologyError as exc:
-        print(exc, file=sys.stderr)
-        sys.exit(2)
+        summary = run(args.file, args.overrides)  # a TopologyError is a mistake in what was asked: main() says it
     except ServerStartError as exc:  # a taken port, a model that does not load, a server that died booting
         print(f"marl run: {exc}", file=sys.stderr)
         sys.exit(1)
@@ -190,16 +201,14 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _overwatch(args: argparse.Namespace) -> None:
-    from marl.overwatch import OverwatchApp, OverwatchError, print_once, resolve_sources
-    from marl.topology import TopologyError
+    from marl.overwatch import OverwatchApp, print_once, resolve_sources
 
-    try:
-        sources = resolve_sources(args.targets, args.admin_token)
-    except (OverwatchError, TopologyError) as exc:
-        print(f"marl overwatch: {exc}", file=sys.stderr)
-        sys.exit(2)
+    sources = resolve_sources(args.targets, args.admin_token)  # OverwatchError, TopologyError: main()
     if args.once:
-        print_once(sources)
+        unread = print_once(sources)
+        if unread:  # each panel says why; a script reading --once learns it from the exit code too
+            _fail(args, f"{len(unread)} of {len(sources)} servers could not be read ({', '.join(unread)}): see"
+                        " their panels above for why")
     else:
         OverwatchApp(sources, interval_s=args.interval).run()
 
@@ -222,16 +231,12 @@ def _plot(args: argparse.Namespace) -> None:
 
 def _episode(args: argparse.Namespace) -> None:
     # Reading a server's ledger is a server-side tool, like `serve`.
-    from servers.episodes.view import ViewerError, list_episodes, show_episode
+    from servers.episodes.view import list_episodes, show_episode
 
-    try:
-        if args.episode_command == "list":
-            list_episodes(Path(args.data_dir), limit=args.limit)
-        else:
-            show_episode(Path(args.data_dir), args.episode_id, model=args.model, tokens=args.tokens)
-    except ViewerError as exc:
-        print(f"marl episode: {exc}", file=sys.stderr)
-        sys.exit(2)
+    if args.episode_command == "list":  # a ViewerError (no ledger there, no such episode): main()
+        list_episodes(Path(args.data_dir), limit=args.limit)
+    else:
+        show_episode(Path(args.data_dir), args.episode_id, model=args.model, tokens=args.tokens)
 
 
 def _check_env(args: argparse.Namespace) -> None:
@@ -261,16 +266,12 @@ def _add_check_env(sub: argparse._SubParsersAction) -> None:
 
 
 def _games(args: argparse.Namespace) -> None:
-    from marl.games.view import GamesViewError, list_games, show_game
+    from marl.games.view import list_games, show_game
 
-    try:
-        if args.games_command == "list":
-            list_games(Path(args.run_dir), limit=args.limit)
-        else:
-            show_game(Path(args.run_dir), args.game)
-    except GamesViewError as exc:
-        print(f"marl games: {exc}", file=sys.stderr)
-        sys.exit(2)
+    if args.games_command == "list":  # a GamesViewError (no games there, no such row): main()
+        list_games(Path(args.run_dir), limit=args.limit)
+    else:
+        show_game(Path(args.run_dir), args.game)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -374,8 +375,10 @@ def _add_trainer_node(sub: argparse._SubParsersAction) -> None:
 
 def _add_status(sub: argparse._SubParsersAction) -> None:
     status = sub.add_parser("status", help="print a server's status as JSON")
-    status.add_argument("url")
+    status.add_argument("url", type=_swarm_url, help="the server's URL, e.g. http://127.0.0.1:10086")
     status.add_argument("--admin-token", help="default: $MARL_ADMIN_TOKEN")
+    status.add_argument("--timeout", type=_seconds, default=5.0, metavar="SECONDS",
+                        help="give up on a server that does not answer after this long (default: 5)")
     status.set_defaults(func=_status)
 
 
@@ -397,13 +400,9 @@ def _add_topology(sub: argparse._SubParsersAction) -> None:
 def _plan(args: argparse.Namespace) -> None:
     from marl.plan import plan_topology
     from marl.plan.report import plan_console, print_plan
-    from marl.topology import Topology, TopologyError
+    from marl.topology import Topology
 
-    try:
-        topology = Topology.load(args.file, args.overrides, check_env=False)
-    except TopologyError as exc:
-        print(exc, file=sys.stderr)
-        sys.exit(2)
+    topology = Topology.load(args.file, args.overrides, check_env=False)  # TopologyError: main()
     plan = plan_topology(topology.spec)
     print_plan(plan, plan_console())
     sys.exit(1 if plan.problems else 0)
@@ -514,12 +513,38 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+#: marl's exceptions for a mistake in what was asked, by module: a topology, a checkpoint, an overwatch target, a run's
+#: games or a server's ledger that is not there, a server that refuses or cannot be reached (the whole `SwarmError`
+#: tree). Each message says what to do. Named, not imported: a class whose module was never imported was not raised.
+_USER_ERRORS = (("marl.client.errors", "SwarmError"), ("marl.topology.problems", "TopologyError"),
+                ("marl.snapshots", "SnapshotError"), ("marl.overwatch", "OverwatchError"),
+                ("marl.games.view", "GamesViewError"), ("servers.episodes.view", "ViewerError"))
+
+
+def _user_error(exc: BaseException) -> bool:
+    return any(isinstance(exc, getattr(sys.modules[module], name)) for module, name in _USER_ERRORS
+               if module in sys.modules)
+
+
+def _fail(args: argparse.Namespace, message: object) -> NoReturn:
+    """argparse's way: `marl <command>: error: <message>` on stderr, exit 2."""
+    command = [args.command, getattr(args, f"{args.command}_command", None)]  # e.g. `marl games show`
+    print(f"marl {' '.join(filter(None, command))}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Run one command. A mistake in what was asked (`_USER_ERRORS`) is one line and exit 2, as argparse answers a
+    bad argument; any other exception is a bug and keeps its traceback."""
     args = parse(argv)
     try:
         args.func(args)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as exc:
+        if not _user_error(exc):
+            raise
+        _fail(args, exc)
 
 
 if __name__ == "__main__":

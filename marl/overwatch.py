@@ -321,8 +321,9 @@ def poll_all(views: list[ServerView], pool: ThreadPoolExecutor) -> None:
     list(pool.map(lambda view: view.poll(), views))
 
 
-def print_once(sources: list[Source], console: Console | None = None) -> None:
-    """One snapshot of every server, printed (for logs and pipes)."""
+def print_once(sources: list[Source], console: Console | None = None) -> list[str]:
+    """One snapshot of every server, printed (for logs and pipes); returns the names of those that could not be read
+    (unreachable, or refused), whose panels say why."""
     console = console or Console()
     views = [ServerView(source) for source in sources]
     with ThreadPoolExecutor(max(1, len(views))) as pool:
@@ -330,6 +331,7 @@ def print_once(sources: list[Source], console: Console | None = None) -> None:
     for view in views:
         console.print(view.render())
         view.close()
+    return [view.source.name for view in views if view.problem is not None]
 
 
 # --- the terminal UI ----------------------------------------------------------------------------------------------

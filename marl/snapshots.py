@@ -131,10 +131,13 @@ def role_checkpoints(topology: Topology, role: str) -> str:
     return learner
 
 
-def resolve_snapshot(topology: Topology, run_dir: Path, learner: str, ref: str) -> Snapshot:
+def resolve_snapshot(topology: Topology, run_dir: Path, learner: str, ref: str, *,
+                     latest_may_be_initial: bool = False) -> Snapshot:
     """The snapshot `ref` names for learner `learner` (a trainable server, or `server.policy`): `initial`, `latest`
-    (the newest checkpoint, else initial), a step (`5`, `v5`, `step_5`), or a checkpoint directory (a path; of a
-    policy: its checkpoint or its adapter directory). Raises `SnapshotError`."""
+    (the newest checkpoint), a step (`5`, `v5`, `step_5`), or a checkpoint directory (a path; of a policy: its
+    checkpoint or its adapter directory). Raises `SnapshotError`, also for `latest` without a checkpoint (a wrong run
+    directory must not play the initial model as if trained) unless `latest_may_be_initial` (a run's own evaluation
+    before its first checkpoint)."""
     server, policy = topology.learners().get(learner, (learner, None))
     spec = topology.spec.servers[server]
     if spec.policies and policy is None:
@@ -155,6 +158,11 @@ def resolve_snapshot(topology: Topology, run_dir: Path, learner: str, ref: str) 
     match = _VERSION.match(ref)
     if ref != LATEST and match is None:
         raise SnapshotError(f"{ref!r} is not a checkpoint: give initial, latest, a step (5, v5) or a directory")
+    if ref == LATEST and not found and not latest_may_be_initial:
+        root = checkpoints_root(run_dir, server, policy)
+        raise SnapshotError(f"{who} has no checkpoint in {root}{'' if root.is_dir() else ' (no such directory)'}, so"
+                            " there is no latest: is the run directory right (run.run_dir, or --run-dir)? Ask for"
+                            " initial (ROLE=initial) to play the untrained model")
     version = (max(found) if found else 0) if ref == LATEST else int(match.group(1))
     if version == 0:
         return initial

@@ -222,7 +222,9 @@ class ClientCore:
     def _timeout_error(self, what: str, budget: float, waited: float, last: _Wait) -> SwarmTimeout:
         if last.exc is not None:
             reason = f"could not reach the server ({type(last.exc).__name__}: {last.exc or 'no detail'})"
-            hint = "Is the server running and the url right? `marl status URL` checks it."
+            hint = "Is the server running, and are the url's host and port right?"
+            if what != "status":  # never the advice to run what just failed (`marl status` is this call)
+                hint += " `marl status URL` checks it."
         else:
             assert last.error is not None
             state = f"engine {last.error.state.value}" if last.error.state else "engine state not reported"

@@ -172,8 +172,8 @@ _FIXED_HINTS = {
 def _token_hint(has_token: bool) -> str:
     if not has_token:
         return (
-            f"no admin token was given: pass SwarmClient(url, admin_token=...) or set ${ADMIN_TOKEN_ENV} to "
-            "the server's admin token."
+            f"no admin token was given: pass SwarmClient(url, admin_token=...) (on marl's command line:"
+            f" --admin-token) or set ${ADMIN_TOKEN_ENV} to the server's admin token."
         )
     return f"the admin token was rejected: use the token the server was started with (${ADMIN_TOKEN_ENV})."
 

@@ -24,6 +24,17 @@ import sys
 from pathlib import Path
 
 
+def _count(text: str) -> int:
+    """A number of games, games in flight or servers: 0 would print an empty table as if measured."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     """`marl eval`: add to `marl.cli.build_parser`'s subcommands (cheap: the command imports what it runs)."""
     parser = sub.add_parser("eval", help="play fixed checkpoints against each other; win rates with 95%% intervals",
@@ -33,16 +44,16 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("pairs", nargs="*", metavar="ROLE=CHECKPOINTS|key=value",
                         help="checkpoints of a role (initial, latest, a step, a directory; comma-separated for a"
                              " matrix), or a topology override with a dotted key")
-    parser.add_argument("--games", type=int, default=16, help="games per pairing (default 16)")
+    parser.add_argument("--games", type=_count, default=16, help="games per pairing (default 16)")
     parser.add_argument("--temperature", type=float, help="sampling temperature (default 0, greedy; with"
                                                           " --exploitability run.temperature)")
     parser.add_argument("--seed", type=int, help="seed of the games (default: run.seed)")
-    parser.add_argument("--concurrency", type=int, default=4, help="games in flight (default 4)")
+    parser.add_argument("--concurrency", type=_count, default=4, help="games in flight (default 4)")
     parser.add_argument("--run-dir", help="the run whose checkpoints to play (default: run.run_dir)")
     parser.add_argument("--out", help="where eval.json, eval.csv and eval.png go (default: <run dir>/eval)")
     parser.add_argument("--role", help="the one role whose win rate eval.png shows (default: every evaluated role,"
                                        " side by side)")
-    parser.add_argument("--max-servers", type=int, default=4,
+    parser.add_argument("--max-servers", type=_count, default=4,
                         help="static servers running at once (default 4); a matrix restarts the others as needed")
     solver = parser.add_argument_group("exploitability (docs/eval.md): two-player zero-sum OpenSpiel games, and"
                                        " TextArena's KuhnPoker-v0")
@@ -82,7 +93,7 @@ def run_eval_command(args: argparse.Namespace) -> None:
     from rich.console import Console
 
     from marl.eval.matrix import evaluate, results_table, write_outputs
-    from marl.eval.pairings import EvalFailed, EvalSettings, fleet_devices, plan_pairings
+    from marl.eval.pairings import EvalFailed, EvalSettings, fleet_devices, plan_pairings, run_dir_of
     from marl.snapshots import StaticFleet
     from marl.topology import Topology
 
@@ -90,13 +101,14 @@ def run_eval_command(args: argparse.Namespace) -> None:
     try:
         choices, overrides = split_arguments(args.pairs)
         topology = Topology.load(args.file, overrides)
-        run_dir = Path(args.run_dir or topology.spec.run.run_dir)
+        run_dir = run_dir_of(topology, args.run_dir)
         pairings = plan_pairings(topology, run_dir, choices)
     except ValueError as exc:  # a TopologyError, a SnapshotError, a malformed ROLE=CHECKPOINTS
-        print(f"marl eval: {exc}", file=sys.stderr)
+        print(f"marl eval: error: {exc}", file=sys.stderr)
         sys.exit(2)
     if args.role is not None and args.role not in topology.spec.roles:
-        print(f"marl eval: --role {args.role}: no such role ({', '.join(topology.spec.roles)})", file=sys.stderr)
+        print(f"marl eval: error: --role {args.role}: no such role ({', '.join(topology.spec.roles)})",
+              file=sys.stderr)
         sys.exit(2)
     run = topology.spec.run
     settings = EvalSettings(games=args.games, seed=run.seed if args.seed is None else args.seed,
@@ -112,7 +124,7 @@ def run_eval_command(args: argparse.Namespace) -> None:
         results = evaluate(topology, pairings, fleet, settings,
                            on_result=lambda r: console.print(f"played {r.pairing.label}"))
     except (EvalFailed, RuntimeError) as exc:
-        print(f"marl eval: {exc}", file=sys.stderr)
+        print(f"marl eval: error: {exc}", file=sys.stderr)
         sys.exit(1)
     finally:
         fleet.close()

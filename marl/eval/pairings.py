@@ -20,7 +20,7 @@ from marl.coordinator import Coordinator, GameSettings
 from marl.endpoints import Endpoint, StaticEndpoint
 from marl.games.record import GameRecord
 from marl.games.schedule import play_games, tasks
-from marl.snapshots import LATEST, Snapshot, SnapshotError, StaticFleet, resolve_snapshot, role_checkpoints
+from marl.snapshots import INITIAL, LATEST, Snapshot, SnapshotError, StaticFleet, resolve_snapshot, role_checkpoints
 from marl.topology import ServerKind, Topology
 
 
@@ -64,7 +64,8 @@ def checkpointed_roles(topology: Topology) -> list[str]:
 def plan_pairings(topology: Topology, run_dir: Path, choices: Mapping[str, Sequence[str]]) -> list[Pairing]:
     """Every combination of the checkpoints chosen per role (a role not chosen plays `latest`), in role order; a
     role's checkpoints are its learner's (`role_checkpoints`: a role of a LoRA policy plays that policy's).
-    Raises `SnapshotError` for an unknown role, a role without checkpoints, or a checkpoint that does not exist."""
+    Raises `SnapshotError` for an unknown role, a role without checkpoints, or a checkpoint that does not exist
+    (`latest` too, unless the role's list asks for `initial` as well: then both are the initial model, said so)."""
     roles = checkpointed_roles(topology)
     for role in choices:
         if role not in topology.spec.roles:
@@ -76,8 +77,21 @@ def plan_pairings(topology: Topology, run_dir: Path, choices: Mapping[str, Seque
     options = []
     for role in roles:
         source = role_checkpoints(topology, role)
-        options.append([resolve_snapshot(topology, run_dir, source, ref) for ref in choices.get(role, [LATEST])])
+        refs = choices.get(role, [LATEST])
+        options.append([resolve_snapshot(topology, run_dir, source, ref, latest_may_be_initial=INITIAL in refs)
+                        for ref in refs])
     return [Pairing(dict(zip(roles, combination))) for combination in itertools.product(*options)]
+
+
+def run_dir_of(topology: Topology, given: str | None) -> Path:
+    """The run directory whose checkpoints an evaluation plays: `--run-dir` as given, which must exist (a typo must
+    not play initial models as if trained), else `run.run_dir`. Raises `SnapshotError`."""
+    if given is None:
+        return Path(topology.spec.run.run_dir)
+    if not Path(given).is_dir():
+        raise SnapshotError(f"--run-dir {given}: no such directory; give the run directory `marl run` wrote"
+                            " (runs/<name> by default, its checkpoints in servers/<server>/checkpoints)")
+    return Path(given)
 
 
 def fleet_devices(topology: Topology) -> dict[str, str | None]:

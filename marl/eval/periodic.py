@@ -91,7 +91,8 @@ class PeriodicEval:
     def pairings(self, step: int) -> dict[str, Pairing]:
         """The pairings of the evaluation at `step` (see the module docstring)."""
         topology, roles = self.topology, checkpointed_roles(self.topology)
-        latest = {s: resolve_snapshot(topology, self.run_dir, s, LATEST) for s in self.learners}
+        latest = {s: resolve_snapshot(topology, self.run_dir, s, LATEST, latest_may_be_initial=True)
+                  for s in self.learners}  # at step 0, and until a learner's first checkpoint: its initial model
         initial = {s: resolve_snapshot(topology, self.run_dir, s, INITIAL) for s in self.learners}
         source = {role: role_checkpoints(topology, role) for role in roles}
         pairings = {"latest": Pairing({role: latest[source[role]] for role in roles})}

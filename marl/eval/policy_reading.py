@@ -19,7 +19,7 @@ import openai
 from marl.endpoints import StaticEndpoint
 from marl.eval.exploitability import PlayerPolicy, StatePolicy
 from marl.eval.info_states import InfoState, PolicySeats, PromptedState, info_states
-from marl.snapshots import LATEST, Snapshot, SnapshotError, StaticFleet, resolve_snapshot, role_checkpoints
+from marl.snapshots import INITIAL, LATEST, Snapshot, SnapshotError, StaticFleet, resolve_snapshot, role_checkpoints
 from marl.topology import ServerKind, Topology
 
 SCRIPTED = "scripted"
@@ -62,8 +62,10 @@ def role_sources(topology: Topology, seats: PolicySeats, run_dir: Path,
             sources[role] = [RoleSource(role, SCRIPTED)]
         elif servers[server].trainable or servers[server].past_of is not None:
             learner = role_checkpoints(topology, role)
-            sources[role] = [RoleSource(role, ref, resolve_snapshot(topology, run_dir, learner, ref), held)
-                             for ref in choices.get(role, [LATEST])]
+            refs = choices.get(role, [LATEST])
+            sources[role] = [RoleSource(role, ref, resolve_snapshot(topology, run_dir, learner, ref,
+                                                                    latest_may_be_initial=INITIAL in refs), held)
+                             for ref in refs]
         elif servers[server].kind is ServerKind.LOCAL_STATIC:
             if role in choices:
                 raise SnapshotError(f"role {role} is played by static server {server}: it has no checkpoints")

@@ -1,17 +1,21 @@
 """What `marl plan` prints: per server, a table of its devices at rollouts and at a training step, then disk.
 
 Its console (`plan_console`) is as wide as the terminal, or $COLUMNS when it is set: the tables' cells wrap (a long
-word folds) and the notes wrap to fit it. Piped without $COLUMNS, 200 columns keep a log's rows whole.
+word folds) and the lines around them wrap to fit it, at spaces only, each continuation indented under its line, and
+no line ends in a space (`_say`: rich pads a table's title to the table's width, and leaves the space where it wraps
+a text). Piped without $COLUMNS, 200 columns keep a log's rows whole.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import textwrap
 from typing import IO
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .memory import GB, Parts
 from .topology_plan import ServerPlan, TopologyPlan
@@ -34,7 +38,7 @@ def _biggest(parts: Parts | None, n: int = 3) -> str:
 
 
 def server_table(plan: ServerPlan) -> Table:
-    table = Table(title=f"{plan.server}: {plan.summary}", title_justify="left", show_lines=False)
+    table = Table(show_lines=False)  # its title is `_say`'s line: rich pads a title to the table's width
     for column in ("device", "GB", "rollouts", "training step", "peak", "fits", "largest parts (GB)"):
         table.add_column(column, justify="left" if column in ("device", "largest parts (GB)") else "right",
                          overflow="fold")  # a narrow terminal wraps cells, and folds a word longer than its column
@@ -78,22 +82,33 @@ def plan_console(file: IO[str] | None = None) -> Console:
     return Console(file=out, highlight=False, width=None if sized else PIPED_WIDTH)  # None: rich reads them
 
 
+def _say(console: Console, text: str, *, indent: str = "", lead: str = "", style: str = "") -> None:
+    """`lead` (in `style`) and `text` as one paragraph, wrapped at spaces to the console's width (a word wider than
+    the whole line folds), continuation lines indented two more, no line ending in a space."""
+    lines = textwrap.wrap(lead + text, width=console.width, initial_indent=indent, subsequent_indent=indent + "  ",
+                          break_on_hyphens=False) or [""]
+    paragraph = Text("\n".join(lines))
+    paragraph.stylize(style, len(indent), len(indent) + len(lead))
+    console.print(paragraph, soft_wrap=True)  # wrapped already: rich neither wraps nor pads it
+
+
 def print_plan(plan: TopologyPlan, console: Console) -> None:
     for server in plan.servers:
         if server.devices:
+            _say(console, server.summary, lead=f"{server.server}: ", style="bold")
             console.print(server_table(server))
         for note in server.notes:
-            console.print(f"  {note}")
+            _say(console, note, indent="  ")
         for key, value in server.defaults.items():
             flag = "--" + key.replace(".", "-").replace("_", "-")
-            console.print(f"  sized by the plan: servers.{server.server}.{key} = {value} (`marl run` passes it to the"
-                          f" servers it starts; on a remote box give `marl serve` {flag} {value})")
+            _say(console, f"sized by the plan: servers.{server.server}.{key} = {value} (`marl run` passes it to the"
+                          f" servers it starts; on a remote box give `marl serve` {flag} {value})", indent="  ")
         for line in _box_lines(server):
-            console.print(f"  {line}")
+            _say(console, line, indent="  ")
         console.print()
     if plan.skipped:
-        console.print(f"not planned (no placement: their devices are not in the topology): {', '.join(plan.skipped)}")
+        _say(console, f"not planned (no placement: their devices are not in the topology): {', '.join(plan.skipped)}")
     for problem in plan.problems:
-        console.print(f"[red]does not fit:[/] {problem.key}: {problem.message}")
+        _say(console, f"{problem.key}: {problem.message}", lead="does not fit: ", style="red")
     if not plan.problems:
-        console.print("[green]fits:[/] every planned device holds its peak")
+        _say(console, "every planned device holds its peak", lead="fits: ", style="green")

@@ -19,6 +19,7 @@ from marl.protocol import ADMIN_TOKEN_ENV, SERVER_KEEP_ALIVE_S, TrainConfig
 
 API_KEY_ENV = "MARL_PROXY_API_KEY"
 DEFAULT_PORT = 10087
+REACH_TIMEOUT_S = 5.0  # how long start-up tries to reach the swarm server before saying it cannot
 
 
 class StartupError(Exception):
@@ -82,7 +83,7 @@ def run_proxy(args: argparse.Namespace) -> None:
     try:
         options = proxy_options(args)
     except StartupError as exc:
-        print(f"marl proxy: {exc}", file=sys.stderr)
+        print(f"marl proxy: error: {exc}", file=sys.stderr)  # argparse's form, as every `marl` command says a mistake
         sys.exit(2)
     print(f"marl proxy: {options.num_repeat} candidates per request on {options.served_model!r} at {args.server};"
           f" serving http://{args.host}:{args.port}/v1", flush=True)
@@ -143,9 +144,10 @@ def check_server(url: str, admin_token: str, num_repeat: int | None,
 
     try:
         with SwarmClient(url, admin_token=admin_token) as client:
+            status = client.status(timeout=REACH_TIMEOUT_S)  # an unreachable server or a wrong token: said at once
             if config is not None:
                 client.auto_sync_train_config_and_start_engine(config)
-            status = client.status()
+                status = client.status()
     except SwarmError as exc:
         raise StartupError(f"swarm server {url}: {exc}") from exc
     if status.static or status.pool is None:

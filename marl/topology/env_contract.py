@@ -23,7 +23,7 @@ from envs.base import GameEnv, RoleInfo
 from .checks import Findings
 from .importing import import_env_factory
 from .problems import did_you_mean, short
-from .spec import TopologySpec
+from .spec import EnvSpec, TopologySpec
 
 #: What the coordinator calls on an env (the members of `GameEnv`).
 GAME_ENV_MEMBERS = tuple(sorted({*GameEnv.__annotations__, *(n for n in vars(GameEnv) if not n.startswith("_"))}))
@@ -31,28 +31,35 @@ GAME_ENV_MEMBERS = tuple(sorted({*GameEnv.__annotations__, *(n for n in vars(Gam
 
 def check_env(spec: TopologySpec, findings: Findings) -> dict[str, RoleInfo] | None:
     """Check the env against `spec`; returns the roles it deals, in `roles:` order (None if it could not be asked)."""
-    try:
-        factory = import_env_factory(spec.env.class_path)
-    except ImportError as exc:
-        findings.bad(["env", "class"], f"{exc}. Fix env.class (an import path 'module:Class' or 'module:factory')"
-                                       " or the module")
-        return None
-    if not check_env_args(factory, spec, findings):
-        return None
-    env = _construct(factory, spec, findings)
-    if env is None:
-        return None
-    try:
-        dealt = _dealt_roles(env, findings)
-    finally:
-        _close(env)
+    dealt = check_env_alone(spec.env, findings)
     if dealt is None:
         return None
     compare_roles(spec, dealt, findings)
     return {name: dealt[name] for name in spec.roles if name in dealt}
 
 
-def check_env_args(factory: Callable[..., Any], spec: TopologySpec, findings: Findings) -> bool:
+def check_env_alone(env_spec: EnvSpec, findings: Findings) -> dict[str, RoleInfo] | None:
+    """The env on its own: it imports, takes `env.args`, constructs and deals roles; returns the roles it deals
+    (None if it could not be asked). Needs no other section: a topology whose servers do not validate still gets
+    its env checked (`load.py`)."""
+    try:
+        factory = import_env_factory(env_spec.class_path)
+    except ImportError as exc:
+        findings.bad(["env", "class"], f"{exc}. Fix env.class (an import path 'module:Class' or 'module:factory')"
+                                       " or the module")
+        return None
+    if not check_env_args(factory, env_spec, findings):
+        return None
+    env = _construct(factory, env_spec, findings)
+    if env is None:
+        return None
+    try:
+        return _dealt_roles(env, findings)
+    finally:
+        _close(env)
+
+
+def check_env_args(factory: Callable[..., Any], env_spec: EnvSpec, findings: Findings) -> bool:
     """`env.args` against the signature of the class or factory; False if one is not taken."""
     try:
         params = list(inspect.signature(factory).parameters.values())
@@ -61,20 +68,20 @@ def check_env_args(factory: Callable[..., Any], spec: TopologySpec, findings: Fi
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return True
     names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    unknown = [key for key in spec.env.args if key not in names]
+    unknown = [key for key in env_spec.args if key not in names]
     for key in unknown:
         findings.bad(["env", "args", key], f"{_name(factory)}() takes no argument {key!r}{did_you_mean(key, names)};"
                                            f" its arguments: {', '.join(names) or '(none)'}")
     return not unknown
 
 
-def _construct(factory: Callable[..., Any], spec: TopologySpec, findings: Findings) -> Any:
-    call = f"{_name(factory)}({', '.join(f'{k}={short(v, 30)}' for k, v in spec.env.args.items())})"
+def _construct(factory: Callable[..., Any], env_spec: EnvSpec, findings: Findings) -> Any:
+    call = f"{_name(factory)}({', '.join(f'{k}={short(v, 30)}' for k, v in env_spec.args.items())})"
     try:
-        env = factory(**spec.env.args)
+        env = factory(**env_spec.args)
     except Exception as exc:  # noqa: BLE001 - any constructor error is the topology's problem to report
         if isinstance(arg := getattr(exc, "arg", None), str):  # an env's refusal that names its argument (GameRefused)
-            findings.bad(_refused_key(spec, arg), str(exc))
+            findings.bad(_refused_key(env_spec, arg), str(exc))
         else:
             findings.bad(["env", "args"], f"constructing the env failed: {call} raised {type(exc).__name__}: {exc}")
         return None
@@ -89,11 +96,11 @@ def _construct(factory: Callable[..., Any], spec: TopologySpec, findings: Findin
     return env
 
 
-def _refused_key(spec: TopologySpec, arg: str) -> list[str]:
+def _refused_key(env_spec: EnvSpec, arg: str) -> list[str]:
     """Where an env's refusal of one argument is reported: `env.textarena` (`env.openspiel`) for the game of a
     TextArena (OpenSpiel) env, named there, else `env.args.<arg>`."""
-    if arg == "game" and spec.env.suite is not None:
-        return ["env", spec.env.suite]
+    if arg == "game" and env_spec.suite is not None:
+        return ["env", env_spec.suite]
     return ["env", "args", arg]
 
 

@@ -25,9 +25,10 @@ from envs.base import RoleInfo
 
 from .checks import Findings, check_local_models, check_spec
 from .env_contract import check_env as check_env_contract
+from .env_contract import check_env_alone
 from .locate import Locator, pydantic_problems
 from .problems import Problem, TopologyError, did_you_mean
-from .spec import TopologySpec
+from .spec import EnvSpec, TopologySpec
 
 _OVERRIDE_KEY_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 
@@ -98,7 +99,10 @@ def check_config(cfg: DictConfig, overrides: Sequence[str], locator: Locator, *,
     try:
         spec = TopologySpec.model_validate(data)
     except ValidationError as exc:
-        raise TopologyError(pydantic_problems(exc, locator), src) from exc
+        problems = pydantic_problems(exc, locator)
+        if check_env:
+            problems += _env_alone_problems(data, problems, locator)
+        raise TopologyError(problems, src) from exc
     findings = Findings(locator)
     check_spec(spec, findings)
     dealt = None
@@ -108,6 +112,21 @@ def check_config(cfg: DictConfig, overrides: Sequence[str], locator: Locator, *,
     if findings.problems:
         raise TopologyError(findings.problems, src)
     return Loaded(spec, findings.warnings, dealt)
+
+
+def _env_alone_problems(data: dict[str, Any], found: list[Problem], locator: Locator) -> list[Problem]:
+    """The env's own problems (it imports, takes its args, deals roles) in a topology whose other sections do not
+    validate: they do not depend on those sections, so they are reported with theirs (a misspelt game id beside a
+    server without train:), not after those are fixed. Nothing when the env section itself is invalid."""
+    if any(problem.key == "env" or problem.key.startswith("env.") for problem in found):
+        return []
+    try:
+        env = EnvSpec.model_validate(data.get("env"))
+    except ValidationError:
+        return []
+    findings = Findings(locator)
+    check_env_alone(env, findings)
+    return findings.problems
 
 
 def _parse_overrides(overrides: Sequence[str], source: str | None) -> tuple[list[tuple[str, str]], list[DictConfig]]:

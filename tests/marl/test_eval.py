@@ -14,7 +14,7 @@ from PIL import Image
 from envs.signalling import SignallingGame
 from marl.eval.command import main, split_arguments
 from marl.eval.matrix import PairingResult, win_rules_caption
-from marl.eval.pairings import Pairing, plan_pairings
+from marl.eval.pairings import Pairing, plan_pairings, run_dir_of
 from marl.eval.stats import WIN_RULES, mean_interval, role_stats, role_won, t_value, wilson_interval, win_rule
 from marl.games.record import GameRecord
 from marl.games.table import goals_by_role
@@ -113,7 +113,12 @@ def test_checkpoint_references_resolve_to_the_run_directory(tmp_path):
     assert resolve(str(root / "step_000005")).version == 5
     with pytest.raises(SnapshotError, match=r"no checkpoint of step 3 .*steps kept: 2, 5"):
         resolve("3")
-    assert resolve_snapshot(topology, tmp_path / "run", "listener_model", "latest").version == 0  # none yet
+    # none yet: no latest (a wrong run directory must not play the initial model as if trained), unless allowed
+    with pytest.raises(SnapshotError, match=r"servers.listener_model has no checkpoint in .*listener_model/checkpoints"
+                                            r" \(no such directory\), so there is no latest.*Ask for initial"):
+        resolve_snapshot(topology, tmp_path / "run", "listener_model", "latest")
+    assert resolve_snapshot(topology, tmp_path / "run", "listener_model", "latest",
+                            latest_may_be_initial=True).version == 0
     data = topology_dict("smollm2-135m", str(tmp_path / "run"))
     data["servers"]["listener_model"] = {"swarm_url": "http://127.0.0.1:9", "trainable": True,
                                          "train": data["servers"]["speaker_model"]["train"]}
@@ -138,6 +143,20 @@ def test_pairings_are_every_combination_and_bad_choices_say_why(tmp_path):
         plan_pairings(topology, tmp_path / "run", {"observer": ["1"]})
     with pytest.raises(SnapshotError, match="unknown role 'spaeker'"):
         plan_pairings(topology, tmp_path / "run", {"spaeker": ["1"]})
+
+
+def test_latest_without_a_checkpoint_and_a_missing_run_directory_are_errors(tmp_path):
+    topology = Topology.from_dict(topology_dict("smollm2-135m", str(tmp_path / "run")))
+    (tmp_path / "run" / "servers" / "speaker_model" / "checkpoints" / "step_000002").mkdir(parents=True)
+    with pytest.raises(SnapshotError, match="servers.listener_model has no checkpoint in"):
+        plan_pairings(topology, tmp_path / "run", {})  # the listener plays latest by default
+    # asked for with initial, latest is the initial model: both labelled initial, nothing silent
+    pairings = plan_pairings(topology, tmp_path / "run", {"listener": ["initial", "latest"]})
+    assert [p.label for p in pairings] == ["speaker=v2 listener=initial"] * 2
+    assert run_dir_of(topology, None) == tmp_path / "run"
+    assert run_dir_of(topology, str(tmp_path)) == tmp_path
+    with pytest.raises(SnapshotError, match=r"--run-dir .*nope: no such directory"):
+        run_dir_of(topology, str(tmp_path / "nope"))
 
 
 # --- eval end to end on tiny models -----------------------------------------------------------------------------
@@ -190,7 +209,7 @@ def test_eval_refuses_a_missing_checkpoint_with_exit_2(tiny_model, tmp_path, cap
     path = tmp_path / "topology.yaml"
     path.write_text(yaml.safe_dump(topology_dict(str(tiny_model), str(tmp_path / "run"))))
     with pytest.raises(SystemExit) as info:
-        main([str(path), "speaker=7"])
+        main([str(path), "speaker=7", "listener=initial"])
     assert info.value.code == 2
     assert "servers.speaker_model has no checkpoint of step 7" in capsys.readouterr().err
 

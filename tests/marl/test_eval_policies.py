@@ -87,7 +87,9 @@ def test_a_policys_snapshots_are_its_adapter_checkpoints_on_the_base_model(saved
     assert resolve("0") == initial
     by_path = [resolve(str(policy_checkpoints(run_dir, "speaker") / "step_000005" / sub)) for sub in ("", "adapter")]
     assert all((s.version, s.adapter, s.label) == (5, latest.adapter, "v5") for s in by_path)
-    listener = resolve_snapshot(topology, run_dir, "team.listener", "latest")  # no checkpoint yet: its initial
+    with pytest.raises(SnapshotError, match="servers.team.policies.listener has no checkpoint in"):
+        resolve_snapshot(topology, run_dir, "team.listener", "latest")  # no checkpoint yet: no latest
+    listener = resolve_snapshot(topology, run_dir, "team.listener", "latest", latest_may_be_initial=True)
     assert (listener.version, listener.name) == (0, "team.listener@initial") and listener != initial
 
 

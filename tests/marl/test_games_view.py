@@ -214,7 +214,7 @@ def test_games_show_and_list_escape_what_agents_sent(tmp_path):
         assert "\\x1b]0;pwned\\x07\\x1b[2J" in result.stdout  # shown, escaped
     assert "[bold]2[/bold]" in marl("games", "show", str(tmp_path)).stdout  # not read as rich markup
     missing = marl("games", "show", str(tmp_path), "7")
-    assert missing.returncode == 2 and "marl games: no row 7" in missing.stderr
+    assert missing.returncode == 2 and "marl games show: error: no row 7" in missing.stderr
 
 
 # --- the setting, and a real run ----------------------------------------------------------------------------------

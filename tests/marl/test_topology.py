@@ -418,6 +418,42 @@ def test_all_problems_reported_at_once(base):
     assert "problems" in str(err)
 
 
+def test_independent_problems_of_the_servers_and_the_env_are_reported_together(tmp_path):
+    """A trainable server without train: fails validation; the env, checked on its own, still is (issue 54): both
+    problems in one error, each at its line, not the second after the first is fixed."""
+    pytest.importorskip("textarena")
+    text = (REPO / "topologies" / "textarena-kuhn-poker.yaml").read_text()
+    train = "    train: {job: kuhn-poker, batch_size: 2, num_repeat: 8,"
+    assert text.count(train) == 2 and text.count("textarena: KuhnPoker-v0") == 1
+    lines = text.splitlines()
+    lines.pop(next(i for i, line in enumerate(lines) if line.startswith(train)))  # player_0_model's train:
+    path = tmp_path / "two-mistakes.yaml"
+    path.write_text("\n".join(lines).replace("textarena: KuhnPoker-v0", "textarena: KuhnPokr-v0") + "\n")
+    lines = path.read_text().splitlines()
+    server_line = 1 + next(i for i, line in enumerate(lines) if line.startswith("  player_0_model:"))
+    env_line = 1 + next(i for i, line in enumerate(lines) if "textarena: KuhnPokr-v0" in line)
+    with pytest.raises(TopologyError) as info:
+        Topology.load(path)
+    found = {(p.key, p.where) for p in info.value.problems}
+    assert ("servers.player_0_model.train", f"{path}:{server_line}") in found
+    assert ("env.textarena", f"{path}:{env_line}") in found
+    message = str(info.value)
+    assert "2 problems" in message and "'KuhnPokr-v0' is not a TextArena game id" in message
+    assert "a trainable server needs its training config" in message
+    # Without the env check (marl plan), the server's problem alone
+    with pytest.raises(TopologyError) as info:
+        Topology.load(path, check_env=False)
+    assert [p.key for p in info.value.problems] == ["servers.player_0_model.train"]
+
+
+def test_an_env_that_does_not_import_is_reported_beside_an_invalid_run_and_an_invalid_env_once(base):
+    base["run"]["concurrency"] = 0
+    base["env"]["class"] = "not_written_yet_xyz:Game"
+    assert {p.key for p in load_error(base).problems} == {"run.concurrency", "env.class"}
+    base["env"]["bogus"] = 1  # the env section itself is invalid: said once, not checked on its own
+    assert sorted(p.key for p in load_error(base).problems) == ["env.bogus", "run.concurrency"]
+
+
 def test_check_env_can_be_skipped(base):
     base["env"]["class"] = "not_written_yet_xyz:Game"
     base["roles"]["wizard"] = {"scripted": True}  # no env to deal roles: nothing to compare with
