@@ -118,3 +118,17 @@ def test_a_revision_belongs_to_a_hub_id(tiny_model, tmp_path):
                                  "revision", "a revision of which model?")):
         with pytest.raises(TopologyError, match=f"servers.listener_model.{key}: .*{needle}"):
             Topology.load(topology(tmp_path, revision="v2", **server), check_env=True)
+
+
+def test_the_revision_reaches_marl_serve_and_the_snapshots_of_the_base_model(tmp_path):
+    from marl.launch import ServerProcess
+    from marl.snapshots import resolve_snapshot, snapshots_on_disk
+
+    spec = Topology.load(topology(tmp_path, revision="v2"), check_env=False)
+    initial = resolve_snapshot(spec, tmp_path / "run", "listener_model", "initial")
+    assert (initial.model, initial.revision) == ("org/tiny", "v2")
+    assert snapshots_on_disk(tmp_path / "run", "listener_model", "org/tiny", revision="v2")[0] == initial
+    process = ServerProcess(model=initial.model, revision=initial.revision, admin_token="t", data_dir=tmp_path / "d",
+                            log_path=tmp_path / "server.log", static=True)
+    assert process.args[process.args.index("--model"):][:2] == ["--model", "org/tiny"]
+    assert process.args[process.args.index("--revision") + 1] == "v2"

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from fake_hub import FakeHub, write_to_cache
 from huggingface_hub import constants
 from tiny_model import build_tiny_model
@@ -192,3 +193,20 @@ def test_marl_serve_says_in_one_line_what_keeps_an_id_out(hub_cache, models, tmp
         assert_one_line_error(revision, "org/tiny has no revision 'v9'")
     directory = marl("serve", "--model", str(models["main"]), "--revision", "v2", *data)
     assert_one_line_error(directory, "revision 'v2' applies to a Hugging Face id")
+
+
+def test_marl_run_starts_a_topology_server_given_by_id_at_its_revision(hub_cache, tmp_path):
+    """`model: org/tiny` and `revision: v2` in a topology reach `marl serve`, which loads v2 from the cache."""
+    train = {"job": "tiny", "batch_size": 1, "num_repeat": 2, "save_freq": 0}
+    spec = {"name": "by-id",
+            "servers": {"listener_model": {"model": "org/tiny", "revision": "v2", "trainable": True, "device": "cpu",
+                                           "train": train}},
+            "roles": {"speaker": {"scripted": True}, "listener": {"server": "listener_model"}},
+            "env": {"class": "envs.signalling:SignallingGame", "args": {"num_items": 3}},
+            "run": {"max_steps": 1, "repeats": 2, "concurrency": 2, "run_dir": str(tmp_path / "run")}}
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = marl("run", str(path), HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = (tmp_path / "run" / "logs" / "listener_model.log").read_text()
+    assert f"ready at {snapshot(hub_cache, 'v2')}" in log, log
