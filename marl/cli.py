@@ -38,7 +38,8 @@ def _serve(args: argparse.Namespace) -> None:
 
     try:
         options = _serve_options(args)
-        check_model(options.model)  # before the port is taken and anything loads: a typo ends here, in one line
+        # before the port is taken and anything loads: a typo, or a Hugging Face id not to be had, ends here in one line
+        check_model(options.model, options.revision)
         sock = listen_socket(options.host, options.port)
     except ValueError as exc:
         print(f"marl serve: error: {exc}", file=sys.stderr)  # argparse's form: `marl run` finds it in the log
@@ -51,7 +52,7 @@ def _serve_options(args: argparse.Namespace):
     from servers.entrypoint import ServeOptions
 
     return ServeOptions(
-        model=args.model, port=args.port, host=args.host, admin_token=args.admin_token,
+        model=args.model, revision=args.revision, port=args.port, host=args.host, admin_token=args.admin_token,
         data_dir=Path(args.data_dir) if args.data_dir else None, static=args.static,
         served_model_name=args.served_model_name, public_url=args.public_url, device=args.device,
         prefix_cache_gb=args.prefix_cache_gb, engine=args.engine, simulated_speed=args.simulated_speed,
@@ -279,13 +280,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="run a swarm server for one model",
                            description="Serve one model: leases, an OpenAI-compatible endpoint, and (unless --static)"
                                        " GRPO training on the episodes its clients report.")
-    serve.add_argument("--model", required=True, help="a Hugging Face model directory, or an alias: smollm2-135m")
+    serve.add_argument("--model", required=True, help="a Hugging Face id (org/name: from the Hugging Face cache, or"
+                       " downloaded there; HF_HUB_OFFLINE, HF_TOKEN apply), a Hugging Face model directory, or an"
+                       " alias: smollm2-135m")
+    serve.add_argument("--revision", help="with a Hugging Face id: the branch, tag or commit to load (default: main)")
     serve.add_argument("--port", type=int, default=10086)
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 to accept remote clients)")
     serve.add_argument("--admin-token", help="token for control calls (default: $MARL_ADMIN_TOKEN, else generated)")
     serve.add_argument("--data-dir", help="ledger and checkpoints (default: runs/servers/<model>-<port>)")
     serve.add_argument("--static", action="store_true", help="serve the model only: no leases, no training")
-    serve.add_argument("--served-model-name", help="model id clients send (default: the --model value)")
+    serve.add_argument("--served-model-name", help="model id clients send (default: the --model value; of a directory,"
+                       " its last component)")
     serve.add_argument("--public-url", help="base URL handed to agents (default: the URL the client used)")
     serve.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     serve.add_argument("--prefix-cache-gb", type=_gigabytes,

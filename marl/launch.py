@@ -123,7 +123,8 @@ class ServerProcess:
     `host`: the interface it listens on (default: loopback only). `vllm`: a topology server's `vllm:` section, passed
     as `--vllm-*` flags; `placement` as --engine-gpus, --trainer-gpus; `ray_group`: the server's Ray placement
     group, where its trainer's ranks and vLLM's replicas after the first go (`RayGroup`);
-    `adapter` (with `static`): a PEFT adapter directory served on `model`. `engine`: torch, vllm or simulated
+    `adapter` (with `static`): a PEFT adapter directory served on `model`; `revision`: the branch, tag or commit of a
+    `model` given by its Hugging Face id. `engine`: torch, vllm or simulated
     (benchmarks; `simulated_speed` then runs its delays that many times faster). `environment`: more variables for it
     (a Ray actor's CUDA_VISIBLE_DEVICES). `die_with_parent`: on Linux, the server is killed when the thread that
     started it dies (a Ray actor's, marl/ray_cluster.py: a restarted actor must never find the
@@ -136,7 +137,7 @@ class ServerProcess:
                  placement: PlacementSpec | None = None, host: str = "127.0.0.1", die_with_parent: bool = False,
                  environment: Mapping[str, str] | None = None, policies: Mapping[str, LoraSpec] | None = None,
                  adapter: Path | None = None, simulated_speed: float | None = None,
-                 ray_group: RayGroup | None = None):
+                 ray_group: RayGroup | None = None, revision: str | None = None):
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.log_path = log_path
@@ -145,6 +146,8 @@ class ServerProcess:
         self.admin_token = admin_token
         self.args = [sys.executable, "-m", "marl.cli", "serve", "--model", model, "--port", str(self.port),
                      "--data-dir", str(data_dir), "--log-level", "warning"]
+        if revision is not None:  # a Hugging Face id's branch, tag or commit
+            self.args += ["--revision", revision]
         if static:
             self.args.append("--static")
         if adapter is not None:  # a LoRA policy's snapshot: `model` is its base model

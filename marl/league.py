@@ -57,8 +57,9 @@ class SnapshotPool:
     """The snapshots one past_of server serves; `draw()` one per game (a `marl.coordinator.SnapshotSource`)."""
 
     def __init__(self, name: str, spec: PastOfSpec, *, base_model: str, run_dir: Path, fleet: StaticFleet | FrozenFleet,
-                 seed: int = 0, poll_s: float = 2.0):
+                 seed: int = 0, poll_s: float = 2.0, base_revision: str | None = None):
         self.name, self.spec, self.base_model, self.run_dir, self.fleet = name, spec, base_model, Path(run_dir), fleet
+        self.base_revision = base_revision  # of a base model given by its Hugging Face id
         self.poll_s = poll_s
         self._draws = random.Random(f"{seed}-{name}-draws")
         self._reservoir = random.Random(f"{seed}-{name}-reservoir")
@@ -109,7 +110,8 @@ class SnapshotPool:
     def refresh(self) -> None:
         """One pass: take in new checkpoints, restart dead snapshot servers, serve the chosen, stop the left."""
         with self._refreshing:
-            on_disk = snapshots_on_disk(self.run_dir, self.spec.server, self.base_model, self.spec.policy)
+            on_disk = snapshots_on_disk(self.run_dir, self.spec.server, self.base_model, self.spec.policy,
+                                        revision=self.base_revision)
             self._choose(sorted(set(on_disk) - self._seen))
             self._drop_dead(on_disk)
             for version in [v for v in self._chosen if v not in self._serving]:
@@ -193,5 +195,6 @@ def snapshot_pools(topology: Topology, run_dir: Path, token: str, *, seed: int =
             fleet = StaticFleet(Path(run_dir) / "logs" / name, token=token,
                                 devices={past_of.server: spec.device or source.device},
                                 prefix_cache_gb=spec.prefix_cache_gb)
-        pools[name] = SnapshotPool(name, past_of, base_model=source.model, run_dir=run_dir, fleet=fleet, seed=seed)
+        pools[name] = SnapshotPool(name, past_of, base_model=source.model, base_revision=source.revision,
+                                   run_dir=run_dir, fleet=fleet, seed=seed)
     return pools

@@ -288,9 +288,10 @@ class _Session:
 
     def _launch(self, name: str, server: ServerSpec) -> ServerProcess | RayServer:
         """Start local server `name`: a `marl serve` process here, or with run.ray a Ray actor that runs one."""
-        options = dict(model=server.model, admin_token=self.token, data_dir=self.run_dir / "servers" / name,
-                       log_path=self.run_dir / "logs" / f"{name}.log", static=not server.trainable,
-                       device=server.device, port=server.port, prefix_cache_gb=server.prefix_cache_gb,
+        options = dict(model=server.model, revision=server.revision, admin_token=self.token,
+                       data_dir=self.run_dir / "servers" / name, log_path=self.run_dir / "logs" / f"{name}.log",
+                       static=not server.trainable, device=server.device, port=server.port,
+                       prefix_cache_gb=server.prefix_cache_gb,
                        engine=server.engine or "torch", vllm=server.vllm, placement=server.placement,
                        policies={name: policy.lora for name, policy in (server.policies or {}).items()})
         if self.cluster is not None:

@@ -58,6 +58,7 @@ class Snapshot:
     trainable: bool = True  # a trainable server's weights (recorded as `snapshot_of`); False: a static server's model
     policy: str | None = None  # the server's LoRA policy whose weights these are; None: the server's own
     adapter: str | None = None  # what `marl serve --adapter` applies to `model`: the policy's adapter dir (None: none)
+    revision: str | None = None  # `marl serve --revision`: the base model's, when a Hugging Face id names it
 
     @property
     def learner(self) -> str:
@@ -101,13 +102,16 @@ def checkpoints_of(run_dir: Path, server: str, policy: str | None = None) -> dic
     return dict(sorted(found.items()))
 
 
-def snapshots_on_disk(run_dir: Path, server: str, base_model: str, policy: str | None = None) -> dict[int, Snapshot]:
+def snapshots_on_disk(run_dir: Path, server: str, base_model: str, policy: str | None = None, *,
+                      revision: str | None = None) -> dict[int, Snapshot]:
     """Every snapshot of local trainable server `server` (or of its LoRA policy `policy`) the run directory holds:
-    version 0 (the base model; a policy's fresh adapter adds nothing to it), then each complete checkpoint."""
-    found = {0: Snapshot(server, 0, base_model, policy=policy)}
+    version 0 (the base model, at `revision`; a policy's fresh adapter adds nothing to it), then each complete
+    checkpoint."""
+    found = {0: Snapshot(server, 0, base_model, policy=policy, revision=revision)}
     for version, path in checkpoints_of(run_dir, server, policy).items():
         found[version] = (Snapshot(server, version, str(path)) if policy is None else
-                          Snapshot(server, version, base_model, policy=policy, adapter=str(path / _ADAPTER_DIR)))
+                          Snapshot(server, version, base_model, policy=policy, adapter=str(path / _ADAPTER_DIR),
+                                   revision=revision))
     return found
 
 
@@ -145,8 +149,8 @@ def resolve_snapshot(topology: Topology, run_dir: Path, learner: str, ref: str, 
                             f" {', '.join(f'{server}{LEARNER_SEPARATOR}{p}' for p in spec.policies)}")
     who = f"servers.{server}" + (f".policies.{policy}" if policy is not None else "")
     if "/" in ref or ref.startswith((".", "~")):
-        return _snapshot_at(Path(ref).expanduser(), ref, server, policy, spec.model or "")
-    initial = Snapshot(server, 0, spec.model or "", policy=policy)
+        return _snapshot_at(Path(ref).expanduser(), ref, server, policy, spec.model or "", spec.revision)
+    initial = Snapshot(server, 0, spec.model or "", policy=policy, revision=spec.revision)
     if ref == INITIAL:
         if not spec.model:
             raise SnapshotError(f"servers.{server} names no model: give its initial weights as a directory")
@@ -173,10 +177,12 @@ def resolve_snapshot(topology: Topology, run_dir: Path, learner: str, ref: str, 
                             " the newest train.keep_checkpoints of them")
     if policy is None:
         return Snapshot(server, version, str(found[version]))
-    return Snapshot(server, version, spec.model or "", policy=policy, adapter=str(found[version] / _ADAPTER_DIR))
+    return Snapshot(server, version, spec.model or "", policy=policy, adapter=str(found[version] / _ADAPTER_DIR),
+                    revision=spec.revision)
 
 
-def _snapshot_at(path: Path, ref: str, server: str, policy: str | None, base_model: str) -> Snapshot:
+def _snapshot_at(path: Path, ref: str, server: str, policy: str | None, base_model: str,
+                 revision: str | None) -> Snapshot:
     """The snapshot of a checkpoint directory given by path; a policy's is its checkpoint or its adapter dir."""
     if not path.is_dir():
         raise SnapshotError(f"{ref}: no such checkpoint directory")
@@ -188,7 +194,7 @@ def _snapshot_at(path: Path, ref: str, server: str, policy: str | None, base_mod
     if not (adapter / _ADAPTER_CONFIG).is_file():
         raise SnapshotError(f"{ref}: not a LoRA adapter checkpoint of policy {policy} (no {_ADAPTER_CONFIG} in it"
                             f" or in its {_ADAPTER_DIR}/)")
-    return Snapshot(server, version, base_model, policy=policy, adapter=str(adapter))
+    return Snapshot(server, version, base_model, policy=policy, adapter=str(adapter), revision=revision)
 
 
 class StaticFleet:
@@ -272,7 +278,7 @@ class StaticFleet:
         proc = ServerProcess(model=snapshot.model, admin_token=self.token, data_dir=self.log_dir / snapshot.name,
                              log_path=self.log_dir / f"{snapshot.name}.log", static=True,
                              device=self.devices.get(snapshot.server), served_name=snapshot.name,
-                             prefix_cache_gb=self.prefix_cache_gb,
+                             prefix_cache_gb=self.prefix_cache_gb, revision=snapshot.revision,
                              adapter=Path(snapshot.adapter) if snapshot.adapter else None)
         with self._lock:
             if self._closed:

@@ -1,16 +1,19 @@
-"""`marl topology show`: a topology as a rich Tree (servers, scripted roles, teams, env, run, warnings)."""
+"""`marl topology show`: a topology as a rich Tree (servers and their models' shapes, scripted roles, teams, env,
+run, warnings)."""
 
 from __future__ import annotations
 
 from rich.text import Text
 from rich.tree import Tree
 
-from marl.topology import ServerKind, Topology
+from marl.plan import UnknownModel, architecture_of
+from marl.topology import ServerKind, ServerSpec, Topology
 
 _KIND_STYLES = {ServerKind.LOCAL_TRAINABLE: "green", ServerKind.LOCAL_STATIC: "blue",
                 ServerKind.REMOTE_SWARM: "magenta", ServerKind.EXTERNAL_OPENAI: "yellow",
                 ServerKind.PAST_SNAPSHOTS: "cyan"}
-_SERVER_KEYS = ("url", "swarm_url", "device", "port", "prefix_cache_gb", "engine", "api_key_env", "admin_token_env")
+_SERVER_KEYS = ("revision", "url", "swarm_url", "device", "port", "prefix_cache_gb", "engine", "api_key_env",
+                "admin_token_env")
 
 
 def topology_tree(topology: Topology) -> Tree:
@@ -58,6 +61,9 @@ def _add_servers(root: Tree, topology: Topology) -> None:
             if value is not None:
                 line.append(f"  {key}={value}", style="dim" if key.endswith("_env") else "")
         node = servers.add(line)
+        shape = _shape(s)
+        if shape is not None:
+            node.add(shape)
         if s.train is not None:
             set_keys = s.train.model_dump(exclude_unset=True)
             shown = " ".join(f"{k}={v}" for k, v in set_keys.items())
@@ -70,6 +76,23 @@ def _add_servers(root: Tree, topology: Topology) -> None:
                                    f" alpha={lora.alpha:g}", f"  train {changes}" if changes else ""))
         plays = ", ".join(_role_line(topology, r) for r in topology.roles_of(name))
         node.add(Text.assemble(("plays  ", "dim"), plays or ("(no role)", "red")))
+
+
+def _shape(server: ServerSpec) -> Text | None:
+    """The model's shape, from its config.json (a directory, or a Hugging Face id's from the cache or the Hub) or
+    marl's table of well-known models; why it is unknown for a server `marl run` starts, None for another one."""
+    if server.model is None:
+        return None
+    try:
+        arch = architecture_of(server.model, revision=server.revision)
+    except UnknownModel as exc:
+        return Text.assemble(("shape  ", "dim"), (str(exc), "yellow")) if server.is_local else None
+    heads = f"{arch.num_heads} heads" + (f" ({arch.num_kv_heads} KV)" if arch.num_kv_heads != arch.num_heads else "")
+    experts = f", {arch.num_experts} experts ({arch.experts_per_token} per token)" if arch.num_experts else ""
+    params = arch.parameter_count()
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    return Text.assemble(("shape  ", "dim"), f"{arch.num_layers} layers, {heads}, hidden {arch.hidden_size}, vocab"
+                         f" {arch.vocab_size}, context {arch.context_length}{experts}, {size} parameters")
 
 
 def _add_scripted(root: Tree, topology: Topology) -> None:

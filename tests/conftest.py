@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import huggingface_hub.constants
 import pytest
 import torch
 from tiny_model import build_tiny_model
@@ -27,7 +28,7 @@ from tests.servers.recording_vllm import RecordingVLLM
 #: benches): marked `heavy`, which `make test-fast` (the inner loop) leaves out. `make test` runs everything.
 HEAVY_FILES = frozenset({
     "test_backends_run", "test_check_env", "test_coordinator", "test_coordinator_shutdown", "test_durability",
-    "test_eval", "test_exploitability", "test_soak",
+    "test_eval", "test_exploitability", "test_hub_models", "test_soak",
     "test_eval_policies", "test_first_contact", "test_fsdp_lora", "test_fsdp_scale", "test_fsdp_trainer",
     "test_league", "test_learning", "test_placement", "test_plan_measured", "test_proxy_cli", "test_ray",
     "test_ray_placement", "test_recompute_logprobs", "test_resume", "test_run", "test_run_policies", "test_benches",
@@ -49,6 +50,11 @@ def pytest_configure(config: pytest.Config) -> None:
     times slower (`build_tool_model` beside a busy process: 190 s on two threads, 37 s on one)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    # No test reaches the Hugging Face Hub (tests build their models; tests/fake_hub.py stands in for the Hub): a
+    # model id not on this machine fails at once, here and in every process a test starts, rather than after the
+    # Hub client's retries (20 s without a network). huggingface_hub read the variable when it was imported.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

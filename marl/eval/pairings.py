@@ -103,7 +103,8 @@ def seat_endpoints(topology: Topology, pairing: Pairing,
                    fleet: StaticFleet) -> tuple[dict[str, Endpoint], dict[str, str | None]]:
     """(endpoints by name, role -> endpoint name) for the pairing's games; starts the snapshots not served yet."""
     servers = topology.spec.servers
-    static_models = {role: Snapshot(server, None, servers[server].model, trainable=False)
+    static_models = {role: Snapshot(server, None, servers[server].model, trainable=False,
+                                    revision=servers[server].revision)
                      for role, server in topology.players().items()
                      if server is not None and servers[server].kind is ServerKind.LOCAL_STATIC}
     seats: dict[str, Snapshot] = {**static_models, **pairing.seats}

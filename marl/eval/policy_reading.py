@@ -70,7 +70,8 @@ def role_sources(topology: Topology, seats: PolicySeats, run_dir: Path,
             if role in choices:
                 raise SnapshotError(f"role {role} is played by static server {server}: it has no checkpoints")
             sources[role] = [RoleSource(role, "static", Snapshot(server, None, servers[server].model or "",
-                                                                 trainable=False), held)]
+                                                                 trainable=False, revision=servers[server].revision),
+                                        held)]
         else:
             raise SnapshotError(f"role {role} is played by {server}, an endpoint marl does not serve: read a policy"
                                 " off a local server (trainable, past_of or static) or a scripted role")

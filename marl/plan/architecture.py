@@ -1,21 +1,26 @@
-"""A model's shape, as far as memory goes: read from its `config.json`, or from a table of well-known models.
+"""A model's shape, as far as memory goes: read from its `config.json` (a directory, or a Hugging Face id's from the
+Hugging Face cache or the Hub), or from a table of well-known models.
 
 `Architecture` holds the numbers the memory plan needs (layers, widths, heads, vocabulary, experts) and derives
 the two that everything else scales with: the parameter count and the bytes of keys/values one token occupies in
 a KV cache. It covers decoder-only transformers of the Llama / Qwen2 / Qwen3 / Mistral family, dense or
 mixture-of-experts (every layer sparse, as in Qwen3-MoE); other shapes are counted as if they were one of those.
 
-`KNOWN_ARCHITECTURES` lets `marl plan` size a model that is not on this machine (a hub id such as
-`Qwen/Qwen2.5-7B-Instruct`): its entries are transcribed from those models' published `config.json` files, and
-tests build each as a transformers config on the meta device and check the parameter count against it.
+`KNOWN_ARCHITECTURES` lets `marl plan` size a well-known model that is not on this machine without the network (a
+hub id such as `Qwen/Qwen2.5-7B-Instruct` not in the Hugging Face cache; other ids' config.json is fetched). Its
+entries are transcribed from those models' published `config.json` files, and tests build each as a transformers
+config on the meta device and check the parameter count against it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from marl.hub_config import HubConfigError, hub_config, is_hub_id
 
 __all__ = ["KNOWN_ARCHITECTURES", "Architecture", "UnknownModel", "architecture_of"]
 
@@ -23,7 +28,8 @@ _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2
 
 
 class UnknownModel(ValueError):
-    """Neither a directory with a config.json nor a model in `KNOWN_ARCHITECTURES`."""
+    """Neither a directory with a config.json, a Hugging Face id whose config.json can be had, nor a model in
+    `KNOWN_ARCHITECTURES`."""
 
 
 @dataclass(frozen=True)
@@ -153,18 +159,29 @@ KNOWN_ARCHITECTURES: dict[str, Architecture] = {
 _ALIASES = {"smollm2-135m": "huggingfacetb/smollm2-135m-instruct"}
 
 
-def architecture_of(model: str, *, base_dir: Path | None = None) -> Architecture:
-    """The architecture of `model`: a directory with a config.json (relative to `base_dir` if given), or a model of
-    `KNOWN_ARCHITECTURES` by hub id or alias. UnknownModel, listing what is known, otherwise."""
+def architecture_of(model: str, *, base_dir: Path | None = None, revision: str | None = None) -> Architecture:
+    """The architecture of `model`: a directory with a config.json (relative to `base_dir` if given), a Hugging Face
+    id (`org/name`, at `revision`) whose config.json is in the Hugging Face cache, a model of `KNOWN_ARCHITECTURES`
+    by hub id or alias, or a Hugging Face id whose config.json the Hub gives (fetched into the cache: one small file).
+    UnknownModel, in one line saying why and what is known, otherwise."""
     path = Path(model).expanduser()
     if not path.is_absolute() and base_dir is not None and (base_dir / path).exists():
         path = base_dir / path
     if (path / "config.json").is_file():
         return Architecture.from_config(json.loads((path / "config.json").read_text()), name=str(model))
+    hub = is_hub_id(model) and not path.exists()
+    if hub:
+        with contextlib.suppress(HubConfigError):  # not in the cache: the table, else the Hub
+            return Architecture.from_config(hub_config(model, revision, cache_only=True), name=model)
     key = _ALIASES.get(model.lower(), model.lower())
-    if key in KNOWN_ARCHITECTURES:
+    if key in KNOWN_ARCHITECTURES and revision is None:  # the table holds each model's main revision
         return KNOWN_ARCHITECTURES[key]
     known = ", ".join(a.name for a in KNOWN_ARCHITECTURES.values())
-    raise UnknownModel(f"{model!r} is neither a model directory with a config.json on this machine nor a model marl"
-                       f" knows the shape of ({known}, smollm2-135m)")
-
+    if hub:
+        try:
+            return Architecture.from_config(hub_config(model, revision), name=model)
+        except HubConfigError as exc:
+            raise UnknownModel(f"cannot read the shape of {model!r}: {exc}; nor is it a model marl knows the shape"
+                               f" of ({known}, smollm2-135m)") from None
+    raise UnknownModel(f"{model!r} is neither a model directory with a config.json on this machine, a Hugging Face id"
+                       f" (org/name), nor a model marl knows the shape of ({known}, smollm2-135m)")

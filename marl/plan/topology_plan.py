@@ -117,13 +117,14 @@ def _plan_server(name: str, server: Any, spec: Any, base_dir: Path | None,
                  local_gpu_memory: float | None) -> ServerPlan | None:  # fmt: skip
     key = f"servers.{name}"
     placement = getattr(server, "placement", None)
-    model = server.model
+    model, revision = server.model, server.revision
     if server.past_of is not None:
-        model = spec.servers[server.past_of.server].model
+        source = spec.servers[server.past_of.server]
+        model, revision = source.model, source.revision
     if model is None or (not server.is_local and placement is None):
         return None
     try:
-        arch = architecture_of(model, base_dir=base_dir)
+        arch = architecture_of(model, base_dir=base_dir, revision=revision)
     except UnknownModel as exc:
         return ServerPlan(name, str(model), problems=[Problem(f"{key}.model", str(exc))])
     if server.is_local and _device_of(server) == "cpu":

@@ -17,8 +17,9 @@ Decisions (also in the messages):
 - Trainer ranks on several machines are Ray actors (`placement.nodes` > 1 needs `run.ray`); under `run.ray` each
   rank has its own bundle (`rank_resources`, GPU included), so `placement.trainer_gpus` of an FSDP trainer is refused;
   so has each vLLM replica after the first (`replica_resources`), so `placement.engine_gpus` is refused there.
-- A local server's model is a directory on this machine or an alias (`check_local_models`): checked where the
-  topology is checked against this machine (`check_env`: `marl topology show`, `marl run`), not by `marl plan`,
+- A local server's model is a directory on this machine, an alias or a Hugging Face id, in the Hugging Face cache
+  when HF_HUB_OFFLINE=1 (`check_local_models`; the Hub is not asked): checked where the topology is checked against
+  this machine (`check_env`: `marl topology show`, `marl run`), not by `marl plan`,
   which sizes a topology meant for other machines.
 """
 
@@ -28,6 +29,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import is_offline_mode
+
+from marl.hub_config import HubConfigError, hub_config, is_hub_id
 from marl.protocol import MODEL_ALIASES
 
 from .bundles import RayBundles, on_gpus, ray_bundles, server_ranks
@@ -352,19 +356,42 @@ def _ray_replica_problems(server: ServerSpec, bundles: RayBundles) -> list[tuple
 
 
 def check_local_models(spec: TopologySpec, findings: Findings) -> None:
-    """The model of a server `marl run` starts here is a directory on this machine or an alias `marl serve` builds
-    (`marl.protocol.MODEL_ALIASES`). Under run.ray a server may run on another node, which may have the directory:
-    a warning there."""
+    """The model of a server `marl run` starts here is a directory on this machine, an alias `marl serve` builds
+    (`marl.protocol.MODEL_ALIASES`) or a Hugging Face id (`org/name`), which HF_HUB_OFFLINE=1 needs in the Hugging
+    Face cache; only an id has a revision. Under run.ray a server may run on another node, which may have the
+    directory or the cached model: a warning there."""
     for name, server in spec.servers.items():
         if server.kind not in (ServerKind.LOCAL_TRAINABLE, ServerKind.LOCAL_STATIC) or server.model is None:
             continue
-        path = Path(server.model).expanduser()
-        if server.model in MODEL_ALIASES or path.is_dir():
+        problem = _local_model_problem(server)
+        if problem is None:
             continue
-        what = "is a file, not a model directory" if path.exists() else "is no directory here and no model alias"
-        message = (f"{server.model!r} {what}{did_you_mean(server.model, MODEL_ALIASES)}: give a Hugging Face model"
-                   f" directory (config.json, weights, tokenizer) or an alias ({', '.join(MODEL_ALIASES)})")
+        key, message = problem
         if spec.run.ray is not None:
-            findings.warn(["servers", name, "model"], message + "; under run.ray the node that runs it needs it")
+            findings.warn(["servers", name, key], message + "; under run.ray the node that runs it needs it")
         else:
-            findings.bad(["servers", name, "model"], message)
+            findings.bad(["servers", name, key], message)
+
+
+def _local_model_problem(server: ServerSpec) -> tuple[str, str] | None:
+    """(key, message) of what keeps `marl serve` from finding this server's model here, or None."""
+    model = server.model or ""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return None if server.revision is None else ("revision", f"{model!r} is a directory on this machine, which"
+                                                     " has no revisions: remove revision, or name the model by its"
+                                                     " Hugging Face id")
+    if model in MODEL_ALIASES:
+        return None
+    if is_hub_id(model) and not path.exists():
+        if not is_offline_mode():
+            return None  # `marl serve` fetches it (and says in one line if it cannot)
+        try:
+            hub_config(model, server.revision, cache_only=True)
+        except HubConfigError as exc:
+            return "model", str(exc)
+        return None
+    what = "is a file, not a model directory" if path.exists() else "is no directory here and no model alias"
+    return "model", (f"{model!r} {what}{did_you_mean(model, MODEL_ALIASES)}: give a Hugging Face id (org/name), a"
+                     " Hugging Face model directory (config.json, weights, tokenizer) or an alias"
+                     f" ({', '.join(MODEL_ALIASES)})")

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from marl.protocol import (
+    MODEL_ALIASES,
     VLLM_DTYPES,
     VLLM_MANAGED_FLAGS,
     VLLM_WEIGHT_SYNC_MODES,
@@ -192,8 +193,13 @@ class PolicySpec(_Spec):
 class ServerSpec(_Spec):
     """One model server. Which keys are set decides its kind (see the module docstring)."""
 
-    model: str | None = Field(None, description="Local: model directory or alias. External: the model id to request."
-                                                " Remote swarm: optional, the model it is expected to serve.")
+    model: str | None = Field(None, description="Local: a Hugging Face id (org/name: from the Hugging Face cache, or"
+                                                " downloaded there), a model directory or an alias. External: the"
+                                                " model id to request. Remote swarm: optional, the model it is"
+                                                " expected to serve.")
+    revision: str | None = Field(None, min_length=1, description="With a model: given by its Hugging Face id: the"
+                                 " branch, tag or commit (default: main). Local: what `marl serve --revision`"
+                                 " loads; remote or external: the one whose config `marl plan` reads.")
     trainable: bool = False
     # local servers only
     device: str | None = Field(None, description="Local: cpu or cuda (default: cuda when available).")
@@ -269,8 +275,9 @@ class ServerSpec(_Spec):
         kind_rules = _kind_rules(self)
         if kind_rules:  # its kind cannot be told: the other rules would only guess
             _raise_rules(self, kind_rules)
-        _raise_rules(self, [*_placement_rules(self), *_external_rules(self), *_swarm_rules(self),
-                            *_past_of_rules(self), *_train_rules(self), *_vllm_rules(self), *_policy_rules(self)])
+        _raise_rules(self, [*_placement_rules(self), *_revision_rules(self), *_external_rules(self),
+                            *_swarm_rules(self), *_past_of_rules(self), *_train_rules(self), *_vllm_rules(self),
+                            *_policy_rules(self)])
         _raise_rules(self, _gpu_rules(self))  # after the others: they read train and vllm as valid
         _default_ranks(self)
         return self
@@ -280,7 +287,7 @@ def _kind_rules(s: ServerSpec) -> list[Rule]:
     if s.past_of is not None:
         return [((key,), f"{key} does not apply to a past_of server: it serves the checkpoints of"
                          f" servers.{s.past_of.server} (and its model for the initial snapshot): remove {key}")
-                for key in ("model", "url", "swarm_url") if getattr(s, key) is not None]
+                for key in ("model", "revision", "url", "swarm_url") if getattr(s, key) is not None]
     if s.url is not None and s.swarm_url is not None:
         return [((), "both url (an external OpenAI endpoint) and swarm_url (a remote swarm server) are set: keep"
                      " swarm_url for a swarm server you train, url for a fixed OpenAI-compatible endpoint")]
@@ -310,6 +317,19 @@ def _placement_rules(s: ServerSpec) -> list[Rule]:
             example = "http://host:8000" + ("/v1" if key == "url" else "")
             rules.append(((key,), f"{url!r} is not an http(s) URL, e.g. {example}"))
     return rules
+
+
+def _revision_rules(s: ServerSpec) -> list[Rule]:
+    """A revision is one of a Hugging Face id's (whether `model` names a directory here is `check_local_models`'s)."""
+    if s.revision is None or s.past_of is not None:
+        return []
+    if s.model is None:
+        return [(("revision",), "a revision of which model? model: is not set: give model: (a Hugging Face id),"
+                                " or remove revision")]
+    if s.model in MODEL_ALIASES:
+        return [(("revision",), f"{s.model} is an alias marl builds, which has no revisions: remove revision, or"
+                                " name the model by its Hugging Face id")]
+    return []
 
 
 def _external_rules(s: ServerSpec) -> list[Rule]:

@@ -68,7 +68,8 @@ def load_tokenizer(data_dir: Path, ledger: Ledger, model: str | None = None) -> 
         latest = CheckpointDir(data_dir / "checkpoints").latest() if data_dir.is_dir() else None
         model = str(latest) if latest else ledger.get_meta("model")
     if model is None:
-        raise ViewerError("this ledger does not say which model wrote it: pass --model (a model dir or alias)")
+        raise ViewerError("this ledger does not say which model wrote it: pass --model (a model dir, an alias or a"
+                          " Hugging Face id)")
     return AutoTokenizer.from_pretrained(str(resolve_model(model)))
 
 
