@@ -3,8 +3,8 @@
 Two trainable swarm servers (the tiny random model on the CPU, built as `marl serve` builds them) on 127.0.0.1, and
 N games of each kind, each episode holding one real chat call:
   1. a game across both servers, committed as the coordinator commits it: the two-phase commit
-     (`marl.two_phase.commit_game`: prepare on both, the decision fsynced, commit on both) on the coordinator's one
-     executor;
+     (`marl.transaction.two_phase.commit_game`: prepare on both, the decision fsynced, commit on both) on the
+     coordinator's one executor;
   2. a game on one server, ended with `end` (`SwarmClient.end_episode`).
 Only the commit is timed (not the begins, not the calls). Prints the median and p90 milliseconds per commit. The batch
 never fills, so no training step runs meanwhile; the pool grows by one episode per game, as in a run between steps.
@@ -33,8 +33,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from marl.client import SwarmClient  # noqa: E402  (after the path is set)
-from marl.decision_log import DecisionLog  # noqa: E402
-from marl.two_phase import Part, commit_game  # noqa: E402
+from marl.transaction.decision_log import DecisionLog  # noqa: E402
+from marl.transaction.two_phase import Part, commit_game  # noqa: E402
 
 ADMIN = "bench-admin"
 CONFIG = {"batch_size": 100_000, "num_repeat": 2, "max_leases": 1_000, "save_freq": 0}  # never trains
@@ -49,7 +49,7 @@ def in_process_server(model_dir: Path, data_dir: Path) -> Iterator[str]:
     """A server built as `marl serve` builds it, served by uvicorn in a thread of this process; yields its URL."""
     import uvicorn
 
-    from marl.launch import free_port
+    from marl.runner.launch import free_port
     from servers.entrypoint import ServeOptions, build_server
     from servers.http.routes import create_app
 
@@ -74,7 +74,7 @@ def in_process_server(model_dir: Path, data_dir: Path) -> Iterator[str]:
 @contextlib.contextmanager
 def process_server(model_dir: Path, data_dir: Path) -> Iterator[str]:
     """`marl serve` as a subprocess; yields its URL."""
-    from marl.launch import ServerProcess
+    from marl.runner.launch import ServerProcess
 
     proc = ServerProcess(model=str(model_dir), admin_token=ADMIN, data_dir=data_dir, device="cpu", served_name="tiny",
                          log_path=data_dir.parent / f"{data_dir.name}.log").start()

@@ -1,8 +1,8 @@
 """Do servers that share a machine's cores run faster on a share each? `marl run` a topology of several local CPU
 servers in pairs of runs: one with every server on torch's default (a CPU thread per core in each process:
-OMP_NUM_THREADS=<cores>) and one with marl's split (`marl.launch.threads_per_server`: the cores divided between the
-servers), alternating which goes first. Prints each run's wall time, games and games per minute (first game to last),
-then the medians.
+OMP_NUM_THREADS=<cores>) and one with marl's split (`marl.runner.launch.threads_per_server`: the cores divided between
+the servers), alternating which goes first. Prints each run's wall time, games and games per minute (first game to
+last), then the medians.
 
     python bench/cpu_threads.py topologies/signalling-cpu.yaml run.max_steps=4 --pairs 2
     python bench/cpu_threads.py --smoke       # half a minute: a tiny model, one step per run, one pair
@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
 from marl.games.record import read_games  # noqa: E402
-from marl.launch import usable_cores  # noqa: E402
+from marl.runner.launch import usable_cores  # noqa: E402
 
 #: the arms: the OMP_NUM_THREADS each run's environment has (None: unset, so marl splits the cores)
 ARMS = {"torch default": str(usable_cores()), "marl split": None}

@@ -43,8 +43,8 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
-from marl.launch import free_port
 from marl.protocol import TrainConfig
+from marl.runner.launch import free_port
 from servers.backends import SamplingParams
 from servers.engines.torch_engine import TorchEngine
 from servers.model_files import resolve_model

@@ -342,7 +342,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.smoke:
         args.examples = 2
-    from marl.launch import ServerProcess
+    from marl.runner.launch import ServerProcess
     from tests.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="marl-fuzz-") as scratch:
@@ -366,8 +366,8 @@ def main() -> int:
 
 
 def _run_hostile(model: Path, root: Path, args) -> dict:
-    from marl.launch import ServerProcess
     from marl.protocol import LoraSpec
+    from marl.runner.launch import ServerProcess
 
     proc = ServerProcess(model=str(model), admin_token=ADMIN, data_dir=root / "policies", device="cpu",
                          served_name="tiny", log_path=root / "policies.log",

@@ -224,7 +224,7 @@ def main() -> int:
     if args.smoke:
         args.episodes = 20
     from marl import SwarmClient
-    from marl.launch import ServerProcess
+    from marl.runner.launch import ServerProcess
     from tests.tiny_model import build_tiny_model
 
     retries = RetryCounter()

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a sc
 import openai  # noqa: E402
 
 from marl.client import SwarmClient  # noqa: E402
-from marl.launch import ServerProcess  # noqa: E402
 from marl.protocol import LoraSpec, TrainConfig  # noqa: E402
+from marl.runner.launch import ServerProcess  # noqa: E402
 
 TOKEN = "bench-token"
 CONFIG = TrainConfig(batch_size=1, num_repeat=2, save_freq=0, grpo={"micro_batch_tokens": 1024})

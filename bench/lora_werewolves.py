@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a sc
 from bench.lora_memory import TOKEN, memory_mb  # noqa: E402
 from envs.werewolves import Werewolves  # noqa: E402
 from marl.client import SwarmClient  # noqa: E402
-from marl.launch import ServerProcess  # noqa: E402
 from marl.protocol import TrainConfig  # noqa: E402
+from marl.runner.launch import ServerProcess  # noqa: E402
 from marl.topology import Topology  # noqa: E402
 from servers.model_files import load_tokenizer, resolve_model  # noqa: E402
 

@@ -58,9 +58,9 @@ def record(games: int, directory: Path, max_rounds: int = 4, max_tokens: int = 2
 
     from envs.werewolves import Werewolves
     from marl.client import SwarmClient
-    from marl.coordinator import Coordinator, GameSettings
-    from marl.endpoints import TrainableEndpoint
     from marl.games.schedule import play_games, tasks
+    from marl.runner.endpoints import TrainableEndpoint
+    from marl.transaction.coordinator import Coordinator, GameSettings
     from tests.tiny_model import build_tiny_model
 
     model = build_tiny_model(directory / "model", max_position_embeddings=8192)

@@ -50,7 +50,7 @@ from fastapi import FastAPI, Request, Response
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
-from marl.launch import ServerProcess, free_port  # noqa: E402
+from marl.runner.launch import ServerProcess, free_port  # noqa: E402
 from servers.entrypoint import http_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from marl import SwarmClient  # noqa: E402  (after the path is set)
-from marl.launch import free_port  # noqa: E402
+from marl.runner.launch import free_port  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
 ADMIN = "bench-admin-token"

@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a script from anywhere
 
 from marl.games.record import GameRecord, read_games
-from marl.plot import percent, summarize_games, summarize_roles
+from marl.watching.plot import percent, summarize_games, summarize_roles
 
 
 def main() -> None:

@@ -86,8 +86,8 @@ MEMORY_LEASES = 64
 def start_server(model_dir: Path, data_dir: Path, speed: float, max_leases: int | None = None):
     """A trainable simulated server, ROLLING with the bench's training config (`max_leases` None: OFFLINE, for a
     coordinator to configure and start)."""
-    from marl.launch import ServerProcess
     from marl.protocol import TrainConfig
+    from marl.runner.launch import ServerProcess
 
     proc = ServerProcess(model=str(model_dir), admin_token=ADMIN, data_dir=data_dir, device="cpu",
                          served_name="sim", engine="simulated", simulated_speed=speed,

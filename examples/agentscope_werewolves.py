@@ -20,11 +20,11 @@ from itertools import islice
 import yaml
 
 from marl import ADMIN_TOKEN_ENV, SwarmClient, SwarmError, TrainConfig
-from marl.agentscope_agents import Fallback, agentscope_players
-from marl.coordinator import Coordinator, GameFailed, GameSettings
-from marl.endpoints import TrainableEndpoint
+from marl.agents.agentscope import Fallback, agentscope_players
 from marl.games.schedule import tasks
+from marl.runner.endpoints import TrainableEndpoint
 from marl.topology import import_env_factory
+from marl.transaction.coordinator import Coordinator, GameFailed, GameSettings
 
 SERVER = "server"  # the swarm server's name in the coordinator
 

@@ -45,11 +45,11 @@ _EXPORTS: dict[str, str] = {
     "EpisodeLease": "marl.protocol",
     "ErrorCode": "marl.protocol",
     "TrainConfig": "marl.protocol",
-    "Coordinator": "marl.coordinator",
-    "GameCancelled": "marl.coordinator",
-    "TrainableEndpoint": "marl.endpoints",
-    "StaticEndpoint": "marl.endpoints",
-    "SnapshotPoolEndpoint": "marl.endpoints",
+    "Coordinator": "marl.transaction.coordinator",
+    "GameCancelled": "marl.transaction.coordinator",
+    "TrainableEndpoint": "marl.runner.endpoints",
+    "StaticEndpoint": "marl.runner.endpoints",
+    "SnapshotPoolEndpoint": "marl.runner.endpoints",
     "GameFailed": "marl.games.table",
     "GameSettings": "marl.games.table",
     "Seat": "marl.games.table",
@@ -80,13 +80,13 @@ if TYPE_CHECKING:
     from envs.base import GameEnv, InvalidAction, RoleInfo, TextAECEnv
     from marl.agents import LLMAgent, ScriptedAgent
     from marl.client import Episode, EpisodeOutput, SwarmClient, SwarmError, SwarmRefused, SwarmTimeout
-    from marl.coordinator import Coordinator, GameCancelled
-    from marl.endpoints import SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
     from marl.games.record import CoPlayer, GameRecord, Sampling, read_games
     from marl.games.schedule import CallbackFailed, FailedAttempt, RunStats, episodes, play_games, tasks
     from marl.games.table import GameFailed, GameSettings, Seat, default_player
     from marl.protocol import ADMIN_TOKEN_ENV, RUNNING_STATES, EngineState, EpisodeLease, ErrorCode, TrainConfig
+    from marl.runner.endpoints import SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
     from marl.topology import Topology, TopologyError
+    from marl.transaction.coordinator import Coordinator, GameCancelled
 
 
 def __getattr__(name: str) -> Any:

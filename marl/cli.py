@@ -177,7 +177,7 @@ def _topology_show(args: argparse.Namespace) -> None:
     from rich.console import Console
 
     from marl.topology import Topology
-    from marl.topology_view import topology_tree
+    from marl.watching.topology_view import topology_tree
 
     topology = Topology.load(args.file, args.overrides, check_env=not args.no_env_check)  # TopologyError: main()
     # Piped output: no colours (rich drops them) and no wrapping at 80 columns.
@@ -186,8 +186,8 @@ def _topology_show(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
-    from marl.launch import ServerStartError
-    from marl.run import run
+    from marl.runner.launch import ServerStartError
+    from marl.runner.run import run
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -202,7 +202,7 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _overwatch(args: argparse.Namespace) -> None:
-    from marl.overwatch import OverwatchApp, print_once, resolve_sources
+    from marl.watching.overwatch import OverwatchApp, print_once, resolve_sources
 
     sources = resolve_sources(args.targets, args.admin_token)  # OverwatchError, TopologyError: main()
     if args.once:
@@ -215,7 +215,7 @@ def _overwatch(args: argparse.Namespace) -> None:
 
 
 def _plot(args: argparse.Namespace) -> None:
-    from marl.plot import plot_run
+    from marl.watching.plot import plot_run
 
     try:
         written = plot_run(Path(args.run_dir))
@@ -522,7 +522,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 #: games or a server's ledger that is not there, a server that refuses or cannot be reached (the whole `SwarmError`
 #: tree). Each message says what to do. Named, not imported: a class whose module was never imported was not raised.
 _USER_ERRORS = (("marl.client.errors", "SwarmError"), ("marl.topology.problems", "TopologyError"),
-                ("marl.snapshots", "SnapshotError"), ("marl.overwatch", "OverwatchError"),
+                ("marl.league.snapshots", "SnapshotError"), ("marl.watching.overwatch", "OverwatchError"),
                 ("marl.games.view", "GamesViewError"), ("servers.episodes.view", "ViewerError"))
 
 

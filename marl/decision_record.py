@@ -1,9 +1,9 @@
 """The decision log's format on disk: what a coordinator writes and a server may read.
 
-The coordinator keeps each multi-server game's commit decision in one SQLite file (`marl.decision_log.DecisionLog`
-writes it); a server whose prepared episode outlives its deadline reads its game's decision from that file itself
-(`servers/episodes/overdue.py`). This module is that shared format, standard library only, so both sides import it and
-neither imports the other: the table, the decisions, and the read-only reader.
+The coordinator keeps each multi-server game's commit decision in one SQLite file
+(`marl.transaction.decision_log.DecisionLog` writes it); a server whose prepared episode outlives its deadline reads its
+game's decision from that file itself (`servers/episodes/overdue.py`). This module is that shared format, standard
+library only, so both sides import it and neither imports the other: the table, the decisions, and the read-only reader.
 """
 
 from __future__ import annotations

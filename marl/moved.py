@@ -52,7 +52,24 @@ MOVED_MODULES: dict[str, str] = {
     "marl.game_record": "marl.games.record",
     "marl.game_table": "marl.games.table",
     "marl.games_view": "marl.games.view",
-    "marl.monitor": "marl.server_watch",
+    "marl.monitor": "marl.runner.server_watch",
+    # marl/ in rooms (0.2): the run's machinery, the game transaction, watching a run, agents, the league
+    "marl.run": "marl.runner.run",
+    "marl.launch": "marl.runner.launch",
+    "marl.server_watch": "marl.runner.server_watch",
+    "marl.ray_cluster": "marl.runner.ray_cluster",
+    "marl.endpoints": "marl.runner.endpoints",
+    "marl.frozen_fleet": "marl.league.frozen_fleet",
+    "marl.coordinator": "marl.transaction.coordinator",
+    "marl.two_phase": "marl.transaction.two_phase",
+    "marl.decision_log": "marl.transaction.decision_log",
+    "marl.overwatch": "marl.watching.overwatch",
+    "marl.plot": "marl.watching.plot",
+    "marl.collapse": "marl.watching.collapse",
+    "marl.topology_view": "marl.watching.topology_view",
+    "marl.terminal": "marl.watching.terminal",
+    "marl.agentscope_agents": "marl.agents.agentscope",
+    "marl.snapshots": "marl.league.snapshots",
 }
 
 

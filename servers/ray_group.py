@@ -1,5 +1,5 @@
 """What a server's Ray actors share (`run.ray`, docs/ray.md): joining the cluster from `marl serve`, and placing an
-actor in one bundle of the server's placement group, which `marl run` made (marl.ray_cluster) with the trainer's
+actor in one bundle of the server's placement group, which `marl run` made (marl.runner.ray_cluster) with the trainer's
 ranks (servers.trainers.ray_ranks) and vLLM's replicas after the first (servers.engines.vllm_ray) in it. Only those
 two modules import this one, and only under Ray: a server without it never imports ray."""
 
@@ -12,7 +12,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 __all__ = ["NAMESPACE", "bundles_of", "join", "last_line", "place"]
 
-#: The Ray namespace of everything a marl run makes (actors, placement groups), as marl.ray_cluster's.
+#: The Ray namespace of everything a marl run makes (actors, placement groups), as marl.runner.ray_cluster's.
 NAMESPACE = "marl"
 
 

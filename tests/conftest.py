@@ -16,8 +16,8 @@ import torch
 from tiny_model import build_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from marl.launch import ServerProcess, free_port
 from marl.protocol import TrainConfig
+from marl.runner.launch import ServerProcess, free_port
 from marl.testing import server_process as testing_server_process
 from servers.entrypoint import ServeOptions, build_server, http_server
 from servers.http.routes import create_app
@@ -225,8 +225,8 @@ def server_process(model: Path, data_dir: Path, *, static: bool = False) -> Iter
 def trainable(name: str, url: str, **config):
     """A coordinator `Endpoint` for the trainable server at `url`, its config synced and its engine started."""
     from marl import SwarmClient
-    from marl.endpoints import TrainableEndpoint
     from marl.protocol import TrainConfig
+    from marl.runner.endpoints import TrainableEndpoint
 
     train = TrainConfig.model_validate({"batch_size": 2, "num_repeat": 2, "save_freq": 0, **config})
     client = SwarmClient(url, admin_token=ADMIN)

@@ -26,8 +26,8 @@ from typing import Any
 import uvicorn
 from conftest import ADMIN
 
-from marl.launch import free_port
 from marl.protocol import TrainConfig
+from marl.runner.launch import free_port
 from servers.backends import GenerationChunk, InferenceEngine, SamplingParams, TrainBatch, Trainer
 from servers.entrypoint import ServeOptions, build_app
 

@@ -34,7 +34,7 @@ stored outcome when it had already acted on the same request (`replayed`). Abort
 request provably never left this machine (connection refused, connect or pool timeout).
 
 A game spanning several servers commits with `prepare_episode` on each, then `commit_episode` on each (two-phase
-commit; `marl.two_phase` drives it with the coordinator's decision log).
+commit; `marl.transaction.two_phase` drives it with the coordinator's decision log).
 
 Thread safety: one `httpx.Client` (thread-safe) is shared by every thread; a `SwarmClient` holds no per-episode state,
 so any number of threads may begin, end and abort episodes concurrently.

@@ -6,7 +6,7 @@ the client that began a lease may end, abort or renew it; none keeps per-episode
 may run episodes on one client. `end_episode` and `commit_episode` are idempotent (a repeat with the same body gets
 the stored outcome, `replayed`), which is why the core may retry them after a lost answer; `abort_episode` is not,
 and is retried only when the request never left. A game spanning several servers commits with `prepare_episode` on
-each, then `commit_episode` on each (`marl/two_phase.py` drives it). The context manager over these calls is
+each, then `commit_episode` on each (`marl/transaction/two_phase.py` drives it). The context manager over these calls is
 `Episode` (`marl/client/episode.py`).
 """
 

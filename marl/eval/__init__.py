@@ -6,5 +6,6 @@
     command.py    `marl eval` (`add_eval_parser` adds it to the `marl` command)
     periodic.py   `run.eval_every`: `marl run` evaluates its checkpoints as training goes, into evals.jsonl
 
-Snapshots (checkpoint paths, the static server processes) are marl/snapshots.py; docs/eval.md is the user's guide.
+Snapshots (checkpoint paths, the static server processes) are marl/league/snapshots.py; docs/eval.md is the user's
+guide.
 """

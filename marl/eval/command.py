@@ -94,7 +94,7 @@ def run_eval_command(args: argparse.Namespace) -> None:
 
     from marl.eval.matrix import evaluate, results_table, write_outputs
     from marl.eval.pairings import EvalFailed, EvalSettings, fleet_devices, plan_pairings, run_dir_of
-    from marl.snapshots import StaticFleet
+    from marl.league.snapshots import StaticFleet
     from marl.topology import Topology
 
     console = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)

@@ -22,9 +22,9 @@ from rich.table import Table
 from marl.eval.pairings import EvalSettings, Pairing, play_pairing
 from marl.eval.stats import CONFIDENCE, WIN_RULES, RoleStats, summarize
 from marl.games.record import GameRecord
-from marl.plot import percent, plot_eval_matrix
-from marl.snapshots import StaticFleet
+from marl.league.snapshots import StaticFleet
 from marl.topology import Topology
+from marl.watching.plot import percent, plot_eval_matrix
 
 STAT_COLUMNS = ("games", "wins", "win_rate", "win_low", "win_high", "mean_reward", "reward_low", "reward_high",
                 "valid_reply_rate")

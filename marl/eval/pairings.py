@@ -1,6 +1,6 @@
 """Pairings: which snapshot plays each role, and one pairing's games, played on static servers.
 
-A pairing seats a snapshot (marl/snapshots.py) in every role played by a trainable or a past_of server (a role of
+A pairing seats a snapshot (marl/league/snapshots.py) in every role played by a trainable or a past_of server (a role of
 a LoRA policy: a snapshot of that policy, its adapter on the server's base model); the other
 roles play as the topology says (a local static server is started like a snapshot, an external endpoint is used as
 it is, a scripted role is the env's). Every server is static, so games lease nothing and nothing is trained or
@@ -16,12 +16,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from marl.coordinator import Coordinator, GameSettings
-from marl.endpoints import Endpoint, StaticEndpoint
 from marl.games.record import GameRecord
 from marl.games.schedule import play_games, tasks
-from marl.snapshots import INITIAL, LATEST, Snapshot, SnapshotError, StaticFleet, resolve_snapshot, role_checkpoints
+from marl.league.snapshots import (
+    INITIAL,
+    LATEST,
+    Snapshot,
+    SnapshotError,
+    StaticFleet,
+    resolve_snapshot,
+    role_checkpoints,
+)
+from marl.runner.endpoints import Endpoint, StaticEndpoint
 from marl.topology import ServerKind, Topology
+from marl.transaction.coordinator import Coordinator, GameSettings
 
 
 class EvalFailed(RuntimeError):

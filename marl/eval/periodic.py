@@ -29,7 +29,7 @@ from pathlib import Path
 from marl.eval.pairings import EvalFailed, EvalSettings, Pairing, checkpointed_roles, fleet_devices, play_pairing
 from marl.eval.stats import summarize
 from marl.games.record import GameRecord
-from marl.snapshots import (
+from marl.league.snapshots import (
     INITIAL,
     LATEST,
     SnapshotError,

@@ -16,10 +16,18 @@ from pathlib import Path
 
 import openai
 
-from marl.endpoints import StaticEndpoint
 from marl.eval.exploitability import PlayerPolicy, StatePolicy
 from marl.eval.info_states import InfoState, PolicySeats, PromptedState, info_states
-from marl.snapshots import INITIAL, LATEST, Snapshot, SnapshotError, StaticFleet, resolve_snapshot, role_checkpoints
+from marl.league.snapshots import (
+    INITIAL,
+    LATEST,
+    Snapshot,
+    SnapshotError,
+    StaticFleet,
+    resolve_snapshot,
+    role_checkpoints,
+)
+from marl.runner.endpoints import StaticEndpoint
 from marl.topology import ServerKind, Topology
 
 SCRIPTED = "scripted"

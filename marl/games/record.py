@@ -1,6 +1,6 @@
 """`GameRecord`: one finished game, as the coordinator returns it and `marl run` writes it (a line of games.jsonl).
 
-Written by `marl/run.py` (`append_game`); read by `marl/plot.py` (curves, the per-role summary) and
+Written by `marl/runner/run.py` (`append_game`); read by `marl/watching/plot.py` (curves, the per-role summary) and
 `bench/run_report.py` (`read_games`), and by `marl eval` (marl/eval/). Only `role_rewards` is required: rows written
 by older versions lack the newer fields (`replies`, `winner`, `teams`, `co_players`, ...) and read with the defaults
 below, which mean "not recorded". Unknown keys are ignored, so a newer row still reads here. A line torn by a crash
@@ -22,7 +22,7 @@ whom they were played against.
   (`omitted_turns` counts them).
 - `summary`: the env's summary and every turn without its observation.
 - `off`: neither.
-Text is stored as the agents sent it, control characters included: print it through `marl.terminal.safe`.
+Text is stored as the agents sent it, control characters included: print it through `marl.watching.terminal.safe`.
 """
 
 from __future__ import annotations

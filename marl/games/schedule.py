@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from marl.coordinator import Coordinator, GameCancelled, GameFailed
 from marl.games.record import GameRecord
+from marl.transaction.coordinator import Coordinator, GameCancelled, GameFailed
 
 log = logging.getLogger("marl.games.schedule")
 
@@ -205,9 +205,9 @@ def play_games(
     Raises `CallbackFailed` (chained to the callback's exception) if `on_result`, `on_failure` or `should_stop`
     raised: the run stopped there, and games already playing were finished and committed first.
 
-    Deprecated, for one release: `on_result(result, error)`, the two-argument callback of `marl.coordinator`'s old
-    `play_games` (called `(record, None)` per game and `(None, GameFailed)` per failed attempt), and `max_attempts`
-    (now `max_failures`); both warn.
+    Deprecated, for one release: `on_result(result, error)`, the two-argument callback of
+    `marl.transaction.coordinator`'s old `play_games` (called `(record, None)` per game and `(None, GameFailed)` per
+    failed attempt), and `max_attempts` (now `max_failures`); both warn.
     """
     on_result, on_failure = _legacy_callbacks(on_result, on_failure)
     if max_attempts is not None:

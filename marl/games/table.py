@@ -1,13 +1,13 @@
 """One game at a table: seat a player for every agent of a PettingZoo AEC game and play it to its end.
 
-The coordinator (marl/coordinator.py) leases and commits; a `GameTable` plays what happens in between, on the leases
-and static endpoints it is handed: it describes every agent's `Seat` (a trainable role gets the credentials of its
-server's lease, tagged with the role; a static role its endpoint, or the snapshot drawn for this game; a scripted
+The coordinator (marl/transaction/coordinator.py) leases and commits; a `GameTable` plays what happens in between, on
+the leases and static endpoints it is handed: it describes every agent's `Seat` (a trainable role gets the credentials
+of its server's lease, tagged with the role; a static role its endpoint, or the snapshot drawn for this game; a scripted
 role the env), asks the `player_factory` for an object with `act(observation) -> reply` (default: `default_player`,
-an OpenAI-SDK `LLMAgent` or the env's scripted policy; `marl.agentscope_agents` gives AgentScope agents), plays, and
+an OpenAI-SDK `LLMAgent` or the env's scripted policy; `marl.agents.agentscope` gives AgentScope agents), plays, and
 returns the game's `GameRecord` with its provenance (`co_players`) and, per `run.transcripts`, its transcript (every
 turn's observation and reply) and the env's `summary()`. It holds no connection, lock or thread, so
-`run.ray.spread_games` can send it to a Ray task (marl/ray_cluster.py).
+`run.ray.spread_games` can send it to a Ray task (marl/runner/ray_cluster.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from marl.client import connection_limits
 from marl.games.record import CoPlayer, GameRecord, Sampling, TranscriptRecorder
 
 if TYPE_CHECKING:
-    from marl.endpoints import HeldLease, StaticEndpoint
+    from marl.runner.endpoints import HeldLease, StaticEndpoint
 
 log = logging.getLogger("marl.games.table")
 
@@ -117,7 +117,7 @@ class GameSettings:
 class GameTable:
     """What playing one game takes once its leases and static endpoints are fixed: the env, who plays each role, the
     sampling settings, the players. It holds no connection, lock or thread, so it can be sent to another process (a
-    Ray task, marl/ray_cluster.py) when `env_factory` and `player_factory` can be pickled."""
+    Ray task, marl/runner/ray_cluster.py) when `env_factory` and `player_factory` can be pickled."""
 
     def __init__(self, env_factory: Callable[[], GameEnv], role_servers: Mapping[str, str | None],
                  settings: GameSettings, player_factory: Callable[[Seat], Any] | None = None):

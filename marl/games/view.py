@@ -7,7 +7,7 @@
 
 A game's turns and summary are there as `run.transcripts` kept them (marl/games/record.py); rows written before
 transcripts were recorded show their header only. Everything a client or an env wrote (tags, ids, observations,
-replies) goes through `marl.terminal.safe`: a reply cannot put escape sequences on the operator's terminal.
+replies) goes through `marl.watching.terminal.safe`: a reply cannot put escape sequences on the operator's terminal.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.text import Text
 
 from marl.games.record import ROW_CHARS, GameRecord, read_games
-from marl.terminal import safe
+from marl.watching.terminal import safe
 
 __all__ = ["GamesViewError", "game_line", "list_games", "pick_game", "render_game", "show_game"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from marl.hub_config import HubConfigError, hub_config, is_hub_id
+from marl.topology.hub_config import HubConfigError, hub_config, is_hub_id
 
 __all__ = ["KNOWN_ARCHITECTURES", "Architecture", "UnknownModel", "architecture_of"]
 

@@ -63,7 +63,7 @@ def play_on_tiny_server(options: CheckOptions, roles: Mapping[str, int], work: P
                         say: Callable[[str], None]) -> Played:
     """Start the server, play `options.games` games on it, wait for a GRPO step on them, stop it."""
     from marl.client import SwarmClient, SwarmError
-    from marl.launch import ServerStartError, last_error_line
+    from marl.runner.launch import ServerStartError, last_error_line
     from marl.testing.serving import server_process
     from marl.topology import Topology, TopologyError
 
@@ -107,10 +107,10 @@ def _model(options: CheckOptions, work: Path) -> tuple[str, str | None]:
 
 def _play(topology: Topology, client: SwarmClient, work: Path, played: Played, say: Callable[[str], None]) -> None:
     """The games, through the coordinator as `marl run` plays them; each recorded in games.jsonl."""
-    from marl.coordinator import Coordinator, GameSettings
-    from marl.endpoints import TrainableEndpoint
     from marl.games.record import append_game
     from marl.games.schedule import episodes, play_games
+    from marl.runner.endpoints import TrainableEndpoint
+    from marl.transaction.coordinator import Coordinator, GameSettings
 
     run, started = topology.spec.run, time.monotonic()
     endpoint = TrainableEndpoint(SERVER, client=client, train_config=topology.spec.servers[SERVER].train)

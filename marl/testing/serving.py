@@ -7,7 +7,7 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
-from marl.launch import ServerProcess
+from marl.runner.launch import ServerProcess
 
 
 @contextlib.contextmanager

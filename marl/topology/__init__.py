@@ -20,7 +20,7 @@ The package, in reading order:
     env_contract.py  the env constructed with env.args; its dealt_roles() against roles:
     load.py          omegaconf: files, overrides, interpolation; runs the validation and the checks
     graph.py         Topology: the graph and its queries (players, linked_servers, dealt_roles, ...)
-The display of `marl topology show` lives in marl/topology_view.py.
+The display of `marl topology show` lives in marl/watching/topology_view.py.
 
 Decisions (also in the error messages):
 - Every problem found is reported at once in one `TopologyError`; each names its YAML key as a dotted path, says

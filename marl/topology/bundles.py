@@ -1,5 +1,5 @@
 """Where a local server runs under `run.ray`: its Ray placement group, one description that `marl run`
-(marl.ray_cluster) places and `marl plan` reads (docs/ray.md, "Placement groups").
+(marl.runner.ray_cluster) places and `marl plan` reads (docs/ray.md, "Placement groups").
 
 Bundle 0 is the server's own actor (`servers.NAME.resources`: the HTTP server and its inference engine, with the
 engine's GPUs; with vLLM replicas, the first replica's); with `train.trainer: fsdp`, bundles 1..N are the trainer's N

@@ -31,8 +31,8 @@ from typing import Any
 
 from huggingface_hub import is_offline_mode
 
-from marl.hub_config import HubConfigError, hub_config, is_hub_id
 from marl.protocol import MODEL_ALIASES
+from marl.topology.hub_config import HubConfigError, hub_config, is_hub_id
 
 from .bundles import RayBundles, on_gpus, ray_bundles, server_ranks
 from .locate import Locator

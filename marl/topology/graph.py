@@ -217,7 +217,7 @@ class Topology:
         return [n for n, s in self.spec.servers.items() if s.is_local and s.past_of is None]
 
     def past_of_servers(self) -> dict[str, PastOfSpec]:
-        """Servers that play past checkpoints of a trainable server -> which (see marl/league.py)."""
+        """Servers that play past checkpoints of a trainable server -> which (see marl/league/__init__.py)."""
         return {n: s.past_of for n, s in self.spec.servers.items() if s.past_of is not None}
 
     def remote_servers(self) -> list[str]:

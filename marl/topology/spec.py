@@ -7,7 +7,7 @@ Servers come in five kinds (`ServerSpec.kind`), told apart by which keys are set
     swarm_url:           + trainable: true   remote swarm      a swarm server someone else started
     url: + model:                            external OpenAI   a fixed OpenAI-compatible endpoint (e.g. vLLM)
     past_of: {server: S}                     past snapshots    `marl run` serves past checkpoints of the local
-                                                               trainable server S statically (marl/league.py);
+                                                               trainable server S statically (marl/league/__init__.py);
                                                                each game draws one: a league of S's past selves
 
 A rule about one server, role, env or run section is a validator here; it reports at the key it is about (e.g.
@@ -73,7 +73,7 @@ class ServerKind(str, enum.Enum):
 
 
 class PastOfSpec(_Spec):
-    """Which past checkpoints of a trainable server a `past_of` server plays (see marl/league.py)."""
+    """Which past checkpoints of a trainable server a `past_of` server plays (see marl/league/__init__.py)."""
 
     server: str = Field(description="The local trainable server whose checkpoints are played.")
     policy: str | None = Field(None, description="The LoRA policy of that server whose checkpoints are played"

@@ -34,7 +34,7 @@ OPEN, CLOSE = "[[", "]]"
 
 # Every C0 and C1 control, DEL and the bidirectional-text controls, written as escapes (tabs stay). rich's own
 # `Console.print` drops BEL, BS, VT, FF and CR only: ESC would reach the terminal. The same table as
-# `marl.terminal.safe` (a server imports nothing of marl/ but the protocol): keep the two alike.
+# `marl.watching.terminal.safe` (a server imports nothing of marl/ but the protocol): keep the two alike.
 _CONTROLS = [*range(0x20), 0x7F, *range(0x80, 0xA0), *range(0x200E, 0x2010), *range(0x202A, 0x202F),
              *range(0x2066, 0x206A)]
 _ESCAPES = {cp: f"\\x{cp:02x}" if cp < 0x100 else f"\\u{cp:04x}" for cp in _CONTROLS if cp != 0x09}

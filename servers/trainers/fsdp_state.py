@@ -12,9 +12,9 @@ Every function here is a collective: all ranks of the group call it together. A 
     tokenizer files           (copied by servers.trainers.fsdp)
 
 Why an export in every checkpoint: a checkpoint is what `marl eval` and `past_of` pools serve, on a static
-`marl serve --model <checkpoint dir>` (marl/snapshots.py), long after the ranks that wrote it are gone, so it must be
-a Hugging Face directory by itself. It costs one gather of the weights in the compute dtype (half of fp32's), written
-by rank 0 while the other ranks' shard writes run.
+`marl serve --model <checkpoint dir>` (marl/league/snapshots.py), long after the ranks that wrote it are gone, so it
+must be a Hugging Face directory by itself. It costs one gather of the weights in the compute dtype (half of fp32's),
+written by rank 0 while the other ranks' shard writes run.
 
 The shards are written with `dcp.async_save` on a thread of each rank, over a gloo group of their own (two threads
 must never share a group's collectives), while rank 0 gathers and writes the export; `save_checkpoint` returns when

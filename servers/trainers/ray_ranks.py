@@ -1,7 +1,7 @@
 """The ranks of a sharded trainer as Ray actors in the server's placement group (`run.ray`, docs/ray.md).
 
 `marl run` makes one placement group per local server whose trainer has ranks: bundle 0 is the server's own actor,
-bundles 1..N one per rank (marl.ray_cluster). The server (`marl serve --ray-group NAME --ray-address GCS`) joins
+bundles 1..N one per rank (marl.runner.ray_cluster). The server (`marl serve --ray-group NAME --ray-address GCS`) joins
 the cluster and `RayRankGroup` starts one `_RankActor` per rank bundle, each running the very loop a local rank
 process runs (`servers.trainers.fsdp_worker.run_rank`) on a thread, its pipe a pair of queues that the server
 reaches through actor calls. The rendezvous is the one `RankGroup` uses: a TCPStore hosted by the server, on the

@@ -7,7 +7,7 @@ from conftest import LocalServer, ledger_samples, trainable
 from tiny_model import build_tiny_model
 
 from envs.werewolves import Werewolves
-from marl.coordinator import Coordinator, GameSettings
+from marl.transaction.coordinator import Coordinator, GameSettings
 
 
 def samples(data_dir) -> list[tuple]:

@@ -18,7 +18,7 @@ from tiny_model import build_tiny_model
 
 from marl import EpisodeOutput, SwarmClient
 from marl.agents import ScriptedAgent
-from marl.agentscope_agents import (
+from marl.agents.agentscope import (
     AgentScopePlayer,
     Fallback,
     agentscope_players,

@@ -32,7 +32,6 @@ from pydantic import ValidationError
 from stubs import REPLY_TEXT, AppServer, StubServer, recorded_episodes, stub_server
 
 from marl.client import EpisodeOutput, SwarmClient, SwarmError, SwarmRefused, SwarmTimeout
-from marl.launch import free_port
 from marl.protocol import (
     ADMIN_TOKEN_ENV,
     AGENT_HEADER,
@@ -50,6 +49,7 @@ from marl.protocol import (
     ErrorInfo,
     TrainConfig,
 )
+from marl.runner.launch import free_port
 
 pytestmark = [pytest.mark.serial, pytest.mark.timeout(60)]
 

@@ -11,11 +11,11 @@ from conftest import ADMIN, LocalServer, admin_http, ledger_samples, server_proc
 
 from envs.signalling import SignallingGame
 from marl import SwarmClient, TrainConfig
-from marl.coordinator import Coordinator, GameFailed, GameSettings, linked_servers_of
-from marl.endpoints import StaticEndpoint, TrainableEndpoint
 from marl.games.schedule import play_games, tasks
-from marl.launch import free_port
-from marl.server_watch import ServerMonitor
+from marl.runner.endpoints import StaticEndpoint, TrainableEndpoint
+from marl.runner.launch import free_port
+from marl.runner.server_watch import ServerMonitor
+from marl.transaction.coordinator import Coordinator, GameFailed, GameSettings, linked_servers_of
 
 SETTINGS = GameSettings(max_tokens=6, lease_timeout_s=60)
 ROLES = {"speaker": "speaker_model", "listener": "listener_model"}

@@ -13,9 +13,9 @@ from conftest import trainable
 from stubs import stub_server
 
 from envs.signalling import SignallingGame
-from marl import two_phase
-from marl.coordinator import Coordinator, GameSettings
 from marl.protocol import ROUTE_BEGIN, ROUTE_STATUS
+from marl.transaction import two_phase
+from marl.transaction.coordinator import Coordinator, GameSettings
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,10 +11,10 @@ from conftest import ADMIN, trainable
 from stubs import recorded_episodes, stub_server
 
 from envs.signalling import SignallingGame
-from marl.coordinator import Coordinator, GameSettings
-from marl.decision_log import Decision, DecisionLog
 from marl.games.schedule import play_games
-from marl.two_phase import redrive
+from marl.transaction.coordinator import Coordinator, GameSettings
+from marl.transaction.decision_log import Decision, DecisionLog
+from marl.transaction.two_phase import redrive
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -18,9 +18,9 @@ from marl.eval.pairings import Pairing, plan_pairings, run_dir_of
 from marl.eval.stats import WIN_RULES, mean_interval, role_stats, role_won, t_value, wilson_interval, win_rule
 from marl.games.record import GameRecord
 from marl.games.table import goals_by_role
-from marl.plot import replot_eval_matrix
-from marl.snapshots import SnapshotError, checkpoints_of, resolve_snapshot
+from marl.league.snapshots import SnapshotError, checkpoints_of, resolve_snapshot
 from marl.topology import Topology
+from marl.watching.plot import replot_eval_matrix
 
 
 def topology_dict(model: str, run_dir: str) -> dict:

@@ -16,8 +16,8 @@ from marl.eval.command import main
 from marl.eval.pairings import checkpointed_roles, plan_pairings
 from marl.eval.periodic import PeriodicEval
 from marl.games.record import GameRecord
+from marl.league.snapshots import SnapshotError, checkpoints_of, resolve_snapshot
 from marl.protocol import GRPOConfig, LoraSpec
-from marl.snapshots import SnapshotError, checkpoints_of, resolve_snapshot
 from marl.topology import Topology, TopologyError
 
 SPEC = LoraSpec(rank=4, alpha=8)

@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from marl.client import SwarmClient
-from marl.launch import ServerProcess, ServerStartError, last_error_line
 from marl.protocol import MODEL_ALIASES, LoraSpec
+from marl.runner.launch import ServerProcess, ServerStartError, last_error_line
 from servers.model_files import KNOWN_MODELS
 from tests.conftest import ADMIN
 
@@ -215,7 +215,7 @@ def test_overwatch_once_without_a_token_says_refused_and_what_to_do(local_server
 
 def test_reward_curves_draw_each_servers_own_roles_on_whole_versions(tmp_path):
     from marl.games.record import CoPlayer, GameRecord, append_game
-    from marl.plot import plot_reward_curves, reward_figure
+    from marl.watching.plot import plot_reward_curves, reward_figure
 
     with open(tmp_path / "games.jsonl", "w") as f:
         for version in range(3):

@@ -15,9 +15,9 @@ import yaml
 
 from envs.base import TextAECEnv
 from envs.signalling import SignallingGame
-from marl.coordinator import Coordinator, GameFailed
 from marl.games.record import GameRecord
 from marl.games.schedule import CallbackFailed, FailedAttempt, RunStats, episodes, play_games, tasks
+from marl.transaction.coordinator import Coordinator, GameFailed
 
 SCRIPTED = {"speaker": None, "listener": None}
 
@@ -155,13 +155,13 @@ def test_one_argument_callbacks_do_not_warn(coordinator, recwarn):
 def test_marl_run_exits_1_with_the_reason_when_its_results_cannot_be_written(tmp_path, monkeypatch, capsys):
     """`marl run`'s on_result writes games.jsonl; here every write fails as on a full disk. Before, each worker died
     with a traceback at its first game and the run exited 0."""
-    import marl.run
+    import marl.runner.run
     from marl.cli import main
 
     def full_disk(file, record):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(marl.run, "append_game", full_disk)
+    monkeypatch.setattr(marl.runner.run, "append_game", full_disk)
     topology = {"name": "scripted", "roles": {"speaker": {"scripted": True}, "listener": {"scripted": True}},
                 "env": {"class": "envs.signalling:SignallingGame", "args": {"num_items": 3}},
                 "run": {"games": 1_000_000, "concurrency": 2, "run_dir": str(tmp_path / "run")}}

@@ -121,8 +121,8 @@ def test_a_revision_belongs_to_a_hub_id(tiny_model, tmp_path):
 
 
 def test_the_revision_reaches_marl_serve_and_the_snapshots_of_the_base_model(tmp_path):
-    from marl.launch import ServerProcess
-    from marl.snapshots import resolve_snapshot, snapshots_on_disk
+    from marl.league.snapshots import resolve_snapshot, snapshots_on_disk
+    from marl.runner.launch import ServerProcess
 
     spec = Topology.load(topology(tmp_path, revision="v2"), check_env=False)
     initial = resolve_snapshot(spec, tmp_path / "run", "listener_model", "initial")

@@ -9,11 +9,11 @@ from conftest import LocalServer, trainable
 from test_coordinator import episode_rows
 
 from envs.signalling import SignallingGame
-from marl.coordinator import Coordinator, GameSettings
-from marl.endpoints import SnapshotPoolEndpoint, StaticEndpoint
 from marl.league import SnapshotPool
-from marl.snapshots import Snapshot, StaticFleet
+from marl.league.snapshots import Snapshot, StaticFleet
+from marl.runner.endpoints import SnapshotPoolEndpoint, StaticEndpoint
 from marl.topology import PastOfSpec
+from marl.transaction.coordinator import Coordinator, GameSettings
 
 
 class FakeFleet:

@@ -15,9 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from marl.overwatch import OverwatchApp, ServerView, Source, resolve_sources, sparkline
-from marl.plot import plot_run
 from marl.protocol import MonitorSnapshot
+from marl.watching.overwatch import OverwatchApp, ServerView, Source, resolve_sources, sparkline
+from marl.watching.plot import plot_run
 from servers.episodes.view import CLOSE, OPEN, list_episodes, safe, show_episode, spans
 from tests.conftest import ADMIN, admin_http, play_episode, start_rolling, wait_version
 
@@ -309,7 +309,7 @@ def test_training_record_reads_back_its_tail_and_writes_tensorboard_when_install
 
 
 def test_game_summaries_count_valid_replies_and_wins_per_role():
-    from marl.plot import percent, summarize_roles
+    from marl.watching.plot import percent, summarize_roles
 
     games = [
         {"role_rewards": {"wolf": 1, "seer": 0}, "replies": {"wolf": 4, "seer": 2}, "invalid_actions": {"wolf": 1},

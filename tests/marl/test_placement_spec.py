@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from marl.cli import _serve_options, parse
-from marl.launch import ServerProcess
+from marl.runner.launch import ServerProcess
 from marl.topology import Topology, TopologyError
 from servers.placement import Placement
 
@@ -115,7 +115,7 @@ def serve_options_of(data: dict, name: str = "speaker_model"):
     spec = load(data).servers[name]
     process = ServerProcess(model=spec.model, admin_token="t", data_dir=Path("d"), log_path=Path("l"),
                             static=not spec.trainable, device=spec.device, engine=spec.engine or "torch",
-                            vllm=spec.vllm, placement=spec.placement)  # as marl.run does
+                            vllm=spec.vllm, placement=spec.placement)  # as marl.runner.run does
     argv = process.args[3:]  # after `python -m marl.cli`
     return argv, _serve_options(parse(argv))
 

@@ -160,7 +160,7 @@ def test_marl_plan_prints_the_table_and_exits_1_naming_the_key():
 
 
 def test_marl_run_refuses_before_starting_anything(tmp_path):
-    from marl.run import run
+    from marl.runner.run import run
 
     run_dir = tmp_path / "run"
     with pytest.raises(TopologyError, match=r"servers\.seer_14b\.vllm\.max_model_len"):
@@ -173,7 +173,7 @@ def test_vllms_share_beside_a_trainer_rank_is_sized_by_the_plan_and_passed_by_ma
     from rich.console import Console
 
     from marl.plan.topology_plan import utilization_beside
-    from marl.run import check_memory_plan
+    from marl.runner.run import check_memory_plan
 
     assert utilization_beside(12.2e9, 80e9) == 0.75  # (80 - 12.2) / 80 - 0.05 = 0.7975, down to a step of 0.05
     assert utilization_beside(1e9, 80e9) == 0.9  # never more than vLLM's own default

@@ -30,12 +30,12 @@ from conftest import (
 )
 from fastapi import FastAPI, Header
 
-from marl.launch import free_port
 from marl.protocol import AssistantMessage, ChatCompletionRequest, ChatCompletionResponse, Choice, ErrorCode, Usage
 from marl.proxy.app import ProxyOptions, build_app
 from marl.proxy.cli import StartupError, check_server
 from marl.proxy.conversations import message_digests
 from marl.proxy.rewards import Candidate, load_reward, parse_scores, rule_reward, score
+from marl.runner.launch import free_port
 
 APP_KEY = "proxy-test-app-key"
 N = 3

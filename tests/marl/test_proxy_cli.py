@@ -14,7 +14,7 @@ import openai
 import pytest
 from conftest import ADMIN, LocalServer, admin_http, start_rolling
 
-from marl.launch import free_port
+from marl.runner.launch import free_port
 
 APP_KEY = "proxy-cli-test-key"
 

@@ -1,6 +1,6 @@
-"""`marl run` on Ray (marl/ray_cluster.py): server actors placed by their resources on a real 2-node cluster (two Ray
-nodes on this machine, `ray.cluster_utils.Cluster`), a killed actor restarted on its data dir, games as Ray tasks,
-teardown that leaves the cluster up; the spec keys; and a run without `run.ray` never importing ray.
+"""`marl run` on Ray (marl/runner/ray_cluster.py): server actors placed by their resources on a real 2-node cluster
+(two Ray nodes on this machine, `ray.cluster_utils.Cluster`), a killed actor restarted on its data dir, games as Ray
+tasks, teardown that leaves the cluster up; the spec keys; and a run without `run.ray` never importing ray.
 
 One cluster for all of them (it takes seconds to start); every process of it, and every `marl run` joining it,
 runs with RAY_AUTH_MODE=disabled (Ray turns token authentication on for clusters it starts) and without usage stats.
@@ -24,9 +24,9 @@ import pytest
 import yaml
 from ray_nodes import RAY_ENV, two_ray_nodes
 
-from marl.coordinator import GameFailed
 from marl.games.record import read_games
 from marl.topology import Topology, TopologyError
+from marl.transaction.coordinator import GameFailed
 from servers.engines.vllm_process import VLLM_PYTHON_ENV
 from tests.servers.stand_in_vllm import stand_in_python
 
@@ -153,8 +153,8 @@ def test_servers_are_placed_by_their_resources_and_games_run_as_ray_tasks(ray_cl
 def test_a_spread_game_is_played_in_a_ray_worker_and_recorded_here(ray_cluster):
     from envs.signalling import SignallingGame
     from marl.agents import ScriptedAgent
-    from marl.coordinator import Coordinator
-    from marl.ray_cluster import RayCluster
+    from marl.runner.ray_cluster import RayCluster
+    from marl.transaction.coordinator import Coordinator
 
     here = os.getpid()
 
@@ -384,7 +384,7 @@ class _FakeServer:
 def test_the_ray_supervisor_reports_each_new_incarnation_and_gives_up_with_ray():
     from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-    from marl.ray_cluster import RaySupervisor
+    from marl.runner.ray_cluster import RaySupervisor
 
     first, second = ({"url": f"http://10.0.0.{i}:1", "node_id": f"node{i}", "incarnation": f"i{i}"} for i in (1, 2))
     server = _FakeServer(first, None, ActorUnavailableError("restarting", None), second, second, ActorDiedError())
@@ -414,8 +414,8 @@ SCRIPTED = {
 def test_a_run_without_run_ray_never_imports_ray(tmp_path):
     spec = {**SCRIPTED, "run": {**SCRIPTED["run"], "run_dir": str(tmp_path / "run")}}
     (tmp_path / "t.yaml").write_text(yaml.safe_dump(spec))
-    script = ("import sys; import marl.run; assert 'ray' not in sys.modules, 'import';"
-              f" summary = marl.run.run({str(tmp_path / 't.yaml')!r}); assert summary.games == 2, summary;"
+    script = ("import sys; import marl.runner.run; assert 'ray' not in sys.modules, 'import';"
+              f" summary = marl.runner.run.run({str(tmp_path / 't.yaml')!r}); assert summary.games == 2, summary;"
               " assert 'ray' not in sys.modules, 'run'; print('no ray')")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "no ray" in result.stdout, result.stdout + result.stderr

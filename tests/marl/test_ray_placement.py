@@ -1,6 +1,6 @@
 """Under `run.ray` a server actor's `marl serve` sees the GPUs Ray gave the actor, and none if it asked for none
-(marl/ray_cluster.py `server_gpu_environment`, as `_ServerActor` calls it). A private Ray instance that declares two
-GPUs this machine does not have: Ray assigns them all the same, which is all that is checked here."""
+(marl/runner/ray_cluster.py `server_gpu_environment`, as `_ServerActor` calls it). A private Ray instance that
+declares two GPUs this machine does not have: Ray assigns them all the same, which is all that is checked here."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def ray_with_two_gpus():
 
 def test_a_server_actor_sees_the_gpus_ray_gave_it_and_no_others(ray_with_two_gpus):
     ray = ray_with_two_gpus
-    from marl.ray_cluster import server_gpu_environment
+    from marl.runner.ray_cluster import server_gpu_environment
 
     @ray.remote(num_cpus=0)
     class Probe:  # what `_ServerActor.__init__` computes for its `marl serve`, beside what Ray set for the actor

@@ -20,7 +20,7 @@ from starlette.routing import Route
 
 from marl.games.record import GameRecord, Sampling, read_games
 from marl.games.table import GameSettings
-from marl.launch import free_port
+from marl.runner.launch import free_port
 from marl.topology import Topology, TopologyError
 
 SPEAKER = {"temperature": 0.3, "max_tokens": 3, "stop": "\n\n"}  # one stop string is a list of one
@@ -79,7 +79,7 @@ def topology(tmp_path, roles: dict, server: dict) -> str:
 
 
 def test_each_role_samples_with_its_own_settings_and_games_jsonl_says_so(tiny_model, tmp_path, monkeypatch):
-    from marl.run import run
+    from marl.runner.run import run
 
     monkeypatch.setenv("ROLE_SAMPLING_ADMIN", ADMIN)
     with LocalServer(tiny_model, tmp_path / "server") as server, Relay(server.url) as relay:
@@ -119,7 +119,7 @@ def test_each_role_samples_with_its_own_settings_and_games_jsonl_says_so(tiny_mo
 def test_a_role_held_to_the_legal_moves_sends_them_each_turn_and_never_replies_invalid(tiny_model, tmp_path,
                                                                                        monkeypatch):
     pytest.importorskip("pyspiel")
-    from marl.run import run
+    from marl.runner.run import run
 
     monkeypatch.setenv("ROLE_SAMPLING_ADMIN", ADMIN)
     with LocalServer(tiny_model, tmp_path / "server") as server, Relay(server.url) as relay:
@@ -175,7 +175,7 @@ def test_bad_sampling_is_refused_at_its_key(tmp_path, tiny_model):
 
 def test_an_agentscope_player_sends_its_roles_sampling_too(tiny_model, tmp_path):
     pytest.importorskip("agentscope")
-    from marl.agentscope_agents import agentscope_players
+    from marl.agents.agentscope import agentscope_players
     from marl.games.table import Seat
 
     with LocalServer(tiny_model, tmp_path / "server", static=True) as server, Relay(server.url) as relay:

@@ -17,8 +17,8 @@ import yaml
 from PIL import Image
 
 from marl.games.record import GameRecord, read_games
-from marl.launch import threads_per_server, usable_cores
-from marl.plot import summarize_games
+from marl.runner.launch import threads_per_server, usable_cores
+from marl.watching.plot import summarize_games
 
 TOPOLOGY = {
     "name": "tiny-signalling",

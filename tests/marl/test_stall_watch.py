@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from marl.games.record import GameRecord
-from marl.stall_watch import LearnerNeeds, StallWatch
+from marl.runner.stall_watch import LearnerNeeds, StallWatch
 
 
 def game(village_replies: int) -> GameRecord:

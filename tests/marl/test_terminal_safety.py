@@ -14,9 +14,9 @@ import pytest
 from rich.console import Console
 
 from marl.cli import parse
-from marl.overwatch import OverwatchError, ServerView, Source, resolve_sources
 from marl.protocol import ErrorEvent
-from marl.terminal import safe
+from marl.watching.overwatch import OverwatchError, ServerView, Source, resolve_sources
+from marl.watching.terminal import safe
 from servers.episodes.view import safe as server_safe
 from tests.conftest import ADMIN, admin_http, start_rolling, wait_version
 

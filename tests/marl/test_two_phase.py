@@ -12,10 +12,10 @@ from conftest import ADMIN, LocalServer, admin_http, start_rolling
 
 from marl import SwarmClient
 from marl.client import SwarmError
-from marl.decision_log import Decision, DecisionLog
-from marl.launch import ServerProcess
 from marl.protocol import EpisodePhase, ErrorCode
-from marl.two_phase import Part, commit_game, redrive
+from marl.runner.launch import ServerProcess
+from marl.transaction.decision_log import Decision, DecisionLog
+from marl.transaction.two_phase import Part, commit_game, redrive
 
 CONFIG = dict(batch_size=1000, num_repeat=4, lease_patience_s=120, save_freq=0)
 
@@ -286,7 +286,7 @@ class _Sequential:
 
 
 def test_the_decision_log_is_readable_from_another_process_while_written(tmp_path):
-    from marl.decision_log import DecisionLogUnreadable, read_decision
+    from marl.transaction.decision_log import DecisionLogUnreadable, read_decision
 
     decisions = DecisionLog(tmp_path / "d.sqlite")
     decisions.begin("g", {})
@@ -300,8 +300,8 @@ def test_the_decision_log_is_readable_from_another_process_while_written(tmp_pat
 def test_the_decision_log_keeps_only_games_not_yet_acknowledged_everywhere(tmp_path, monkeypatch):
     """Done games are deleted every COMPACT_EVERY, so the log stays the size of the games in flight; an unfinished
     game keeps its decision for the re-drive and for a server's overdue prepared episode."""
-    from marl import decision_log
-    from marl.decision_log import Participant, read_decision
+    from marl.transaction import decision_log
+    from marl.transaction.decision_log import Participant, read_decision
 
     monkeypatch.setattr(decision_log, "COMPACT_EVERY", 10)
     decisions = DecisionLog(tmp_path / "d.sqlite")

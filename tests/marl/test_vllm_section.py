@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from marl.cli import _serve_options, parse
-from marl.launch import ServerProcess, vllm_flags
+from marl.runner.launch import ServerProcess, vllm_flags
 from marl.topology import Topology, TopologyError
 from servers.engines.vllm_process import VLLMSettings
 
@@ -40,7 +40,7 @@ def serve_options(name: str, data: dict):
     spec = Topology.from_dict(data, check_env=False).spec.servers[name]
     process = ServerProcess(model=spec.model, admin_token="t", data_dir=Path("d"), log_path=Path("l"),
                             static=not spec.trainable, device=spec.device, engine=spec.engine or "torch",
-                            vllm=spec.vllm)  # as marl.run does
+                            vllm=spec.vllm)  # as marl.runner.run does
     argv = process.args[process.args.index("serve"):]
     return argv, _serve_options(parse(argv))
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from marl.cli import build_parser
-from marl.launch import free_port
+from marl.runner.launch import free_port
 from tests.conftest import ADMIN
 
 REPO = Path(__file__).resolve().parents[2]

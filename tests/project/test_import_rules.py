@@ -106,10 +106,12 @@ class Rule:
 
 
 RULES = [
-    Rule("marl/protocol.py, marl/decision_record.py and marl/moved.py import nothing of the project",
-         lambda m: m in ("marl.protocol", "marl.decision_record", "marl.moved"), lambda t: False),
-    Rule("marl/apis/ imports only marl/protocol.py (and itself)",
-         lambda m: _under(m, "marl.apis"), lambda t: t == "marl.protocol" or _under(t, "marl.apis")),
+    Rule("marl/protocol/ imports nothing of the project but itself; marl/decision_record.py and marl/moved.py"
+         " import nothing of the project",
+         lambda m: _under(m, "marl.protocol", "marl.decision_record", "marl.moved"),
+         lambda t: _under(t, "marl.protocol") and t != "marl.protocol"),
+    Rule("marl/apis/ imports only marl/protocol/ (and itself)",
+         lambda m: _under(m, "marl.apis"), lambda t: _under(t, "marl.protocol", "marl.apis")),
     Rule("servers/ imports from marl/ only marl.protocol, marl.apis, marl.decision_record and marl.moved (never the "
          "coordinator, topologies or envs)",
          lambda m: _under(m, "servers"),
@@ -119,6 +121,11 @@ RULES = [
          lambda t: not _under(t, "servers", "marl")),
     Rule("marl/ imports servers/ only in marl/cli.py", lambda m: _under(m, "marl") and m != "marl.cli",
          lambda t: not _under(t, "servers")),
+    Rule("the rooms of marl/ below the run never import the run's machinery: marl/transaction/, marl/watching/,"
+         " marl/agents/, marl/games/, marl/client/, marl/topology/ and marl/eval/ do not import marl/runner/run.py",
+         lambda m: _under(m, "marl.transaction", "marl.watching", "marl.agents", "marl.games", "marl.client",
+                          "marl.topology", "marl.eval"),
+         lambda t: t != "marl.runner.run"),
 ]
 
 

@@ -88,8 +88,10 @@ def test_the_earlier_agentscope_examples_imports_still_work_with_warnings():
     with pytest.warns(DeprecationWarning) as warned:
         namespace: dict = {}
         exec(EARLIER_EXAMPLE, namespace)
-    assert {str(w.message).split(" moved")[0] for w in warned if str(w.message).startswith("marl.")} == {
-        "marl.coordinator.Endpoint", "marl.coordinator.play_games", "marl.coordinator.tasks"}
+    warned_of = {str(w.message).split(" moved")[0] for w in warned if str(w.message).startswith("marl.")}
+    names = {"marl.coordinator.Endpoint", "marl.coordinator.play_games", "marl.coordinator.tasks"}
+    modules = {"marl.agentscope_agents", "marl.coordinator"}  # moved into rooms: warned on a process's first import
+    assert names <= warned_of <= names | modules
     assert namespace["play_games"] is marl.play_games and namespace["tasks"] is marl.tasks
 
 
@@ -123,7 +125,7 @@ def test_readme_docs_and_examples_import_only_names_that_exist_and_are_not_depre
 def test_a_trainable_endpoint_takes_a_train_config_and_a_dict_still_works_with_a_warning():
     """A topology's `train:` travels typed from YAML to the server; the old dict shape is converted, warning."""
     from marl import TrainConfig
-    from marl.endpoints import TrainableEndpoint
+    from marl.runner.endpoints import TrainableEndpoint
 
     typed = TrainConfig(batch_size=3)
     assert TrainableEndpoint("a", client=None, train_config=typed).train_config is typed

@@ -1,7 +1,7 @@
 """A policy that stops exploring shows it: per step and per role, the share of groups whose replies are all the
 same tokens and the mean -logprob of generated tokens (servers.trainers.step_metrics.reply_diversity), in
 metrics.jsonl, in /metrics and in the live tables; `marl run` warns once when a role is collapsed and flat
-(marl.collapse.CollapseWatch)."""
+(marl.watching.collapse.CollapseWatch)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 from conftest import admin_http, begin_lease, start_rolling, wait_version
 from prometheus_client.parser import text_string_to_metric_families
 
-from marl.collapse import CollapseWatch, collapsed
 from marl.protocol import agent_headers
+from marl.watching.collapse import CollapseWatch, collapsed
 from servers.backends import Group
 from servers.episodes.samples import Sample
 from servers.trainers.step_metrics import reply_diversity

@@ -129,8 +129,8 @@ def test_frozen_policy_refusals(local_server, tmp_path):
 def test_a_pool_of_a_policys_past_selves_loads_and_unloads_them_on_its_server(local_server, tmp_path):
     import openai
 
-    from marl.frozen_fleet import FrozenFleet
     from marl.league import SnapshotPool
+    from marl.league.frozen_fleet import FrozenFleet
     from marl.topology import PastOfSpec
 
     run_dir = tmp_path / "run"

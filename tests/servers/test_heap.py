@@ -10,7 +10,7 @@ import re
 
 from conftest import ADMIN, admin_http, start_rolling, wait_state
 
-from marl.launch import ServerProcess
+from marl.runner.launch import ServerProcess
 from servers.heap import SERVING_THRESHOLDS
 
 

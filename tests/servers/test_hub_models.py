@@ -15,7 +15,7 @@ from fake_hub import FakeHub, write_to_cache
 from huggingface_hub import constants
 from tiny_model import build_tiny_model
 
-from marl.launch import ServerProcess
+from marl.runner.launch import ServerProcess
 from servers.hub_models import HubModelError, is_hub_id
 from servers.model_files import check_model, resolve_model
 from tests.conftest import ADMIN, admin_http, wait_state

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from marl.launch import ServerProcess
+from marl.runner.launch import ServerProcess
 from servers.backends import SamplingParams
 from servers.engines.simulated import LatencyModel, SimulatedEngine
 from tests.conftest import ADMIN, admin_http, start_rolling, wait_state, wait_version

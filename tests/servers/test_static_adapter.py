@@ -15,8 +15,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from marl.cli import parse
-from marl.launch import ServerProcess, free_port
 from marl.protocol import ChatCompletionRequest
+from marl.runner.launch import ServerProcess, free_port
 from servers.entrypoint import ServeOptions, build_server
 from servers.http.routes import create_app
 from servers.static_server import StaticServer

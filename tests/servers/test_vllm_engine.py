@@ -27,8 +27,8 @@ from tiny_model import build_tiny_model
 from transformers import AutoModelForCausalLM
 
 from marl.cli import _serve_options, parse
-from marl.launch import free_port
 from marl.protocol import ErrorCode, TrainConfig
+from marl.runner.launch import free_port
 from servers.engines.vllm_http import sleep_for_training, sync_weights_waking
 from servers.engines.vllm_process import VLLM_PYTHON_ENV, vllm_python
 from servers.entrypoint import build_app, default_trainer_factory

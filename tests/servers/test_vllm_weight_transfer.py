@@ -174,7 +174,7 @@ def test_bad_weight_sync_settings_are_refused(values, words):
 
 def test_the_setting_reaches_marl_serve_from_a_topology():
     from marl.cli import _serve_options, parse
-    from marl.launch import vllm_flags
+    from marl.runner.launch import vllm_flags
     from marl.topology import spec
 
     assert spec.VLLM_WEIGHT_SYNC_MODES is VLLM_WEIGHT_SYNC_MODES  # defined once, in the protocol

@@ -9,11 +9,11 @@ For each game it
    game plays against);
 3. plays the game on those leases and endpoints with its `GameTable` (marl/games/table.py): a player for every
    agent's `Seat`, the PettingZoo AEC game to its end, its `GameRecord`; a `runner` may play it elsewhere
-   (`run.ray.spread_games`: a Ray task, marl/ray_cluster.py);
+   (`run.ray.spread_games`: a Ray task, marl/runner/ray_cluster.py);
 4. commits each server's episode with the rewards of the roles that server plays and the game's provenance
    (metadata `co_players`: every role's server and policy version): with one linked server, `end` (atomic by
-   itself); with several, a two-phase commit (`marl.two_phase`: prepare everywhere, the decision written to the
-   decision log, commit everywhere), so every server gets its episode or none does. Any exception before the commit
+   itself); with several, a two-phase commit (`marl.transaction.two_phase`: prepare everywhere, the decision written to
+   the decision log, commit everywhere), so every server gets its episode or none does. Any exception before the commit
    aborts every lease of the game.
 A game with no trainable server (every role static or scripted: `marl eval`) leases nothing and commits nothing.
 The result is a `GameRecord` (marl/games/record.py). Which games to play, and replaying failed ones with the same task
@@ -39,21 +39,21 @@ import openai
 
 from envs.base import GameEnv
 from marl.client import EpisodeOutput, SwarmError, connection_limits
-from marl.decision_log import DecisionLog
-from marl.endpoints import HeldLease, SnapshotPoolEndpoint, StaticEndpoint
 from marl.games.record import GameRecord
 from marl.games.table import GameFailed, GameSettings, GameTable, Seat
 from marl.protocol import EngineState, ErrorCode
-from marl.server_watch import ServerMonitor
-from marl.two_phase import Part, commit_game, persist
+from marl.runner.endpoints import HeldLease, SnapshotPoolEndpoint, StaticEndpoint
+from marl.runner.server_watch import ServerMonitor
+from marl.transaction.decision_log import DecisionLog
+from marl.transaction.two_phase import Part, commit_game, persist
 
 if TYPE_CHECKING:
-    from marl.endpoints import Endpoint
+    from marl.runner.endpoints import Endpoint
 
 __all__ = ["Coordinator", "GameCancelled", "GameFailed", "GameRunner", "GameSettings", "GameTable",
            "linked_servers_of"]
 
-log = logging.getLogger("marl.coordinator")
+log = logging.getLogger("marl.transaction.coordinator")
 
 _KEEPALIVE_POLL_S = 0.25  # how often the coordinator looks for leases due for renewal
 _ABORT_S = 10.0  # how long aborting a lease retries a server that does not answer (its lease expires anyway)
@@ -80,7 +80,8 @@ def linked_servers_of(env: GameEnv, role_servers: Mapping[str, str | None],
 
 
 #: How a coordinator plays a game once leased: `(table, task_id, seed, leases, statics, episode=...) -> GameRecord`
-#: (`episode` as a keyword). Default: here (`GameTable.play`); `marl.ray_cluster` plays it as a Ray task on any node.
+#: (`episode` as a keyword). Default: here (`GameTable.play`); `marl.runner.ray_cluster` plays it as a Ray task on
+#: any node.
 GameRunner = Callable[..., GameRecord]
 
 
@@ -140,7 +141,7 @@ class Coordinator:
         """Play and commit one game, the `episode`-th of task `task_id` (see `GameTable.play`). Raises `GameFailed`
         (every lease aborted), or `GameCancelled` if `cancel` was set while the game waited for its leases. Once
         `cancel` is set (the run stops), the commit and the aborts stop retrying a server that does not answer after
-        one short try (`marl.two_phase.persist`)."""
+        one short try (`marl.transaction.two_phase.persist`)."""
         with self._concurrency_slots():
             leases = self._lease_all(cancel)
             try:
@@ -257,9 +258,9 @@ class Coordinator:
                 stop: threading.Event = _NEVER) -> None:
         """Every linked server gets its episode with the rewards of the roles it plays, or none does.
 
-        One server: `end` is atomic and idempotent by itself. Several: a two-phase commit (`marl.two_phase`):
-        prepare everywhere, the decision written to the log, then commit everywhere; a server that misses the
-        commit gets it from the log (re-drive, or the server's own deadline)."""
+        One server: `end` is atomic and idempotent by itself. Several: a two-phase commit
+        (`marl.transaction.two_phase`): prepare everywhere, the decision written to the log, then commit everywhere;
+        a server that misses the commit gets it from the log (re-drive, or the server's own deadline)."""
         outputs = {name: self._output(name, result) for name in leases}
         if len(leases) == 1:
             (name, lease), = leases.items()
@@ -413,8 +414,8 @@ class _Slots:
 #: Names that left this module, kept for one release: old name -> (module, its name there). Resolved lazily, and
 #: never imported here (an imported name would be found without the warning); `marl.games.schedule` imports this module.
 _MOVED = {
-    "Endpoint": ("marl.endpoints", "legacy_endpoint"),
-    "SnapshotSource": ("marl.endpoints", "SnapshotSource"),
+    "Endpoint": ("marl.runner.endpoints", "legacy_endpoint"),
+    "SnapshotSource": ("marl.runner.endpoints", "SnapshotSource"),
     "play_games": ("marl.games.schedule", "play_games"),
     "tasks": ("marl.games.schedule", "tasks"),
     "RunStats": ("marl.games.schedule", "RunStats"),
@@ -424,15 +425,15 @@ _MOVED = {
 
 
 def __getattr__(name: str) -> Any:
-    """Names that moved (to `marl.endpoints`, `marl.games.schedule`, `marl.games.table`, `marl.games.record`), kept for
-    one release with a DeprecationWarning."""
+    """Names that moved (to `marl.runner.endpoints`, `marl.games.schedule`, `marl.games.table`,
+    `marl.games.record`), kept for one release with a DeprecationWarning."""
     import importlib
     import warnings
 
     if name not in _MOVED:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module, new = _MOVED[name]
-    where = ("marl.endpoints (one of TrainableEndpoint, StaticEndpoint, SnapshotPoolEndpoint)" if name == "Endpoint"
+    where = (f"{module} (one of TrainableEndpoint, StaticEndpoint, SnapshotPoolEndpoint)" if name == "Endpoint"
              else f"{module}.{new}")
     warnings.warn(f"marl.coordinator.{name} moved to {where}", DeprecationWarning, stacklevel=2)
     return getattr(importlib.import_module(module), new)

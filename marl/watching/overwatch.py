@@ -32,12 +32,12 @@ from textual.containers import Horizontal
 from textual.widgets import Footer, Static
 
 from marl.client import SwarmClient, SwarmError, SwarmRefused
-from marl.collapse import collapsed
-from marl.launch import SERVERS_FILE
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, MonitorSnapshot, StepRecord, TrainingProgress
-from marl.terminal import safe
+from marl.runner.launch import SERVERS_FILE
 from marl.topology.graph import LEARNER_SEPARATOR
 from marl.topology.spec import ServerSpec
+from marl.watching.collapse import collapsed
+from marl.watching.terminal import safe
 
 _STATE_STYLE = {
     EngineState.OFFLINE: "bold white on grey35",

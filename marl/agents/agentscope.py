@@ -1,6 +1,6 @@
 """AgentScope agents that play games through the coordinator, each role tagged so its server records it.
 
-    from marl.agentscope_agents import Fallback, agentscope_players
+    from marl.agents.agentscope import Fallback, agentscope_players
     coordinator = Coordinator(..., player_factory=agentscope_players(fallback=Fallback(url, "qwen")))
 
 - `role_model(seat, fallback)`: the role-tagged model factory. An AgentScope `OpenAIChatModel` on the endpoint of the
@@ -12,8 +12,8 @@
   `act(observation) -> reply` the coordinator calls. The agent's async `reply` runs on an event loop the player owns
   (the coordinator builds and plays each game's players in one thread); `close()` closes the model's connections
   and the loop at the end of the game.
-- `agentscope_players(fallback)`: a `player_factory` for `marl.coordinator.Coordinator`: AgentScope agents on every
-  seat a server plays; scripted seats get the fallback, or stay scripted by the env when there is none.
+- `agentscope_players(fallback)`: a `player_factory` for `marl.transaction.coordinator.Coordinator`: AgentScope agents
+  on every seat a server plays; scripted seats get the fallback, or stay scripted by the env when there is none.
 
 What AgentScope sends, and why it matters for training (checked against agentscope 2.0.10). The swarm server merges
 one agent's calls into one training sample when each call's prompt extends the previous call's prompt + completion
@@ -49,7 +49,7 @@ try:
     from agentscope.message import TextBlock, UserMsg
     from agentscope.model import OpenAIChatModel
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError("marl.agentscope_agents needs AgentScope: pip install -e '.[agentscope]'") from exc
+    raise ImportError("marl.agents.agentscope needs AgentScope: pip install -e '.[agentscope]'") from exc
 
 from marl.games.table import Seat, default_player
 from marl.protocol import agent_headers

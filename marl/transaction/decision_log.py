@@ -9,10 +9,11 @@ A game commits its episodes on several servers with a two-phase commit (docs/des
    an overdue prepared episode must never find "nothing decided" and later a COMMIT;
 4. commit (or abort) on every server, then `done(game_id)`.
 
-A restarted coordinator re-drives what is not done (`unfinished`; `marl.two_phase.redrive`): commit where COMMIT
-was decided, abort everywhere else. A server whose prepared episode outlives its deadline reads the decision itself
-(`read_decision`): COMMIT means commit, ABORT or nothing means abort. The log is one SQLite file in rollback-journal
-mode (not WAL), so a server process can read it while the coordinator writes; it lives in the run directory.
+A restarted coordinator re-drives what is not done (`unfinished`; `marl.transaction.two_phase.redrive`): commit where
+COMMIT was decided, abort everywhere else. A server whose prepared episode outlives its deadline reads the decision
+itself (`read_decision`): COMMIT means commit, ABORT or nothing means abort. The log is one SQLite file in
+rollback-journal mode (not WAL), so a server process can read it while the coordinator writes; it lives in the run
+directory.
 """
 
 from __future__ import annotations

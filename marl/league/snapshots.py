@@ -11,8 +11,8 @@ A LoRA policy of a server (the learner `server.policy`) checkpoints into
 server's base model (`marl serve --static --model BASE --adapter DIR`). Its `initial` is the base model alone: a new
 adapter's B is zero, so it changes nothing.
 
-Used by `marl eval` and `run.eval_every` (marl/eval/) and by past_of servers (marl/league.py; the snapshots of a
-LoRA policy are served by its own server instead, as frozen policies: marl/frozen_fleet.py).
+Used by `marl eval` and `run.eval_every` (marl/eval/) and by past_of servers (marl/league/__init__.py; the snapshots of
+a LoRA policy are served by its own server instead, as frozen policies: marl/league/frozen_fleet.py).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marl.client import SwarmClient
-from marl.endpoints import StaticEndpoint
-from marl.launch import ServerProcess
 from marl.protocol import EngineState
+from marl.runner.endpoints import StaticEndpoint
+from marl.runner.launch import ServerProcess
 from marl.topology import ServerKind, Topology
 from marl.topology.graph import LEARNER_SEPARATOR
 
-log = logging.getLogger("marl.snapshots")
+log = logging.getLogger("marl.league.snapshots")
 
 INITIAL, LATEST = "initial", "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")

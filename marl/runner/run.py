@@ -9,23 +9,25 @@ The run directory (`run.run_dir`, default `runs/<name>`) gets:
                             summary (`run.transcripts`; `marl games show RUN_DIR`)
   reward_curves.png         mean reward per role against each trainable server's policy version (`marl plot`)
   servers.json              where the local servers listen, for `marl overwatch TOPOLOGY.yaml` (owner-only)
-  decisions.sqlite          the two-phase commit decisions of games across several servers (`marl.decision_log`)
+  decisions.sqlite          the two-phase commit decisions of games across several servers
+                            (`marl.transaction.decision_log`)
   evals.jsonl, evals.png    with `run.eval_every`: greedy games between checkpoints as training goes (marl/eval/)
 
 The run stops after `run.games` games (exactly that many are played and recorded), once every trainable server took
 `run.max_steps` training steps, or when it gives up: a game that failed `run.max_failures` times in a row, a local
-server that died more than `marl.launch.MAX_RESTARTS` (3) times, a server that keeps stopping with an error
+server that died more than `marl.runner.launch.MAX_RESTARTS` (3) times, a server that keeps stopping with an error
 (`RunSummary.error` says which; `marl run` then exits 1). Ctrl-C (or SIGTERM) aborts every open lease and stops the
 servers this run started.
 
-Who does what: `marl.launch` starts and supervises the local servers, `marl.server_watch.ServerMonitor` watches every
-trainable server (lease gating, revival, the live table), `marl.coordinator` plays one game, `marl.games.schedule`
-schedules them; `marl.league` serves the snapshots of past_of servers, `marl.eval.periodic` evaluates checkpoints every
-`run.eval_every` steps; this module wires them together and shows the live table and the summary.
+Who does what: `marl.runner.launch` starts and supervises the local servers, `marl.runner.server_watch.ServerMonitor`
+watches every trainable server (lease gating, revival, the live table), `marl.transaction.coordinator` plays one game,
+`marl.games.schedule` schedules them; `marl.league` serves the snapshots of past_of servers, `marl.eval.periodic`
+evaluates checkpoints every `run.eval_every` steps; this module wires them together and shows the live table and the
+summary.
 
-With `run.ray` (docs/ray.md), `marl.ray_cluster` starts and supervises the local servers instead, as Ray actors, and
-with `run.ray.spread_games` plays each game as a Ray task. A server actor that Ray restarted may listen on a new URL:
-`_Session._server_restarted` points its endpoint (which the monitor and the coordinator read at every use) and
+With `run.ray` (docs/ray.md), `marl.runner.ray_cluster` starts and supervises the local servers instead, as Ray actors,
+and with `run.ray.spread_games` plays each game as a Ray task. A server actor that Ray restarted may listen on a new
+URL: `_Session._server_restarted` points its endpoint (which the monitor and the coordinator read at every use) and
 servers.json at it.
 """
 
@@ -52,14 +54,14 @@ from rich.table import Table
 from rich.text import Text
 
 from marl.client import SwarmClient, SwarmError
-from marl.collapse import CollapseWatch
-from marl.coordinator import Coordinator, GameSettings
-from marl.decision_log import DecisionLog
-from marl.endpoints import Endpoint, SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
 from marl.eval.periodic import PeriodicEval
 from marl.games.record import GameRecord, append_game
 from marl.games.schedule import CallbackFailed, FailedAttempt, episodes, play_games
-from marl.launch import (
+from marl.league import SnapshotPool, snapshot_pools
+from marl.plan import plan_topology
+from marl.protocol import ADMIN_TOKEN_ENV, EngineState, ServerStatus
+from marl.runner.endpoints import Endpoint, SnapshotPoolEndpoint, StaticEndpoint, TrainableEndpoint
+from marl.runner.launch import (
     SERVERS_FILE,
     ServerProcess,
     ServerStartError,
@@ -69,23 +71,23 @@ from marl.launch import (
     port_in_use,
     threads_per_server,
 )
-from marl.league import SnapshotPool, snapshot_pools
-from marl.plan import plan_topology
-from marl.plot import percent, plot_run, summarize_games
-from marl.protocol import ADMIN_TOKEN_ENV, EngineState, ServerStatus
-from marl.server_watch import ServerMonitor, ServerView
-from marl.stall_watch import LearnerNeeds, StallWatch
-from marl.terminal import safe
+from marl.runner.server_watch import ServerMonitor, ServerView
+from marl.runner.stall_watch import LearnerNeeds, StallWatch
 from marl.topology import Problem, ServerKind, ServerSpec, Topology, TopologyError
 from marl.topology.bundles import ray_bundles
 from marl.topology.graph import LEARNER_SEPARATOR
 from marl.topology.spec import VLLMSpec
-from marl.two_phase import redrive
+from marl.transaction.coordinator import Coordinator, GameSettings
+from marl.transaction.decision_log import DecisionLog
+from marl.transaction.two_phase import redrive
+from marl.watching.collapse import CollapseWatch
+from marl.watching.plot import percent, plot_run, summarize_games
+from marl.watching.terminal import safe
 
 if TYPE_CHECKING:  # imported at run time only with run.ray: a run without it never imports ray
-    from marl.ray_cluster import RayCluster, RayServer, RaySupervisor
+    from marl.runner.ray_cluster import RayCluster, RayServer, RaySupervisor
 
-log = logging.getLogger("marl.run")
+log = logging.getLogger("marl.runner.run")
 #: the live table's and the closing line's "recent reward" is the mean over this many games per role
 RECENT_GAMES = 50
 #: seconds between two progress lines where the live table is not drawn (stdout is not a terminal)
@@ -257,7 +259,7 @@ class _Session:
         self.pools = snapshot_pools(self.topology, self.run_dir, token, seed=self.spec.run.seed,
                                     url_of=lambda server: self.processes[server].url)
         if self.spec.run.ray is not None:
-            from marl.ray_cluster import RayCluster
+            from marl.runner.ray_cluster import RayCluster
 
             self.cluster = RayCluster(self.spec.run.ray, self.spec.name, report=self.console.print)
         endpoints = self.endpoints = _start_servers(self.topology, self.run_dir, token, self.processes, self.pools,

@@ -3,9 +3,9 @@
 One monitor per run: `marl run` builds it for every trainable server and hands it to the coordinator (a
 `Coordinator` built without one makes its own for the servers its games lease on).
 - Not lease gating: whether a game may lease now is the server's own answer to `begin` (a busy server says how
-  long to wait), never a status read here (`marl.coordinator`). A server that refused a lease because its engine is
-  stopped is handed to `revive_if_offline(names)`: read again (at most once per `max_age_s`, 0.5 s, however many
-  games ask) and revived if it is OFFLINE. `state(name)` and `fresh(name)` read with the same cache.
+  long to wait), never a status read here (`marl.transaction.coordinator`). A server that refused a lease because its
+  engine is stopped is handed to `revive_if_offline(names)`: read again (at most once per `max_age_s`, 0.5 s, however
+  many games ask) and revived if it is OFFLINE. `state(name)` and `fresh(name)` read with the same cache.
 - The live table: `start()` runs a poll loop that reads every server each `poll_s`, each on its own worker (a server
   that hangs delays nobody else); `views()` is what it saw last; `on_step(name, status)` fires once per new policy
   version (`marl run`'s step-done line).
@@ -30,7 +30,7 @@ import httpx
 from marl.client import SwarmClient, SwarmError
 from marl.protocol import EngineState, ServerStatus, TrainConfig
 
-log = logging.getLogger("marl.server_watch")
+log = logging.getLogger("marl.runner.server_watch")
 
 STATUS_MAX_AGE_S = 0.5
 _STATUS_TIMEOUT_S = 5.0

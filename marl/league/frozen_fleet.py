@@ -18,9 +18,9 @@ import threading
 from collections.abc import Callable, Iterable
 
 from marl.client import SwarmClient, SwarmError, SwarmRefused
-from marl.endpoints import StaticEndpoint
+from marl.league.snapshots import Snapshot
 from marl.protocol import ErrorCode, frozen_name
-from marl.snapshots import Snapshot
+from marl.runner.endpoints import StaticEndpoint
 
 log = logging.getLogger("marl.league")
 

@@ -6,7 +6,7 @@
 1. The game and its participants (server url, episode id, holding client id) go to the decision log.
 2. Every server prepares its episode, concurrently: validated and durable, outside the pool, lease key dead.
 3. The decision is written to the log, fsynced: COMMIT if every prepare succeeded (and it is not too late: before
-   half the prepare timeout, see `marl.decision_log`), else ABORT.
+   half the prepare timeout, see `marl.transaction.decision_log`), else ABORT.
 4. Every server is told the decision (`commit_episode`, retried until acknowledged within half the prepare timeout;
    or `abort_episode`). A server that does not acknowledge is left `pending`: the game's decision stands, and it
    reaches that server by `redrive` (a restarted coordinator) or by the server itself, which reads the log when
@@ -35,12 +35,12 @@ from typing import Any, TypeVar
 import httpx
 
 from marl.client import SwarmClient, SwarmError, SwarmTimeout
-from marl.decision_log import Decision, DecisionLog, Participant
 from marl.protocol import DEFAULT_PREPARE_TIMEOUT_S
+from marl.transaction.decision_log import Decision, DecisionLog, Participant
 
 __all__ = ["GameCommit", "Part", "commit_game", "persist", "redrive"]
 
-logger = logging.getLogger("marl.two_phase")
+logger = logging.getLogger("marl.transaction.two_phase")
 
 T = TypeVar("T")
 

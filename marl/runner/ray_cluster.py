@@ -1,19 +1,19 @@
 """Ray: with `run.ray`, `marl run` runs each local server as a Ray actor, and with `run.ray.spread_games` each game as
-a Ray task. Every use of Ray lives here; `marl.run` imports this module only when the topology sets `run.ray`, so a
-run without it never imports ray (docs/ray.md).
+a Ray task. Every use of Ray lives here; `marl.runner.run` imports this module only when the topology sets `run.ray`, so
+a run without it never imports ray (docs/ray.md).
 
 - `RayCluster(spec, run_name)` joins Ray at `run.ray.address`: `local` starts a private instance that `close()` stops;
   `auto`, `HOST:PORT` and `ray://HOST:PORT` join a cluster someone else runs, which `close()` only leaves.
 - `RayCluster.launch(name, options, resources)` makes one `_ServerActor`, placed by the server's `resources` (CPU
   defaults to 1) and named `<run id>.<server>` in the namespace `marl`. On its node the actor runs `marl serve` as a
-  subprocess (`marl.launch.ServerProcess`, listening on the node's IP, killed with the actor however it dies) on the
-  run's data dir for that server, with the run's admin token. It sees only the GPUs Ray gave the actor
+  subprocess (`marl.runner.launch.ServerProcess`, listening on the node's IP, killed with the actor however it dies) on
+  the run's data dir for that server, with the run's admin token. It sees only the GPUs Ray gave the actor
   (CUDA_VISIBLE_DEVICES; empty without `resources: {GPU: n}`), and its `placement` indices number those from 0.
 - Deaths: when its `marl serve` dies, the actor exits; Ray restarts a dead actor (`max_restarts=MAX_RESTARTS`) on a node
   that has its resources, and the new actor starts `marl serve` again on the same data dir, so the server resumes from
-  its ledger and checkpoints, as `marl.launch.Supervisor` does locally. `RaySupervisor` sees each new incarnation,
-  reports it and calls `on_restart(name)`: the run then points the server's endpoint at its new URL. Once Ray gives up
-  on an actor (restarts spent, or a server that could not start) `fatal` says which server and why.
+  its ledger and checkpoints, as `marl.runner.launch.Supervisor` does locally. `RaySupervisor` sees each new
+  incarnation, reports it and calls `on_restart(name)`: the run then points the server's endpoint at its new URL. Once
+  Ray gives up on an actor (restarts spent, or a server that could not start) `fatal` says which server and why.
 - `RayCluster.play` is the coordinator's `GameRunner` for `run.ray.spread_games`: the game (env and players) runs as a
   Ray task on any node, spread over the nodes; leasing, lease renewal and the commit stay with `marl run`.
 - `close()` stops the servers, kills the actors this run made and calls `ray.shutdown()`. Never `ray stop`: no Ray
@@ -37,15 +37,15 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayEr
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from marl.endpoints import StaticEndpoint
 from marl.games.record import GameRecord
 from marl.games.table import GameFailed, GameTable
-from marl.launch import MAX_RESTARTS, RayGroup, ServerProcess, ServerWatch
+from marl.runner.endpoints import StaticEndpoint
+from marl.runner.launch import MAX_RESTARTS, RayGroup, ServerProcess, ServerWatch
 from marl.topology import Problem, TopologyError
 from marl.topology.bundles import RayBundles
 from marl.topology.spec import RaySpec
 
-log = logging.getLogger("marl.ray_cluster")
+log = logging.getLogger("marl.runner.ray_cluster")
 
 NAMESPACE = "marl"
 _START_TIMEOUT_S = 600.0  # placing an actor (a node may have to free its resources) and starting its server
@@ -157,7 +157,8 @@ class RayServer:
 
 class RaySupervisor(ServerWatch):
     """Watches the server actors: reports every restart Ray made and hands it to `on_restart(name)` (the server's
-    URL may have changed); `fatal` says which server Ray gave up on. Same interface as `marl.launch.Supervisor`."""
+    URL may have changed); `fatal` says which server Ray gave up on. Same interface as
+    `marl.runner.launch.Supervisor`."""
 
     def __init__(self, servers: Mapping[str, RayServer], *, report: Callable[[str], None],
                  on_restart: Callable[[str], None], poll_s: float = 1.0):
@@ -235,7 +236,8 @@ class RayCluster:
     @staticmethod
     def play(table: GameTable, task_id: str, seed: int, leases: dict, statics: dict[str, StaticEndpoint],
              episode: int = 0) -> GameRecord:
-        """A `marl.coordinator.GameRunner`: play the game as a Ray task on any node and wait for its record."""
+        """A `marl.transaction.coordinator.GameRunner`: play the game as a Ray task on any node and wait for its
+        record."""
         try:
             return ray.get(_play_game.remote(table, task_id, seed, leases, statics, episode))
         except RayTaskError as exc:  # its text is the whole remote traceback: keep the failure's own message

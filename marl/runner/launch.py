@@ -34,7 +34,7 @@ SERVERS_FILE = "servers.json"
 #: deaths of one local server that `Supervisor` repairs before it gives up
 MAX_RESTARTS = 3
 
-log = logging.getLogger("marl.launch")
+log = logging.getLogger("marl.runner.launch")
 
 
 class ServerStartError(RuntimeError):
@@ -127,7 +127,7 @@ class ServerProcess:
     `model` given by its Hugging Face id. `engine`: torch, vllm or simulated
     (benchmarks; `simulated_speed` then runs its delays that many times faster). `environment`: more variables for it
     (a Ray actor's CUDA_VISIBLE_DEVICES). `die_with_parent`: on Linux, the server is killed when the thread that
-    started it dies (a Ray actor's, marl/ray_cluster.py: a restarted actor must never find the
+    started it dies (a Ray actor's, marl/runner/ray_cluster.py: a restarted actor must never find the
     old server still on its data dir); that thread must live as long as the server.
     """
 
@@ -263,7 +263,7 @@ def placement_flags(placement: PlacementSpec) -> list[str]:
 class ServerWatch:
     """A thread that calls `check()` every `poll_s` seconds until `close()`; `fatal` is set by a subclass once the
     servers it watches can no longer be kept running. `Supervisor` (local processes) and
-    `marl.ray_cluster.RaySupervisor` (Ray actors) share it: `marl run` treats both alike."""
+    `marl.runner.ray_cluster.RaySupervisor` (Ray actors) share it: `marl run` treats both alike."""
 
     def __init__(self, *, name: str, poll_s: float):
         self.poll_s = poll_s

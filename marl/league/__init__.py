@@ -16,7 +16,7 @@ games.jsonl and in every trainable server's episode metadata).
 
 The past_of server of a LoRA policy (`past_of: {server: team, policy: speaker}`) plays that policy's checkpoints
 (adapters), which `team` serves itself as frozen policies (`speaker@3`, on the engine it already runs: no process and
-no model of their own; marl/frozen_fleet.py); everything below holds for it with "loaded" for "started".
+no model of their own; marl/league/frozen_fleet.py); everything below holds for it with "loaded" for "started".
 
 A thread polls the trainable server's checkpoint directory every `poll_s`. A new snapshot is started and booted
 before it joins the pool (games never wait for it); one that leaves is stopped once no game holds it. The pool serves
@@ -36,9 +36,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from marl.endpoints import StaticEndpoint
-from marl.frozen_fleet import FrozenFleet
-from marl.snapshots import Snapshot, StaticFleet, snapshots_on_disk
+from marl.league.frozen_fleet import FrozenFleet
+from marl.league.snapshots import Snapshot, StaticFleet, snapshots_on_disk
+from marl.runner.endpoints import StaticEndpoint
 from marl.topology import PastOfSpec, Topology
 
 log = logging.getLogger("marl.league")
@@ -54,7 +54,8 @@ class _Served:
 
 
 class SnapshotPool:
-    """The snapshots one past_of server serves; `draw()` one per game (a `marl.coordinator.SnapshotSource`)."""
+    """The snapshots one past_of server serves; `draw()` one per game (a
+    `marl.transaction.coordinator.SnapshotSource`)."""
 
     def __init__(self, name: str, spec: PastOfSpec, *, base_model: str, run_dir: Path, fleet: StaticFleet | FrozenFleet,
                  seed: int = 0, poll_s: float = 2.0, base_revision: str | None = None):
