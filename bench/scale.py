@@ -6,7 +6,7 @@ concurrent leases (latency, CPU, memory, ledger), its memory after many recorded
     python bench/scale.py --out results/scale      # also results/scale/scale.json and scale.png
     python bench/scale.py --leases 1024 --duration 60 --turns 3 --max-tokens 32 --skip-memory --skip-coordinator
     python bench/scale.py --episodes 100000 --skip-load --skip-coordinator   # the memory acceptance figure
-    python bench/scale.py --smoke                  # a minute: a tiny sweep, 150 episodes, 4 games
+    python bench/scale.py --smoke                  # a minute: a tiny sweep, 100 episodes, 4 games
 
 Load sweep. The server is one real trainable `marl serve --engine simulated` subprocess (`--speed 1.0`: the latency
 model of vLLM serving a 7B on one H100, `servers.engines.simulated`; its trainer a 7B GRPO step on 8 H100s), the
@@ -569,7 +569,7 @@ def parse(argv: list[str] | None):
     parser.add_argument("--smoke", action="store_true", help="a tiny sweep: does the bench run?")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.leases, args.duration, args.warmup, args.episodes = "4,16", 2.0, 0.5, 150
+        args.leases, args.duration, args.warmup, args.episodes = "4,16", 1.0, 0.3, 100
         args.signalling_games, args.werewolves_games, args.coordinator_speed = 2, 2, 20.0
     args.leases = [int(n) for n in str(args.leases).split(",")]
     return args
