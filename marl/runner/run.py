@@ -401,7 +401,8 @@ class _Session:
         if metrics.get("tokens_trained") == 0:
             self.say(f"{server}: step {status.policy_version} trained nothing (no group had a learning signal:"
                      f" {metrics.get('groups_zero_variance', 0):.0f} of {metrics.get('groups', 0):.0f} of zero reward"
-                     f" variance); {metrics.get('train_steps_empty', 0):.0f} such steps so far", "yellow", log=True)
+                     f" variance); {metrics.get('train_steps_empty', 0):.0f} such steps so far{shares}", "yellow",
+                     log=True)
         else:
             self.say(f"{server}: step {status.policy_version} done; {self.board.games} games;"
                      f" recent reward {json.dumps(rewards)}{shares}", log=True)
