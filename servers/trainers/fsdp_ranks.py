@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 #: How long `close` waits for the ranks to leave on their own before it kills them.
 _CLOSE_GRACE_S = 10.0
+#: A peer's death reaches the others as a collective error ("connection reset") a moment before its process is
+#: reaped; a rank's error waits this long for a dead peer, so the report names the cause, not the symptom.
+_DEATH_GRACE_S = 2.0
 
 
 class RankFailure(RuntimeError):
@@ -100,11 +103,39 @@ class RankGroup:
                 elif kind == "ok":
                     answers[pending[conn]] = payload[0]
                 elif kind == "error":
-                    raise self._fail(f"rank {pending[conn]} failed {doing}:\n{payload[0]}")
-            for rank, process in enumerate(self._processes):
-                if not process.is_alive():
-                    raise self._fail(f"rank {rank} died {doing} (exit code {process.exitcode})")
+                    raise self._fail(self._error_reason(pending[conn], doing, payload[0]))
+            dead = self._dead_rank()
+            if dead is not None:
+                raise self._fail(self._death_reason(dead, doing))
         return [answers[r] for r in range(self.world_size)]
+
+    def _error_reason(self, rank: int, doing: str, error: str) -> str:
+        """Why the group fails after `rank` raised: a peer killed meanwhile if any (the error is its echo)."""
+        killed = self._killed_peer(rank, within_s=_DEATH_GRACE_S)
+        if killed is not None:
+            return f"{self._death_reason(killed, doing)}; rank {rank} then failed: {error.strip().splitlines()[-1]}"
+        return f"rank {rank} failed {doing}:\n{error}"
+
+    def _death_reason(self, rank: int, doing: str) -> str:
+        return f"rank {rank} died {doing} (exit code {self._processes[rank].exitcode})"
+
+    def _dead_rank(self) -> int | None:
+        return next((rank for rank, p in enumerate(self._processes) if not p.is_alive()), None)
+
+    def _killed_peer(self, rank: int, *, within_s: float) -> int | None:
+        """A rank other than `rank` whose process ends with a non-zero exit code within `within_s` (a rank that
+        reported an error leaves with 0, so only a crash or a kill counts); None if none does."""
+        deadline = time.monotonic() + within_s
+        running = {p.sentinel: r for r, p in enumerate(self._processes) if r != rank}
+        while running:
+            for sentinel in pipes.wait(list(running), timeout=max(0.0, deadline - time.monotonic())):
+                peer = running.pop(sentinel)
+                self._processes[peer].join()
+                if self._processes[peer].exitcode:
+                    return peer
+            if time.monotonic() >= deadline:
+                return None
+        return None
 
     def _fail(self, reason: str) -> RankFailure:
         log.error("FSDP trainer: %s; stopping all ranks", reason)
