@@ -11,7 +11,11 @@ In a topology: `env: {openspiel: kuhn_poker, args: {params: {...}}}` (docs/envs.
   role for all with `shared_role`.
 - **Chance** (the deal, the dice) is drawn from the game's seed with the probabilities OpenSpiel gives, so a seed
   replays a game. With `deals="task"` (the default) every repeat of a task (one GRPO group) is dealt the same; with
-  `deals="episode"` each repeat is dealt from the seed and its episode number. The reset option `chance_outcomes`
+  `deals="episode"` each repeat is dealt from the seed and its episode number. With `deals="stratified"` a task's
+  opening deal (the chance outcomes before the first move) is the one its seed picks by remainder, so consecutive task
+  seeds, as `marl run` numbers its tasks, deal every opening in turn and each batch sees them in near-equal shares (a
+  lower-variance gradient than drawn deals; only for games whose openings are equally likely, like the poker games'
+  deals). The reset option `chance_outcomes`
   (a list of OpenSpiel action ids) deals those instead, in order: how `marl eval --exploitability` reaches an
   information state.
 - **Observations** are worded by `envs/openspiel_text.py`: the rules at an agent's first turn (`rules=False`: never;
@@ -45,11 +49,13 @@ from envs.base import TextAECEnv, count_option, episode_of, match_choice, printa
 from envs.openspiel_policies import ScriptedPolicy, scripted_policies
 from envs.openspiel_text import GameText, game_text
 
-__all__ = ["CHANCE_OPTION", "DEALS", "GameRefused", "OpenSpielEnv", "load_game"]
+__all__ = ["CHANCE_OPTION", "DEALS", "GameRefused", "OpenSpielEnv", "equally_likely_openings", "load_game"]
 
 #: The reset option that deals given chance outcomes (OpenSpiel action ids, in order) instead of drawing them.
 CHANCE_OPTION = "chance_outcomes"
-DEALS = ("task", "episode")  # what chance outcomes are drawn per
+#: The most openings `deals: stratified` lists (Leduc Poker has 30; a bridge deal, 52!/(13!)^4, is refused).
+MAX_OPENINGS = 10_000
+DEALS = ("task", "episode", "stratified")  # what chance outcomes are drawn per (stratified: by task, in turn)
 
 
 class GameRefused(ValueError):
@@ -85,6 +91,7 @@ class OpenSpielEnv(TextAECEnv):
         self.shared_role, self.deals, self.invalid_penalty = shared_role, deals, float(invalid_penalty)
         self.max_invalid_retries, self.tell_rules = max_invalid_retries, rules
         self.text: GameText = game_text(self.game)
+        self._openings = equally_likely_openings(self.game) if deals == "stratified" else []
         try:
             self.scripted: dict[str, ScriptedPolicy] = scripted_policies(self.game, scripted_policy,
                                                                          self.possible_agents, self.role_of)
@@ -120,6 +127,8 @@ class OpenSpielEnv(TextAECEnv):
         episode = episode_of(options) if self.deals == "episode" else 0
         self._chance_rng = random.Random(f"{seed}/{episode}")  # its own stream: scripted draws leave the deal alone
         self._forced = _chance_outcomes(options.get(CHANCE_OPTION))
+        if self._openings and not self._forced:
+            self._forced = list(self._openings[seed % len(self._openings)])
         self.state = self.game.new_initial_state()
         self._news = {a: [] for a in self.possible_agents}
         self._moves = {a: [] for a in self.possible_agents}
@@ -290,6 +299,38 @@ def chance_and_moves(game: Any, history: Sequence[int]) -> tuple[list[int], list
             moves.append((state.current_player(), action))
         state.apply_action(action)
     return chance, moves
+
+
+def equally_likely_openings(game: Any) -> list[tuple[int, ...]]:
+    """Every sequence of chance outcomes before the game's first move, in OpenSpiel's order; `GameRefused` (at
+    `deals`) when there are none, more than `MAX_OPENINGS`, or they are not equally likely (dealing them in turn
+    would then change the game)."""
+    too_many = GameRefused("deals", f"deals: stratified lists every opening; {game} has more than {MAX_OPENINGS}")
+    state, estimate = game.new_initial_state(), 1
+    while state.is_chance_node() and estimate <= MAX_OPENINGS:  # the first line's branching: a bridge deal stops here
+        estimate *= len(state.chance_outcomes())
+        state = state.child(state.chance_outcomes()[0][0])
+    if estimate > MAX_OPENINGS:
+        raise too_many
+    openings: list[tuple[tuple[int, ...], float]] = []
+    stack, states = [(game.new_initial_state(), (), 1.0)], 1
+    while stack:  # depth first, by hand: a long deal (one card a node) is deeper than Python's recursion
+        state, prefix, probability = stack.pop()
+        if not state.is_chance_node():
+            openings.append((prefix, probability))
+            continue
+        outcomes = state.chance_outcomes()
+        states += len(outcomes)
+        if states > MAX_OPENINGS:  # counted in states, not openings: a long deal costs as much before its first
+            raise too_many
+        stack.extend((state.child(a), (*prefix, a), probability * p) for a, p in reversed(outcomes))
+    if openings == [((), 1.0)]:
+        raise GameRefused("deals", f"deals: stratified needs chance before the first move; {game} opens with a move")
+    first = openings[0][1]
+    if any(abs(p - first) > 1e-9 * first for _, p in openings):
+        raise GameRefused("deals", f"deals: stratified deals openings in turn, which changes {game}: its"
+                                   f" {len(openings)} openings are not equally likely")
+    return [prefix for prefix, _ in openings]
 
 
 def _chance_outcomes(value: Any) -> list[int]:

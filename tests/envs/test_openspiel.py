@@ -15,7 +15,7 @@ from marl.topology import Topology, TopologyError
 
 pyspiel = pytest.importorskip("pyspiel")  # an optional extra: pip install 'marl[openspiel]'
 
-from envs.openspiel_env import CHANCE_OPTION, GameRefused, OpenSpielEnv  # noqa: E402
+from envs.openspiel_env import CHANCE_OPTION, GameRefused, OpenSpielEnv, equally_likely_openings  # noqa: E402
 from envs.openspiel_policies import parse_policy  # noqa: E402
 
 #: Four kinds: a card game with a deal, one with a public card and two rounds, a perfect-information board game, and
@@ -101,6 +101,53 @@ def test_a_seed_replays_a_deal_and_deals_per_episode_differ():
     assert deal(per_episode, 7, 1) == deal(per_episode, 7, 1)
     assert len({tuple(deal(per_episode, 7, e)) for e in range(12)}) > 1
     assert len({tuple(deal(task, s)) for s in range(30)}) == 6  # every deal of three cards comes up
+
+
+def test_stratified_deals_give_consecutive_task_seeds_every_opening_in_turn():
+    def opening(env, seed, episode=0, **options):
+        env.reset(seed=seed, options={"episode": episode, **options})
+        return tuple(env.state.history()[:2])
+    kuhn = OpenSpielEnv("kuhn_poker", deals="stratified")
+    assert sorted(opening(kuhn, s) for s in range(1000, 1006)) == sorted(equally_likely_openings(kuhn.game))
+    assert opening(kuhn, 1003) == opening(kuhn, 1003, episode=5) == opening(kuhn, 1009)  # a task: one deal
+    assert opening(kuhn, 1003, chance_outcomes=[2, 0]) == (2, 0)  # an asked-for deal still wins
+    leduc = OpenSpielEnv("leduc_poker", deals="stratified")
+    assert len({opening(leduc, s) for s in range(30)}) == 30
+    public, dealt = set(), opening(leduc, 7)
+    for seed in range(7, 307, 30):  # one private deal; the public card (after two checks) is drawn from the seed
+        play(leduc, {a: (lambda obs: "Call") for a in leduc.possible_agents}, seed=seed)
+        assert tuple(leduc.state.history()[:2]) == dealt
+        public.add(leduc.state.history()[4])
+    assert len(public) > 1
+
+
+class _UnevenDeal:
+    """A game whose one chance node deals 0 with probability 0.25 and 1 with 0.75, then a player moves."""
+
+    def __init__(self, history=()):
+        self.history = history
+
+    def new_initial_state(self):
+        return _UnevenDeal()
+
+    def is_chance_node(self):
+        return not self.history
+
+    def chance_outcomes(self):
+        return [(0, 0.25), (1, 0.75)]
+
+    def child(self, action):
+        return _UnevenDeal((*self.history, action))
+
+
+def test_stratified_deals_refuse_games_they_would_change():
+    with pytest.raises(GameRefused, match="not equally likely") as refused:
+        equally_likely_openings(_UnevenDeal())
+    assert refused.value.arg == "deals"
+    refusals = (("tic_tac_toe", "opens with a move"), ("bridge", "more than 10000"), ("blackjack", "more than 10000"))
+    for game, words in refusals:
+        with pytest.raises(GameRefused, match=words):
+            OpenSpielEnv(game, deals="stratified")
 
 
 def test_solver_policies_play_scripted_roles():
