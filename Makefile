@@ -27,8 +27,8 @@ envs:
 
 # The tests include the vLLM engine's: its environment is built on first use (make vllm, about 2.5 min). They run in
 # two processes (pytest-xdist, one test file per worker at a time; three took longer on 2 cores: 23 minutes against
-# 21), then the ones marked `serial` alone: they time /health or a client's waits, which another test's load beside
-# them would skew.
+# 21), then the ones marked `serial` alone: they time /health or a client's waits, or race a restart against a
+# timeout, which another test's load beside them would skew or stretch.
 test: envs lint
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not slow and not serial"
 	$(BIN)/python -m pytest -q -m "serial and not slow"

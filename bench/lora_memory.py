@@ -2,7 +2,7 @@
 
     python bench/lora_memory.py                          # SmolLM2-135M, 3 roles, one training step each
     python bench/lora_memory.py --roles 3 --out DIR      # also DIR/lora_memory.json
-    python bench/lora_memory.py --smoke                  # a tiny random model, in seconds
+    python bench/lora_memory.py --smoke                  # a tiny random model and 2 roles, in seconds
 
 Each side runs as `marl serve` subprocesses on this CPU, as `marl run` starts them. Every role (a policy, or a
 server) plays two episodes of one group and takes one training step, so the optimizer state exists; then the
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--roles", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true", help="a tiny random model")
+    parser.add_argument("--smoke", action="store_true", help="a tiny random model and 2 roles")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="lora-memory-") as tmp:
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.smoke:
             from tests.tiny_model import build_tiny_model
 
-            model = str(build_tiny_model(scratch / "tiny"))
+            model, args.roles = str(build_tiny_model(scratch / "tiny")), 2  # 3 server processes, not 4
         lora = measure(model, args.roles, True, scratch)
         full = measure(model, args.roles, False, scratch)
     report = {"model": args.model if not args.smoke else "tiny", "roles": args.roles, "lora": lora, "full": full,

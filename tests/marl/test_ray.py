@@ -179,6 +179,9 @@ def test_a_spread_game_is_played_in_a_ray_worker_and_recorded_here(ray_cluster):
         broken.close()
 
 
+# serial: a restart races the run's lease timeout, and beside another test's load Ray takes long enough to
+# restart an actor that games time out and are replayed (174 s in the parallel part against 22 s alone)
+@pytest.mark.serial
 @needs_ray
 def test_a_killed_server_actor_is_restarted_on_its_data_dir_and_the_run_completes(ray_cluster, tiny_model, tmp_path):
     import ray
@@ -304,6 +307,7 @@ def test_two_ranks_on_two_ray_nodes_make_the_one_process_step(ray_cluster, tmp_p
         assert m_sharded[key] == pytest.approx(m_one[key], rel=1e-4, abs=1e-7), key
 
 
+@pytest.mark.serial  # as the killed server actor above
 @needs_ray
 def test_a_run_trains_with_ranks_on_two_nodes_and_survives_a_killed_rank(ray_cluster, tiny_model, tmp_path):
     """`trainer: fsdp, ranks: 2` under run.ray: the server's ranks are Ray actors in its placement group, one on
