@@ -19,7 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from huggingface_hub import constants, errors, get_token, hf_hub_download, is_offline_mode, snapshot_download
-from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+from marl.hub_ids import is_hub_id
 
 __all__ = ["HubModelError", "check_hub_model", "hub_cache", "hub_snapshot", "is_hub_id"]
 
@@ -34,17 +35,6 @@ PICKLED_WEIGHTS = ["*.bin"]
 
 class HubModelError(ValueError):
     """A model named by its Hugging Face id cannot be had: one line saying why and what to do."""
-
-
-def is_hub_id(text: str) -> bool:
-    """Whether `text` has the form of a Hugging Face model id, `org/name` (huggingface_hub's rules for each part)."""
-    if text.count("/") != 1:
-        return False
-    try:
-        validate_repo_id(text)
-    except HFValidationError:
-        return False
-    return True
 
 
 def hub_cache() -> str:

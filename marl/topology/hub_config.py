@@ -13,24 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import constants, errors, hf_hub_download, is_offline_mode
-from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+from marl.hub_ids import is_hub_id
 
 __all__ = ["HubConfigError", "hub_config", "is_hub_id"]
 
 
 class HubConfigError(ValueError):
     """The config.json of a model named by its Hugging Face id cannot be read: one line saying why."""
-
-
-def is_hub_id(text: str) -> bool:
-    """Whether `text` has the form of a Hugging Face model id, `org/name` (huggingface_hub's rules for each part)."""
-    if text.count("/") != 1:
-        return False
-    try:
-        validate_repo_id(text)
-    except HFValidationError:
-        return False
-    return True
 
 
 def hub_config(repo_id: str, revision: str | None = None, *, cache_only: bool = False) -> dict[str, Any]:

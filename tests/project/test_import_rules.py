@@ -95,7 +95,7 @@ def _under(module: str, *packages: str) -> bool:
 
 
 #: the bottom room both halves share: the wire formats, and the old paths of moved modules
-SHARED = ("marl.protocol", "marl.apis", "marl.decision_record", "marl.moved")
+SHARED = ("marl.protocol", "marl.apis", "marl.decision_record", "marl.moved", "marl.hub_ids")
 
 
 @dataclass(frozen=True)
@@ -106,14 +106,14 @@ class Rule:
 
 
 RULES = [
-    Rule("marl/protocol/ imports nothing of the project but itself; marl/decision_record.py and marl/moved.py"
-         " import nothing of the project",
-         lambda m: _under(m, "marl.protocol", "marl.decision_record", "marl.moved"),
+    Rule("marl/protocol/ imports nothing of the project but itself; marl/decision_record.py, marl/moved.py and"
+         " marl/hub_ids.py import nothing of the project",
+         lambda m: _under(m, "marl.protocol", "marl.decision_record", "marl.moved", "marl.hub_ids"),
          lambda t: _under(t, "marl.protocol") and t != "marl.protocol"),
     Rule("marl/apis/ imports only marl/protocol/ (and itself)",
          lambda m: _under(m, "marl.apis"), lambda t: _under(t, "marl.protocol", "marl.apis")),
-    Rule("servers/ imports from marl/ only marl.protocol, marl.apis, marl.decision_record and marl.moved (never the "
-         "coordinator, topologies or envs)",
+    Rule("servers/ imports from marl/ only marl.protocol, marl.apis, marl.decision_record, marl.moved and"
+         " marl.hub_ids (never the coordinator, topologies or envs)",
          lambda m: _under(m, "servers"),
          lambda t: not _under(t, "marl") or _under(t, *SHARED)),
     Rule("servers/ never imports envs/", lambda m: _under(m, "servers"), lambda t: not _under(t, "envs")),
