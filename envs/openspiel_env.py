@@ -307,9 +307,12 @@ def equally_likely_openings(game: Any) -> list[tuple[int, ...]]:
     would then change the game)."""
     too_many = GameRefused("deals", f"deals: stratified lists every opening; {game} has more than {MAX_OPENINGS}")
     state, estimate = game.new_initial_state(), 1
+    if not state.is_chance_node():
+        raise GameRefused("deals", f"deals: stratified needs chance before the first move; {game} opens with a move")
     while state.is_chance_node() and estimate <= MAX_OPENINGS:  # the first line's branching: a bridge deal stops here
-        estimate *= len(state.chance_outcomes())
-        state = state.child(state.chance_outcomes()[0][0])
+        outcomes = state.chance_outcomes()
+        estimate *= len(outcomes)
+        state = state.child(outcomes[0][0])
     if estimate > MAX_OPENINGS:
         raise too_many
     openings: list[tuple[tuple[int, ...], float]] = []
@@ -324,8 +327,6 @@ def equally_likely_openings(game: Any) -> list[tuple[int, ...]]:
         if states > MAX_OPENINGS:  # counted in states, not openings: a long deal costs as much before its first
             raise too_many
         stack.extend((state.child(a), (*prefix, a), probability * p) for a, p in reversed(outcomes))
-    if openings == [((), 1.0)]:
-        raise GameRefused("deals", f"deals: stratified needs chance before the first move; {game} opens with a move")
     first = openings[0][1]
     if any(abs(p - first) > 1e-9 * first for _, p in openings):
         raise GameRefused("deals", f"deals: stratified deals openings in turn, which changes {game}: its"

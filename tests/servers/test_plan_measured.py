@@ -1,7 +1,7 @@
-"""`marl plan`'s memory model against peaks measured on this CPU, within 20%: the torch engine, a GRPO step, and one
-rank of a 2-rank FSDP step, on a random model built here (26M parameters, so that tensors, not the interpreter, make
-the peak). How peaks are measured: bench/plan_accuracy.py. SmolLM2-135M and a 150M random model: `make
-plan-accuracy` (minutes), and the slow test below (gradient checkpointing and the entropy bonus too)."""
+"""`marl plan`'s memory model against peaks measured on this CPU, within 20%: the torch engine and a GRPO step on a
+random model built here (26M parameters, so that tensors, not the interpreter, make the peak). How peaks are
+measured: bench/plan_accuracy.py. One rank of a 2-rank FSDP step, gradient checkpointing and the entropy bonus: the
+slow test below, on SmolLM2-135M (and `make plan-accuracy`, minutes, on a 150M random model too)."""
 
 from __future__ import annotations
 
@@ -33,13 +33,14 @@ def model_26m(tmp_path_factory) -> Path:
                             intermediate_size=1408, max_position_embeddings=4096)  # fmt: skip
 
 
-@pytest.mark.timeout(900)  # three fresh processes, one of them spawning ranks: about a minute alone, more beside others
+@pytest.mark.timeout(600)  # two fresh processes: half a minute alone, more beside others
 def test_the_plan_is_within_20_percent_of_measured_peaks(model_26m):
-    # The default settings' cases (no gradient checkpointing) and the sharded step. grpo+ckpt and grpo+entropy only on
-    # SmolLM2 (the slow test below: CI's time); with this model's 512-word vocabulary an entropy's logits weigh nothing
+    # The default settings' cases. The sharded step (two ranks, each importing torch and building its shard: 60 s of
+    # CI's 105 s here), grpo+ckpt and grpo+entropy only in the slow test on SmolLM2; with this model's 512-word
+    # vocabulary an entropy's logits would weigh nothing anyway
     rows = _rows(model_26m, "--tokens", "1024", "--trained", "512", "--sequences", "8", "--prompt-tokens", "256",
-                 "--cases", "engine,grpo,fsdp")
-    assert {row["case"] for row in rows} == {"engine", "grpo", "fsdp"}
+                 "--cases", "engine,grpo")
+    assert {row["case"] for row in rows} == {"engine", "grpo"}
     for row in rows:
         assert 0.8 <= row["ratio"] <= 1.2, row
 
