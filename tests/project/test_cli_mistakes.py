@@ -44,7 +44,7 @@ COMMANDS = command_paths(build_parser())
 MISTAKES: dict[tuple[str, ...], list[tuple[list[str], str]]] = {
     ("serve",): [(["--model", MISSING], "cannot resolve model")],
     ("trainer-node",): [([], "deprecated")],
-    ("status",): [([CLOSED], "gave up after 5.0s"), (["127.0.0.1:1"], "(add http://)"),
+    ("status",): [([CLOSED, "--timeout", "1"], "gave up after 1.0s"), (["127.0.0.1:1"], "(add http://)"),
                   ([CLOSED, "--timeout", "0"], "seconds > 0")],
     ("topology", "show"): [([MISSING + ".yaml"], "no such topology file")],
     ("plan",): [([MISSING + ".yaml"], "no such topology file")],
