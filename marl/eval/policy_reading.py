@@ -9,6 +9,7 @@ its model; a scripted role's policy is the script's own probabilities, exactly.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -17,7 +18,7 @@ from pathlib import Path
 import openai
 
 from marl.eval.exploitability import PlayerPolicy, StatePolicy
-from marl.eval.info_states import InfoState, PolicySeats, PromptedState, info_states
+from marl.eval.info_states import InfoState, NotMeasurable, PolicySeats, PromptedState, info_states
 from marl.league.snapshots import (
     INITIAL,
     LATEST,
@@ -41,6 +42,7 @@ class ReadSettings:
     concurrency: int = 16
     seed: int = 0
     choice: bool = False  # hold each reply to the legal moves, as the role's games do (`roles.R.sampling.choice`)
+    exact: bool = False  # a held role's policy from its token logprobs instead of samples (`read_exactly`)
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,8 @@ def read_policy(seats: PolicySeats, source: RoleSource, fleet: StaticFleet, sett
     else:
         endpoint = fleet.endpoints([source.snapshot])[source.snapshot]
         prompts = [seats.prompt(info, source.role) for info in infos]
-        states = sample_states(endpoint, prompts, replace(settings, choice=source.choice), on_state)
+        read = read_exactly if settings.exact and source.choice else sample_states
+        states = read(endpoint, prompts, replace(settings, choice=source.choice), on_state)
     return [PlayerPolicy(source.role, source.label, p, [s for s in states if s.info.player == p]) for p in players]
 
 
@@ -123,6 +126,70 @@ def _reply(client: openai.OpenAI, model: str | None, prompt: PromptedState, sett
                                               max_tokens=settings.max_tokens, temperature=settings.temperature,
                                               seed=seed, extra_body=held)
     return response.choices[0].message.content or ""
+
+
+def read_exactly(endpoint: StaticEndpoint, prompts: Sequence[PromptedState], settings: ReadSettings,
+                 on_state: Callable[[int, int], None] = lambda done, total: None) -> list[StatePolicy]:
+    """Each prompt's policy as a held role plays it, exactly: every legal move is asked for once, held to itself,
+    with its token logprobs (the model's own), and `held_probabilities` turns them into what sampling held to all
+    the moves at `settings.temperature` would pick. Tens of times cheaper than sampling, and without its noise."""
+    client = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=2, timeout=600)
+    with ThreadPoolExecutor(settings.concurrency) as pool:
+        paths = [{move: pool.submit(_move_logprobs, client, endpoint.model, prompt, move, settings.max_tokens)
+                  for move in prompt.moves} for prompt in prompts]
+        states = []
+        for i, (prompt, moves) in enumerate(zip(prompts, paths)):
+            shares = held_probabilities({move: path.result() for move, path in moves.items()}, settings.temperature)
+            states.append(StatePolicy(prompt.info, exact={prompt.parse(move): share for move, share in shares.items()}))
+            on_state(i + 1, len(prompts))
+    client.close()
+    return states
+
+
+def _move_logprobs(client: openai.OpenAI, model: str | None, prompt: PromptedState, move: str,
+                   max_tokens: int) -> list[tuple[str, float]]:
+    """The tokens that spell `move` as the reply, each with the model's logprob there: (token, logprob) each."""
+    response = client.chat.completions.create(model=model or "default", messages=prompt.messages,  # type: ignore[arg-type]
+                                              max_tokens=max_tokens, temperature=1.0, seed=0, logprobs=True,
+                                              extra_body={"structured_outputs": {"choice": [move]}})
+    reply = response.choices[0]
+    tokens, text = [], ""
+    for entry in (reply.logprobs.content if reply.logprobs else None) or []:
+        if text == move:  # what follows ends the reply, and holding picks no end over another
+            break
+        tokens.append((entry.token, entry.logprob))
+        text += entry.token
+    if text != move:
+        raise NotMeasurable(f"the reply held to {move!r} came back as {reply.message.content!r} with tokens"
+                            f" {[t for t, _ in tokens]}: it cannot be read exactly (read it by sampling)")
+    return tokens
+
+
+def held_probabilities(paths: Mapping[str, Sequence[tuple[str, float]]], temperature: float) -> dict[str, float]:
+    """What sampling held to these moves picks, from each move's tokens and their logprobs: at each token the held
+    sampler renormalises the model's probabilities (at `temperature`) over the tokens that continue some move, so a
+    move's share is the product, along its tokens, of its token's share among its siblings in the moves' trie."""
+    if temperature <= 0:
+        raise NotMeasurable("an exact reading at temperature 0 is the greedy move; read it with --temperature > 0")
+    moves = list(paths)
+    for a in moves:
+        for b in moves:
+            if a != b and [t for t, _ in paths[b][:len(paths[a])]] == [t for t, _ in paths[a]]:
+                raise NotMeasurable(f"the tokens of move {a!r} begin those of {b!r}: an exact reading would need"
+                                    " the end token's probability (read it by sampling)")
+    siblings: dict[tuple[str, ...], dict[str, float]] = {}  # prefix -> next token -> its logprob / temperature
+    for path in paths.values():
+        for k, (token, logprob) in enumerate(path):
+            siblings.setdefault(tuple(t for t, _ in path[:k]), {}).setdefault(token, logprob / temperature)
+    shares = {}
+    for move, path in paths.items():
+        log_share = 0.0
+        for k, (token, _) in enumerate(path):
+            scores = siblings[tuple(t for t, _ in path[:k])]
+            top = max(scores.values())
+            log_share += scores[token] - top - math.log(sum(math.exp(v - top) for v in scores.values()))
+        shares[move] = math.exp(log_share)
+    return shares
 
 
 def _count(info: InfoState, actions: Sequence[int | None]) -> StatePolicy:
