@@ -20,8 +20,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(path.name for path in (ROOT / "bench").glob("*.py"))
 # fsdp_step.py starts torch.distributed ranks, a process each that imports torch and sets up gloo: about 40 CPU
-# seconds even on tiny counts, a third of what every other bench takes together.
-SLOW = {"fsdp_step.py"}
+# seconds even on tiny counts, a third of what every other bench takes together. exploitability_sweep.py is a loop
+# around `marl run` and `marl eval --exploitability`, each tested end to end on a tiny model elsewhere
+# (tests/marl/test_run.py, tests/marl/test_exploitability.py), and its smoke starts three servers: 41 s of CI's time.
+SLOW = {"fsdp_step.py", "exploitability_sweep.py"}
 # Most of a smoke run is imports and servers starting, so two at a time (the 2 cores CI has) halves the wall time.
 WORKERS = 2
 TIMEOUT_S = 240
