@@ -231,6 +231,7 @@ def test_run_transcripts_is_validated_and_off_may_be_written_bare(tmp_path, tiny
         Topology.load(str(tmp_path / "bad.yaml"), check_env=False)
 
 
+@pytest.mark.heavy  # a `marl run` of two servers (tests/conftest.py's HEAVY_FILES marks whole files)
 def test_a_tiny_signalling_run_writes_transcripts_that_games_show_prints(tiny_model, tmp_path):
     path = write_topology(tmp_path, tiny_model)
     result = subprocess.run([sys.executable, "-m", "marl.cli", "run", path, "run.games=2", "run.max_steps=1000"],
