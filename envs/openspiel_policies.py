@@ -62,8 +62,9 @@ def parse_policy(game: Any, spec: str | Mapping[str, Any]) -> ScriptedPolicy:
         if arg and not (arg.isdigit() and 1 <= int(arg) <= MAX_CFR_ITERATIONS):
             raise ValueError(f"cfr:N takes a number of iterations from 1 to {MAX_CFR_ITERATIONS:,}; got {spec!r}")
         iterations = int(arg) if arg else DEFAULT_CFR_ITERATIONS
-        solved = _cfr_policy(str(game), iterations)
-        return ScriptedPolicy(f"cfr:{iterations}", lambda state, player: solved[state.information_state_string(player)])
+        name = str(game)  # solved on the first draw, not here: an env builds every agent's policy, scripted or not
+        return ScriptedPolicy(f"cfr:{iterations}", lambda state, player:
+                              _cfr_policy(name, iterations)[state.information_state_string(player)])
     raise ValueError(f"unknown scripted policy {spec!r}: uniform, first, cfr, cfr:N or {{table: ...}}")
 
 

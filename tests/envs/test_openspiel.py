@@ -171,6 +171,15 @@ def test_solver_policies_play_scripted_roles():
         assert set(env.action_labels().get("player_1", ["pass"])) == {"pass"}
 
 
+def test_a_cfr_policy_is_solved_at_its_first_draw_not_when_the_env_is_built():
+    from envs.openspiel_policies import _cfr_policy
+    _cfr_policy.cache_clear()
+    env = OpenSpielEnv("kuhn_poker", scripted_policy="cfr:7")  # every agent's policy, though no role need be scripted
+    assert _cfr_policy.cache_info().currsize == 0
+    scripted_game(env, seed=0)
+    assert _cfr_policy.cache_info().currsize == 1 and env.scripted["player_0"].name == "cfr:7"
+
+
 def test_games_marl_cannot_play_are_refused_with_the_reason():
     for game, params, arg, words in (("matrix_rps", {}, "game", "simultaneous"),
                                      ("goofspiel", {}, "game", "simultaneous"),
