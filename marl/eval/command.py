@@ -67,6 +67,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     solver.add_argument("--bootstrap", type=int, default=1000, help="bootstrap replicates of the interval (1000)")
     solver.add_argument("--diagonal", action="store_true",
                         help="profiles pair the i-th checkpoint of every role (a curve), not every combination")
+    solver.add_argument("--average", action="store_true",
+                        help="also the profile in which each role plays the mixture of its checkpoints (one drawn per"
+                             " game: the average strategy), read as one policy by reach-weighting them")
     solver.add_argument("--table", action="store_true", help="print every information state's probabilities")
     solver.add_argument("--json", action="store_true", help="print the report as one JSON document")
     solver.add_argument("--plot", help="draw the profiles' exploitability to this PNG (with --diagonal: a curve)")
