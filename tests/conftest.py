@@ -24,14 +24,15 @@ from servers.http.routes import create_app
 from servers.training.lifecycle import TrainerFactory
 from tests.servers.recording_vllm import RecordingVLLM
 
-#: Test files that boot vLLM or run marl's own processes (`marl run`, `marl serve` subprocesses, FSDP ranks, Ray, the
-#: benches): marked `heavy`, which `make test-fast` (the inner loop) leaves out. `make test` runs everything.
+#: Test files that boot vLLM or run marl's own processes (`marl run`, `marl serve` and other `marl` commands as
+#: subprocesses, FSDP ranks, Ray, the benches): marked `heavy`, which `make test-fast` (the inner loop) leaves out.
+#: `make test` runs everything.
 HEAVY_FILES = frozenset({
-    "test_backends_run", "test_check_env", "test_coordinator", "test_coordinator_shutdown", "test_durability",
-    "test_eval", "test_exploitability", "test_hub_models", "test_soak",
-    "test_eval_policies", "test_first_contact", "test_fsdp_lora", "test_fsdp_scale", "test_fsdp_trainer",
-    "test_league", "test_learning", "test_placement", "test_plan_measured", "test_proxy_cli", "test_ray",
-    "test_ray_placement", "test_recompute_logprobs", "test_resume", "test_run", "test_run_policies", "test_benches",
+    "test_backends_run", "test_check_env", "test_cli_mistakes", "test_coordinator", "test_coordinator_shutdown",
+    "test_durability", "test_eval", "test_eval_policies", "test_exploitability", "test_first_contact",
+    "test_fsdp_lora", "test_fsdp_scale", "test_fsdp_trainer", "test_hub_models", "test_league", "test_learning",
+    "test_placement", "test_plan_measured", "test_proxy_cli", "test_ray", "test_ray_placement",
+    "test_recompute_logprobs", "test_resume", "test_run", "test_run_policies", "test_benches", "test_soak",
     "test_static_adapter", "test_two_phase", "test_vllm_ray", "test_weight_replicas",
 })
 
@@ -61,6 +62,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if heavy_file(item.path.stem):
             item.add_marker(pytest.mark.heavy)
+        # `make test` runs the serial tests of the files that say `mark.serial` (its SERIAL_FILES): a mark given any
+        # other way would drop out of CI unseen
+        if item.get_closest_marker("serial") and "mark.serial" not in item.path.read_text():
+            raise pytest.UsageError(f"{item.nodeid} is serial, but its file never says mark.serial: the Makefile's"
+                                    " SERIAL_FILES would leave it out")
     first = {stem: rank for rank, stem in enumerate(LONGEST_FILES)}
     # a stable sort: each file's tests stay together and in their order; then the other heavy files, then the rest
     items.sort(key=lambda item: first.get(item.path.stem, len(first) + (not heavy_file(item.path.stem))))

@@ -19,11 +19,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(path.name for path in (ROOT / "bench").glob("*.py"))
-# fsdp_step.py starts torch.distributed ranks, a process each that imports torch and sets up gloo: about 40 CPU
-# seconds even on tiny counts, a third of what every other bench takes together. exploitability_sweep.py is a loop
-# around `marl run` and `marl eval --exploitability`, each tested end to end on a tiny model elsewhere
-# (tests/marl/test_run.py, tests/marl/test_exploitability.py), and its smoke starts three servers: 41 s of CI's time.
-SLOW = {"fsdp_step.py", "exploitability_sweep.py"}
+# The smokes CI leaves to `make bench-smoke` (marked slow): each costs 25-60 CPU seconds on 2 cores, together about
+# 350 of the 450 every smoke took (CI's timeline, issue 56), and what each drives is tested end to end elsewhere:
+# fsdp_step.py (FSDP ranks: tests/servers/test_fsdp_*.py), exploitability_sweep.py and seed_sweep.py (loops around
+# `marl run` and `marl eval`: tests/marl/test_run.py, test_eval.py, test_exploitability.py), scale.py (the simulated
+# engine under load: tests/servers/test_simulated_engine.py), cpu_threads.py (marl's thread split:
+# tests/marl/test_run.py), overlap.py (tests/servers/test_overlap.py, test_vllm_overlap.py), lora_memory.py and
+# lora_werewolves.py (tests/servers/test_*lora*.py, tests/marl/test_run_policies.py), fuzz.py (a short schema fuzz
+# run: tests/servers/test_untrusted_input.py). CI still imports each of them (test_the_slow_benches_import).
+SLOW = {"fsdp_step.py", "exploitability_sweep.py", "seed_sweep.py", "scale.py", "cpu_threads.py", "overlap.py",
+        "lora_memory.py", "lora_werewolves.py", "fuzz.py"}
 # Most of a smoke run is imports and servers starting, so two at a time (the 2 cores CI has) halves the wall time.
 WORKERS = 2
 TIMEOUT_S = 240
@@ -61,7 +66,21 @@ def smoke_runs(request: pytest.FixtureRequest):
 
 
 def test_the_glob_finds_the_benches():
-    assert {"code_shape.py", "proxy_overhead.py", "fsdp_step.py"} <= set(SCRIPTS)
+    assert {"code_shape.py", "proxy_overhead.py", "fsdp_step.py"} <= set(SCRIPTS) and SLOW <= set(SCRIPTS)
+
+
+def test_the_slow_benches_import():
+    """A bench whose smoke only `make bench-smoke` runs is still imported here (in one fresh interpreter, as a script
+    runs it: its main() not called), so a name it imports that moved or went fails CI, not the next person."""
+    load = ("import importlib.util, sys\n"
+            "for path in sys.argv[1:]:\n"
+            "    spec = importlib.util.spec_from_file_location('bench_' + path[6:-3], path)\n"
+            "    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
+            "    spec.loader.exec_module(module)\n"
+            "    assert callable(module.main), path\n")
+    done = subprocess.run([sys.executable, "-c", load, *(f"bench/{s}" for s in sorted(SLOW))], cwd=ROOT,
+                          capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 @pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.slow) if s in SLOW else s for s in SCRIPTS])
