@@ -19,16 +19,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(path.name for path in (ROOT / "bench").glob("*.py"))
-# The smokes CI leaves to `make bench-smoke` (marked slow): each costs 25-60 CPU seconds on 2 cores, together about
-# 350 of the 450 every smoke took (CI's timeline, issue 56), and what each drives is tested end to end elsewhere:
+# The smokes CI leaves to `make bench-smoke` (marked slow): each costs 12-60 CPU seconds on 2 cores, together about
+# 420 of the 450 every smoke took (CI's timeline, issue 56), and what each drives is tested end to end elsewhere:
 # fsdp_step.py (FSDP ranks: tests/servers/test_fsdp_*.py), exploitability_sweep.py and seed_sweep.py (loops around
 # `marl run` and `marl eval`: tests/marl/test_run.py, test_eval.py, test_exploitability.py), scale.py (the simulated
 # engine under load: tests/servers/test_simulated_engine.py), cpu_threads.py (marl's thread split:
 # tests/marl/test_run.py), overlap.py (tests/servers/test_overlap.py, test_vllm_overlap.py), lora_memory.py and
 # lora_werewolves.py (tests/servers/test_*lora*.py, tests/marl/test_run_policies.py), fuzz.py (a short schema fuzz
-# run: tests/servers/test_untrusted_input.py). CI still imports each of them (test_the_slow_benches_import).
+# run: tests/servers/test_untrusted_input.py), run_report.py (tests/marl/test_games_view.py), proxy_latency.py
+# (tests/marl/test_proxy*.py), commit_timing.py (tests/marl/test_two_phase.py), load_episodes.py (many leases on
+# one server: tests/servers/test_server_http.py), train_memory.py (tests/servers/test_plan_measured.py). CI still
+# imports each of them (test_the_slow_benches_import).
 SLOW = {"fsdp_step.py", "exploitability_sweep.py", "seed_sweep.py", "scale.py", "cpu_threads.py", "overlap.py",
-        "lora_memory.py", "lora_werewolves.py", "fuzz.py"}
+        "lora_memory.py", "lora_werewolves.py", "fuzz.py", "run_report.py", "proxy_latency.py", "commit_timing.py",
+        "load_episodes.py", "train_memory.py"}
 # Most of a smoke run is imports and servers starting, so two at a time (the 2 cores CI has) halves the wall time.
 WORKERS = 2
 TIMEOUT_S = 240
