@@ -67,6 +67,12 @@ class LLMAgent:
 
     __call__ = act
 
+    def remember(self, observation: str, move: str) -> None:
+        """Add an exchange the model did not generate (`run.explore`'s forced moves) to the conversation, as `act`
+        would have: the next call's prompt shows `move` as this agent's reply. The server sees it only as part of that
+        prompt (context, mask 0), so `move` is never trained on."""
+        self.messages += [{"role": "user", "content": str(observation)}, {"role": "assistant", "content": str(move)}]
+
     def _complete(self) -> Any:
         """One chat call with the conversation so far. An OpenAI SDK client sends the body through its `post`, as
         `chat.completions.create` does, but without that method's type walk over every message: 6 ms a call at 30
@@ -128,3 +134,6 @@ class ScriptedAgent:
         return self.env.scripted_action(self.agent)
 
     __call__ = act
+
+    def remember(self, observation: str, move: str) -> None:
+        """A forced move (`run.explore`): a script keeps no conversation."""

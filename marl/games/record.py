@@ -81,6 +81,7 @@ class Turn(BaseModel):
     action: str  # the reply as sent (cut to TEXT_CHARS)
     observation: str | None = None  # None: not kept (run.transcripts: summary, or past the row's budget)
     invalid: bool | None = None  # the env rejected the reply (asked again or fell back); None: the env does not say
+    forced: bool = False  # an exploring start's move (run.explore): drawn by the run, not asked of the player
 
 
 class GameRecord(BaseModel):
@@ -108,6 +109,7 @@ class GameRecord(BaseModel):
     summary: dict[str, Any] = {}  # the env's summary() of the game
     transcript: list[Turn] = []  # every turn, in order (see the module docstring for the bounds)
     omitted_turns: int = 0  # turns left out of `transcript` by the row's budget
+    forced_moves: int = 0  # the game's first moves drawn by run.explore instead of asked of its players
 
 
 class TranscriptRecorder:
@@ -143,7 +145,8 @@ class TranscriptRecorder:
         else:
             self.summary = json.loads(text)
 
-    def add(self, agent: str, role: str, observation: str, action: str, invalid: bool | None = None) -> None:
+    def add(self, agent: str, role: str, observation: str, action: str, invalid: bool | None = None,
+            forced: bool = False) -> None:
         if self.mode == "off":
             return
         action = _cut(action, keep_end=False)
@@ -154,7 +157,7 @@ class TranscriptRecorder:
             self.omitted += 1
             return
         self.left -= len(action) + len(kept or "")
-        self.turns.append(Turn(agent=agent, role=role, observation=kept, action=action, invalid=invalid))
+        self.turns.append(Turn(agent=agent, role=role, observation=kept, action=action, invalid=invalid, forced=forced))
 
     def fields(self) -> dict[str, Any]:
         """The GameRecord fields of the transcript."""

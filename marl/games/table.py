@@ -6,14 +6,17 @@ of its server's lease, tagged with the role; a static role its endpoint, or the 
 role the env), asks the `player_factory` for an object with `act(observation) -> reply` (default: `default_player`,
 an OpenAI-SDK `LLMAgent` or the env's scripted policy; `marl.agents.agentscope` gives AgentScope agents), plays, and
 returns the game's `GameRecord` with its provenance (`co_players`) and, per `run.transcripts`, its transcript (every
-turn's observation and reply) and the env's `summary()`. It holds no connection, lock or thread, so
-`run.ray.spread_games` can send it to a Ray task (marl/runner/ray_cluster.py).
+turn's observation and reply) and the env's `summary()`. With `run.explore` (`ExploringStarts`) a share of tasks
+open with moves drawn uniformly from the legal ones: each is told to its player as if it had chosen it
+(`remember(observation, move)`), so the model answers only from the state those moves reach. It holds no
+connection, lock or thread, so `run.ray.spread_games` can send it to a Ray task (marl/runner/ray_cluster.py).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -92,6 +95,24 @@ def seats_http_client() -> openai.DefaultHttpxClient:
     return openai.DefaultHttpxClient(limits=connection_limits(1000))
 
 
+@dataclass(frozen=True)
+class ExploringStarts:
+    """`run.explore`: in `share` of the tasks (every repeat of a task alike: one GRPO group), the game's first `moves`
+    moves are drawn uniformly from the legal moves instead of asked of the players. An on-policy learner only sees
+    the states its own policy reaches, and a state it has learned to avoid (Kuhn Poker's call with a King after
+    checking, once it nearly always bets a King) it stops learning while other states' gradients move it: an
+    exploring start reaches it anyway (docs/design.md, "Exploring starts"). A turn whose env lists no legal moves
+    (free text) is asked of its player as usual."""
+
+    share: float
+    moves: int = 1
+
+    def draws(self, seed: int) -> random.Random | None:
+        """The task's stream of forced moves (None: this task is played as usual), from its seed alone."""
+        rng = random.Random(f"explore/{seed}")
+        return rng if rng.random() < self.share else None
+
+
 @dataclass
 class GameSettings:
     max_tokens: int = 64  # run.max_tokens
@@ -101,6 +122,7 @@ class GameSettings:
     #: role -> the sampling settings it sets itself (a topology's `roles.R.sampling`: temperature, top_p,
     #: max_tokens, stop), overriding max_tokens and temperature above for that role's seats
     sampling: dict[str, dict[str, Any]] = field(default_factory=dict)
+    explore: ExploringStarts | None = None  # run.explore (None: every move asked of its player)
 
     def __post_init__(self) -> None:
         for role, overrides in self.sampling.items():  # a misspelt setting must not be dropped without a word
@@ -136,7 +158,8 @@ class GameTable:
         env = self.env_factory()
         env.reset(seed=seed, options={EPISODE_OPTION: episode})
         transcript = TranscriptRecorder(self.settings.transcripts)
-        turns = self._play_turns(env, leases, statics, shared_client, transcript)
+        forced = _ForcedMoves(self.settings.explore, seed)
+        turns = self._play_turns(env, leases, statics, shared_client, transcript, forced)
         transcript.summarize(env)
         record = GameRecord(
             task_id=task_id,
@@ -157,15 +180,17 @@ class GameTable:
             time=time.time(),
             co_players=self._co_players(env, leases, statics),
             sampling=self._sampling(env),
+            forced_moves=forced.played,
             **transcript.fields(),
         )
         env.close()
         return record
 
     def _play_turns(self, env: GameEnv, leases: Mapping[str, HeldLease], statics: Mapping[str, StaticEndpoint],
-                    shared_client: Callable[[Seat], openai.OpenAI | None], transcript: TranscriptRecorder) -> int:
+                    shared_client: Callable[[Seat], openai.OpenAI | None], transcript: TranscriptRecorder,
+                    forced: _ForcedMoves) -> int:
         """Seat a player for every agent and play the game to its end, noting each turn in `transcript`; returns
-        the turns played."""
+        the turns played. A turn `forced` draws is told to its player instead of asked."""
         players: dict[str, Any] = {}
         turns = 0
         try:
@@ -181,7 +206,12 @@ class GameTable:
                 if terminated or truncated:
                     env.step(None)
                     continue
-                _step(env, agent, str(observation), players[agent].act(str(observation)), transcript)
+                move = forced.next_move(env, agent)
+                if move is not None:
+                    remember(players[agent], str(observation), move)
+                    _step(env, agent, str(observation), move, transcript, forced=True)
+                else:
+                    _step(env, agent, str(observation), players[agent].act(str(observation)), transcript)
                 turns += 1
         finally:
             close_players(players.values())
@@ -225,12 +255,43 @@ class GameTable:
         return replace(seat, base_url=endpoint.base_url, api_key=endpoint.api_key, model=endpoint.model)
 
 
-def _step(env: GameEnv, agent: str, observation: str, reply: Any, transcript: TranscriptRecorder) -> None:
+class _ForcedMoves:
+    """One game's exploring start: the moves `ExploringStarts` draws for its first turns, counted as played."""
+
+    def __init__(self, explore: ExploringStarts | None, seed: int):
+        self.rng = explore.draws(seed) if explore is not None else None
+        self.left, self.played = (explore.moves if self.rng is not None else 0), 0
+
+    def next_move(self, env: GameEnv, agent: str) -> str | None:
+        """The move to play for `agent` now, or None (asked of its player): one of its legal moves, uniformly, while
+        the start lasts. A turn without listed moves ends the start."""
+        if self.left <= 0:
+            return None
+        legal = list(getattr(env, "legal_actions", lambda _agent: None)(agent) or [])
+        self.left = self.left - 1 if legal else 0
+        if not legal:
+            return None
+        self.played += 1
+        return self.rng.choice(legal)
+
+
+def remember(player: Any, observation: str, move: str) -> None:
+    """Tell `player` it was shown `observation` and played `move` (its conversation then reads as if it had)."""
+    told = getattr(player, "remember", None)
+    if told is None:
+        raise GameFailed(f"run.explore plays moves for the players, and {type(player).__name__} cannot be told one it"
+                         " did not choose: give it a `remember(observation, move)` method, or drop run.explore")
+    told(observation, move)
+
+
+def _step(env: GameEnv, agent: str, observation: str, reply: Any, transcript: TranscriptRecorder, *,
+          forced: bool = False) -> None:
     """Play `agent`'s reply and note the turn; it was invalid if the env's count of its invalid replies grew."""
     role, before = env.role_of(agent), _invalid_replies(env, agent)
     env.step(reply)
     after = _invalid_replies(env, agent)
-    transcript.add(agent, role, observation, str(reply), None if before is None or after is None else after > before)
+    transcript.add(agent, role, observation, str(reply), None if before is None or after is None else after > before,
+                   forced=forced)
 
 
 def _invalid_replies(env: GameEnv, agent: str) -> int | None:

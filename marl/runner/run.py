@@ -57,6 +57,7 @@ from marl.client import SwarmClient, SwarmError
 from marl.eval.periodic import PeriodicEval
 from marl.games.record import GameRecord, append_game
 from marl.games.schedule import CallbackFailed, FailedAttempt, episodes, play_games
+from marl.games.table import ExploringStarts
 from marl.league import SnapshotPool, snapshot_pools
 from marl.plan import plan_topology
 from marl.protocol import ADMIN_TOKEN_ENV, EngineState, ServerStatus
@@ -278,7 +279,8 @@ class _Session:
             settings=GameSettings(lease_timeout_s=run.lease_timeout_s, max_tokens=run.max_tokens,
                                   temperature=run.temperature, transcripts=run.transcripts,
                                   sampling={role: spec.sampling.overrides() for role, spec in self.spec.roles.items()
-                                            if spec.sampling is not None}),
+                                            if spec.sampling is not None},
+                                  explore=ExploringStarts(**run.explore.model_dump()) if run.explore else None),
             linked_servers=self.topology.linked_learners(),
             monitor=self.monitor,
             decisions=self.decisions,

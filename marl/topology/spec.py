@@ -660,6 +660,14 @@ class RaySpec(_Spec):
                          " this machine), ray://HOST:PORT (Ray client) or HOST:PORT (a cluster's head)")
 
 
+class ExploreSpec(_Spec):
+    """Exploring starts (docs/design.md): a share of tasks open with moves drawn uniformly from the legal moves."""
+
+    share: float = Field(gt=0, le=1, description="Share of tasks (a task's repeats alike: one GRPO group) whose"
+                         " first moves are drawn uniformly from the legal moves instead of asked of the models.")
+    moves: int = Field(1, ge=1, description="How many of the game's first moves are drawn (any player's).")
+
+
 class RunSpec(_Spec):
     games: int | None = Field(None, ge=1, description="Total games (None: until max_steps).")
     max_steps: int | None = Field(None, ge=1, description="Stop once every trainable learner (server, or LoRA policy)"
@@ -688,6 +696,8 @@ class RunSpec(_Spec):
                                " batches' worth of games (batch_size x num_repeat each, plus run.concurrency) is"
                                " stalled: its pool cannot fill (a role that never calls the model, say). The run"
                                " then says why and acts as run.on_stall says.")
+    explore: ExploreSpec | None = Field(None, description="Exploring starts (None: every move asked of its player):"
+                                        " states a learner's own policy avoids are still reached and trained.")
     on_stall: Literal["stop", "warn"] = Field("stop", description="What a stalled learner does to the run: stop"
                                               " (exit 1, with the reason) or warn (say it once and go on).")
 
