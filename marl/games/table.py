@@ -101,7 +101,7 @@ class ExploringStarts:
     moves are drawn uniformly from the legal moves instead of asked of the players. An on-policy learner only sees
     the states its own policy reaches, and a state it has learned to avoid (Kuhn Poker's call with a King after
     checking, once it nearly always bets a King) it stops learning while other states' gradients move it: an
-    exploring start reaches it anyway (docs/design.md, "Exploring starts"). A turn whose env lists no legal moves
+    exploring start reaches it anyway (docs/design.md, "Learning Kuhn Poker on chips"). A turn whose env lists no legal moves
     (free text) is asked of its player as usual."""
 
     share: float
