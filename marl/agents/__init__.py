@@ -73,6 +73,15 @@ class LLMAgent:
         prompt (context, mask 0), so `move` is never trained on."""
         self.messages += [{"role": "user", "content": str(observation)}, {"role": "assistant", "content": str(move)}]
 
+    def act_held(self, observation: str, moves: Sequence[str]) -> str:
+        """`act` with the reply held to one of `moves`, whatever `choices` says (`run.explore`'s trained moves: the
+        server records the held reply as the model's own, at its raw logprobs, and trains on it)."""
+        choices, self.choices = self.choices, lambda: list(moves)
+        try:
+            return self.act(observation)
+        finally:
+            self.choices = choices
+
     def _complete(self) -> Any:
         """One chat call with the conversation so far. An OpenAI SDK client sends the body through its `post`, as
         `chat.completions.create` does, but without that method's type walk over every message: 6 ms a call at 30
@@ -137,3 +146,7 @@ class ScriptedAgent:
 
     def remember(self, observation: str, move: str) -> None:
         """A forced move (`run.explore`): a script keeps no conversation."""
+
+    def act_held(self, observation: str, moves: Sequence[str]) -> str:
+        """A forced move (`run.explore`, trained): a script plays the first of `moves` (it is given one)."""
+        return list(moves)[0]

@@ -8,8 +8,10 @@ an OpenAI-SDK `LLMAgent` or the env's scripted policy; `marl.agents.agentscope` 
 returns the game's `GameRecord` with its provenance (`co_players`) and, per `run.transcripts`, its transcript (every
 turn's observation and reply) and the env's `summary()`. With `run.explore` (`ExploringStarts`) a share of tasks
 open with moves drawn uniformly from the legal ones: each is told to its player as if it had chosen it
-(`remember(observation, move)`), so the model answers only from the state those moves reach. It holds no
-connection, lock or thread, so `run.ray.spread_games` can send it to a Ray task (marl/runner/ray_cluster.py).
+(`remember(observation, move)`), so the model answers only from the state those moves reach, or (`trained`) asked of
+it with the reply held to the drawn move (`act_held(observation, moves)`), so it is trained like a sampled one.
+It holds no connection, lock or thread, so `run.ray.spread_games` can send it to a Ray task
+(marl/runner/ray_cluster.py).
 """
 
 from __future__ import annotations
@@ -101,16 +103,24 @@ class ExploringStarts:
     moves are drawn uniformly from the legal moves instead of asked of the players. An on-policy learner only sees
     the states its own policy reaches, and a state it has learned to avoid (Kuhn Poker's call with a King after
     checking, once it nearly always bets a King) it stops learning while other states' gradients move it: an
-    exploring start reaches it anyway (docs/design.md, "Learning Kuhn Poker on chips"). A turn whose env lists no legal moves
-    (free text) is asked of its player as usual."""
+    exploring start reaches it anyway (docs/design.md, "Learning Kuhn Poker on chips"). A turn whose env lists no
+    legal moves (free text) is asked of its player as usual.
+
+    `trained`: each drawn move is asked of the model with its reply held to that move (`act_held`), so it is recorded
+    and trained like a sampled one, and the moves are drawn per repeat: a GRPO group then compares the moves of its
+    first turns under one deal, which on-policy sampling cannot once the policy is nearly sure of one of them.
+    Untrained (the default), the moves are told to the players and never trained, alike for a task's repeats."""
 
     share: float
     moves: int = 1
+    trained: bool = False
 
-    def draws(self, seed: int) -> random.Random | None:
-        """The task's stream of forced moves (None: this task is played as usual), from its seed alone."""
-        rng = random.Random(f"explore/{seed}")
-        return rng if rng.random() < self.share else None
+    def draws(self, seed: int, episode: int = 0) -> random.Random | None:
+        """The stream of this game's forced moves (None: it is played as usual): whether from the task's seed alone,
+        which moves from it too, or (`trained`) from the seed and the repeat."""
+        if random.Random(f"explore/{seed}").random() >= self.share:
+            return None
+        return random.Random(f"explore/{seed}/{episode}" if self.trained else f"explore/{seed}/moves")
 
 
 @dataclass
@@ -158,7 +168,7 @@ class GameTable:
         env = self.env_factory()
         env.reset(seed=seed, options={EPISODE_OPTION: episode})
         transcript = TranscriptRecorder(self.settings.transcripts)
-        forced = _ForcedMoves(self.settings.explore, seed)
+        forced = _ForcedMoves(self.settings.explore, seed, episode)
         turns = self._play_turns(env, leases, statics, shared_client, transcript, forced)
         transcript.summarize(env)
         record = GameRecord(
@@ -207,11 +217,11 @@ class GameTable:
                     env.step(None)
                     continue
                 move = forced.next_move(env, agent)
-                if move is not None:
-                    remember(players[agent], str(observation), move)
-                    _step(env, agent, str(observation), move, transcript, forced=True)
-                else:
+                if move is None:
                     _step(env, agent, str(observation), players[agent].act(str(observation)), transcript)
+                else:
+                    reply = forced.play(players[agent], str(observation), move)
+                    _step(env, agent, str(observation), reply, transcript, forced=True)
                 turns += 1
         finally:
             close_players(players.values())
@@ -258,9 +268,10 @@ class GameTable:
 class _ForcedMoves:
     """One game's exploring start: the moves `ExploringStarts` draws for its first turns, counted as played."""
 
-    def __init__(self, explore: ExploringStarts | None, seed: int):
-        self.rng = explore.draws(seed) if explore is not None else None
+    def __init__(self, explore: ExploringStarts | None, seed: int, episode: int = 0):
+        self.rng = explore.draws(seed, episode) if explore is not None else None
         self.left, self.played = (explore.moves if self.rng is not None else 0), 0
+        self.trained = explore is not None and explore.trained
 
     def next_move(self, env: GameEnv, agent: str) -> str | None:
         """The move to play for `agent` now, or None (asked of its player): one of its legal moves, uniformly, while
@@ -275,13 +286,18 @@ class _ForcedMoves:
         return self.rng.choice(legal)
 
 
-def remember(player: Any, observation: str, move: str) -> None:
-    """Tell `player` it was shown `observation` and played `move` (its conversation then reads as if it had)."""
-    told = getattr(player, "remember", None)
-    if told is None:
-        raise GameFailed(f"run.explore plays moves for the players, and {type(player).__name__} cannot be told one it"
-                         " did not choose: give it a `remember(observation, move)` method, or drop run.explore")
-    told(observation, move)
+    def play(self, player: Any, observation: str, move: str) -> str:
+        """Play `move` for `player`: asked of its model held to it (`trained`), or told to it; the reply to play."""
+        method = "act_held" if self.trained else "remember"
+        if getattr(player, method, None) is None:
+            what = "asked with its reply held to it" if self.trained else "told one it did not choose"
+            raise GameFailed(f"run.explore draws moves for the players, and {type(player).__name__} cannot be {what}:"
+                             f" give it a `{method}(observation, {'moves' if self.trained else 'move'})` method, or"
+                             " drop run.explore")
+        if self.trained:
+            return player.act_held(observation, [move])
+        player.remember(observation, move)
+        return move
 
 
 def _step(env: GameEnv, agent: str, observation: str, reply: Any, transcript: TranscriptRecorder, *,

@@ -666,6 +666,9 @@ class ExploreSpec(_Spec):
     share: float = Field(gt=0, le=1, description="Share of tasks (a task's repeats alike: one GRPO group) whose"
                          " first moves are drawn uniformly from the legal moves instead of asked of the models.")
     moves: int = Field(1, ge=1, description="How many of the game's first moves are drawn (any player's).")
+    trained: bool = Field(False, description="Ask each drawn move of the model with its reply held to it, so it is"
+                          " trained like a sampled move, and draw the moves per repeat (a GRPO group compares them);"
+                          " false: tell it to the players, never trained, alike for a task's repeats.")
 
 
 class RunSpec(_Spec):

@@ -1,5 +1,6 @@
 """`run.explore`: exploring starts. A share of tasks open with moves drawn uniformly from the legal moves, alike for
-every repeat of a task; each is told to its player, and the model is asked only from the state they reach."""
+every repeat of a task; each is told to its player, and the model is asked only from the state they reach. Trained
+(`trained: true`), the moves are drawn per repeat and asked of the model with its reply held to them."""
 
 from __future__ import annotations
 
@@ -43,6 +44,16 @@ def test_a_share_of_tasks_open_with_uniform_moves_alike_for_every_repeat():
     assert kuhn_table(None).play("t", 7, {}, {}).forced_moves == 0
 
 
+def test_trained_exploring_starts_draw_each_repeat_its_own_moves():
+    table = kuhn_table(ExploringStarts(share=1.0, moves=1, trained=True))
+    mixed = 0
+    for seed in range(20):
+        first = [table.play("t", seed, {}, {}, episode=e).transcript[0].action for e in range(6)]
+        assert first == [table.play("t", seed, {}, {}, episode=e).transcript[0].action for e in range(6)]  # replays
+        mixed += set(first) == {"Pass", "Bet"}
+    assert mixed >= 15  # 6 uniform draws agree with probability 1/32
+
+
 def test_a_player_that_cannot_be_told_a_move_fails_the_game_with_the_reason():
     class Forgetful:
         def act(self, observation: str) -> str:
@@ -50,6 +61,9 @@ def test_a_player_that_cannot_be_told_a_move_fails_the_game_with_the_reason():
 
     table = kuhn_table(ExploringStarts(share=1.0), player_factory=lambda seat: Forgetful())
     with pytest.raises(GameFailed, match="cannot be told one it did not choose.*remember"):
+        table.play("t", 1, {}, {})
+    table = kuhn_table(ExploringStarts(share=1.0, trained=True), player_factory=lambda seat: Forgetful())
+    with pytest.raises(GameFailed, match="cannot be asked with its reply held to it.*act_held"):
         table.play("t", 1, {}, {})
 
 
@@ -61,10 +75,11 @@ def test_run_explore_is_checked_at_its_key(tmp_path):
         Topology.load(str(tmp_path / "t.yaml"))
 
 
-def test_a_forced_move_is_in_the_models_conversation_and_the_model_answers_after_it(tiny_model, tmp_path,
-                                                                                     monkeypatch):
-    """A real run on a tiny model: every game opens with a forced move, so player_0's first call is never its
-    first turn; the conversation it sends shows the forced move as its own reply, as `marl eval` reaches the state."""
+@pytest.mark.parametrize("trained", [False, True])
+def test_a_forced_move_is_in_the_models_conversation(trained, tiny_model, tmp_path, monkeypatch):
+    """A real run on a tiny model: every game opens with a forced move. Told (untrained), player_0's first call is
+    never its first turn, and the conversation it sends shows the forced move as its own reply, as `marl eval`
+    reaches the state. Trained, the first call is its first turn, held to the drawn move, which it replies."""
     from marl.runner.run import run
 
     monkeypatch.setenv("ROLE_SAMPLING_ADMIN", ADMIN)
@@ -76,18 +91,25 @@ def test_a_forced_move_is_in_the_models_conversation_and_the_model_answers_after
                                             {"swarm_url": relay.url, "admin_token_env": "ROLE_SAMPLING_ADMIN",
                                              "trainable": True, "train": TRAIN})))
         spec["env"] = {"openspiel": "kuhn_poker", "args": {"max_invalid_retries": 0}}
-        spec["run"].update(games=6, explore={"share": 1.0})
+        spec["run"].update(games=6, explore={"share": 1.0, "trained": trained})
         (tmp_path / "kuhn.yaml").write_text(yaml.safe_dump(spec))
         summary = run(str(tmp_path / "kuhn.yaml"))
     assert summary.error is None and summary.games == 6
     games = read_games(tmp_path / "run" / "games.jsonl")
     assert all(g.forced_moves == 1 and g.transcript[0].agent == "player_0" for g in games)
-    forced = {g.transcript[0].action for g in games}
-    assert forced <= {"Pass", "Bet"}
-    player_0_calls = [body["messages"] for role, body, _ in relay.calls if role == "player_0"]
-    assert player_0_calls  # it answered after Pass-Bet
-    for messages in player_0_calls:  # system, the forced exchange, the state now: never asked at the opening
-        assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
-        assert messages[2]["content"] == "Pass"  # player_0 moves again only after Pass, Bet
-    player_1_calls = [body["messages"] for role, body, _ in relay.calls if role == "player_1"]
+    assert {g.transcript[0].action for g in games} <= {"Pass", "Bet"}
+    calls = [(body, reply) for role, body, reply in relay.calls if role == "player_0"]
+    player_1_calls = [body for role, body, _ in relay.calls if role == "player_1"]
     assert len(player_1_calls) == 6  # player_1 answers the forced opening in every game
+    if not trained:
+        assert calls  # it answered after Pass-Bet
+        for body, _ in calls:  # system, the forced exchange, the state now: never asked at the opening
+            assert [m["role"] for m in body["messages"]] == ["system", "user", "assistant", "user"]
+            assert body["messages"][2]["content"] == "Pass"  # player_0 moves again only after Pass, Bet
+        return
+    openings = [(body, reply) for body, reply in calls if len(body["messages"]) == 2]
+    assert len(openings) == 6  # asked at the opening in every game, held to the drawn move, which it replied
+    drawn = sorted(g.transcript[0].action for g in games)
+    assert sorted(body["structured_outputs"]["choice"][0] for body, _ in openings) == drawn
+    for body, reply in openings:
+        assert body["structured_outputs"]["choice"] == [reply["choices"][0]["message"]["content"]]
