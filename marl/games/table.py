@@ -200,7 +200,7 @@ class GameTable:
                     shared_client: Callable[[Seat], openai.OpenAI | None], transcript: TranscriptRecorder,
                     forced: _ForcedMoves) -> int:
         """Seat a player for every agent and play the game to its end, noting each turn in `transcript`; returns
-        the turns played. A turn `forced` draws is told to its player instead of asked."""
+        the turns played. A turn `forced` draws is played by `forced.play` (told, or asked held to the move)."""
         players: dict[str, Any] = {}
         turns = 0
         try:
@@ -279,12 +279,11 @@ class _ForcedMoves:
         if self.left <= 0:
             return None
         legal = list(getattr(env, "legal_actions", lambda _agent: None)(agent) or [])
-        self.left = self.left - 1 if legal else 0
         if not legal:
+            self.left = 0
             return None
-        self.played += 1
+        self.left, self.played = self.left - 1, self.played + 1
         return self.rng.choice(legal)
-
 
     def play(self, player: Any, observation: str, move: str) -> str:
         """Play `move` for `player`: asked of its model held to it (`trained`), or told to it; the reply to play."""
