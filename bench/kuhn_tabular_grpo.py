@@ -224,8 +224,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000, help="stop when either player has made this many steps")
     parser.add_argument("--budget", type=int, default=57, help="the steps a 45-minute run makes (run m: 57)")
     parser.add_argument("--eval-every", type=int, default=12, help="tasks between two exact readings")
-    for name, default in vars(Settings()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    d = Settings()
+    parser.add_argument("--lr", type=float, default=d.lr, help="AdamW's learning rate on the logits")
+    parser.add_argument("--repeats", type=int, default=d.repeats, help="games of one task (a GRPO group)")
+    parser.add_argument("--batch", type=int, default=d.batch, help="groups a step")
+    parser.add_argument("--entropy-coef", type=float, default=d.entropy_coef)
+    parser.add_argument("--kl-coef", type=float, default=d.kl_coef, help="k3 KL to the reference (0: none)")
+    parser.add_argument("--magnet-every", type=int, default=d.magnet_every,
+                        help="steps between moves of the KL reference to the current policy (0: the start, fixed)")
+    parser.add_argument("--explore-share", type=float, default=d.explore_share, help="tasks with a drawn start")
+    parser.add_argument("--explore-moves", type=int, default=d.explore_moves, help="moves drawn in those")
+    parser.add_argument("--init-pass", type=float, default=d.init_pass, help="Pass's probability at the start")
+    parser.add_argument("--coupling", type=float, default=d.coupling,
+                        help="the rate of the part the cards share, against --lr (0: a pure table)")
     parser.add_argument("--init", type=Path, help="start from this exploitability.json's checkpoint 0 (the untrained"
                         " model's reading) instead of --init-pass everywhere")
     parser.add_argument("--curve", action="store_true", help="print every reading")
