@@ -51,6 +51,7 @@ TARGET = 0.15
 
 @dataclass
 class Settings:
+    """The knobs of one training (the command line's flags); the defaults are run m's, with a table's learning rate."""
     lr: float = 0.1
     repeats: int = 6
     batch: int = 6
