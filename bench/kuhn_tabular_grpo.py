@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable as a sc
 
 from marl.eval.exploitability import best_response_value  # noqa: E402
 from marl.eval.info_states import info_states  # noqa: E402
+from servers.trainers.grpo import ADV_EPS, ZERO_VARIANCE_STD  # noqa: E402  (the trainer's own thresholds)
 
 TARGET = 0.15
 
@@ -140,7 +141,7 @@ def grpo_step(policy: TablePolicy, groups: list[Group], settings: Settings) -> N
     entropy = -(log_probs.exp() * log_probs).sum(-1)
     for group in groups:
         r = np.array(group.returns)
-        advantages = (r - r.mean()) / (r.std() + 1e-6) if r.std() > 1e-8 else np.zeros_like(r)
+        advantages = (r - r.mean()) / (r.std() + ADV_EPS) if r.std() > ZERO_VARIANCE_STD else np.zeros_like(r)
         for advantage, moves in zip(advantages, group.moves):
             if not moves:
                 continue
