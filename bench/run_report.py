@@ -9,12 +9,15 @@ Rows are games grouped by the policy version the given server played them with (
 N equal ranges, which smooths small steps); the last table is the whole run (games/hour from the first to the last
 game). `--actions ROLE` adds what the role did in each row, as the env labels its moves (`action_labels`: a
 signalling listener's "pick 2", "pick none"), in shares of its moves. Everything is read from games.jsonl, so it
-works during a run too.
+works during a run too. Last, each trainable server's steps from its metrics.jsonl: how many, the median seconds a
+step trained (its `seconds`), and the wall seconds from one step to the next (training, games and waiting).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import tempfile
 from collections import Counter, defaultdict
@@ -128,6 +131,20 @@ def report(args: argparse.Namespace) -> None:
     stats = summarize_games(args.run_dir)
     if "all" in stats:
         print(f"whole run: {stats['all']['games_per_hour']:.0f} games/hour")
+    step_times(args.run_dir)
+
+
+def step_times(run_dir: Path) -> None:
+    """Each trainable server's step count, median training seconds a step, and median wall seconds between steps."""
+    for metrics in sorted(run_dir.glob("servers/*/metrics.jsonl")):
+        steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        if not steps:
+            continue
+        trained = statistics.median(step["seconds"] for step in steps)
+        times = [step["time"] for step in steps]
+        wall = statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else float("nan")
+        print(f"{metrics.parent.name}: {len(steps)} steps; a step trains {trained:.1f} s (median), "
+              f"{wall:.1f} s from one step to the next (median)")
 
 
 if __name__ == "__main__":
