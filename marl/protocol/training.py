@@ -51,8 +51,8 @@ class FSDPConfig(GRPOConfig):
     mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
         "auto", description="What the forward and backward compute in: bf16 (parameters gathered in bf16, gradients"
         " reduced in fp32; the sharded weights and AdamW's state stay fp32), fp32, or auto: bf16 on CUDA, fp32 on the"
-        " CPU. bf16 on a CPU pays only where it has bf16 units (AMX or AVX512-BF16: about half the step time,"
-        " bench/fsdp_step.py). Like `ranks`, read when the ranks start.")
+        " CPU. bf16 on a CPU pays only where it has bf16 units (AMX or AVX512-BF16: about half the step time"
+        " in the Kuhn runs of docs/results.md). Like `ranks`, read when the ranks start.")
 
 
 #: What a LoRA adapter wraps when `target_modules` is left out: every linear layer of a Llama/Qwen decoder.

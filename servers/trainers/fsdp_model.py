@@ -18,8 +18,8 @@ and FSDP2 shards a shared parameter once.
 reduce-scatters the gradients in fp32, while the sharded parameters, their gradients and AdamW's state stay in the
 parameters' own dtype (fp32: the master weights). `fp32` computes in the parameters' dtype. `auto` is bf16 on CUDA
 and fp32 on the CPU, where bf16 matmuls are slow without bf16 units and the tests hold the sharded trainer to the
-one-process fp32 trainer. On a CPU with bf16 units (AMX) `bf16` on one rank halves a small model's step
-(bench/fsdp_step.py; the Kuhn runs in docs/results.md use it).
+one-process fp32 trainer. On a CPU with bf16 units (AMX) `bf16` on one rank halved the Kuhn runs' step
+(docs/results.md, measured with bench/run_report.py; bench/fsdp_step.py alone: 0.68x).
 """
 
 from __future__ import annotations
