@@ -58,7 +58,8 @@ class Findings:
 def check_spec(spec: TopologySpec, findings: Findings) -> None:
     """Run every check; fills in the defaults of `run.repeats` and `run.run_dir`."""
     for check in (check_names, check_role_players, check_role_policies, check_unused_servers, check_repeats, check_stop,
-                  check_urls, check_past_of, check_eval_every, check_ray_gpus, check_ray_ranks):
+                  check_urls, check_past_of, check_eval_every, check_ray_gpus, check_ray_ranks,
+                  check_trainer_sections):
         check(spec, findings)
     if spec.run.run_dir is None:
         spec.run.run_dir = Path("runs") / spec.name
@@ -135,6 +136,21 @@ def check_unused_servers(spec: TopologySpec, findings: Findings) -> None:
         else:
             findings.warn(["servers", name], "no role uses this server" + (
                 "; `marl run` would start it for nothing" if server.is_local else ""))
+
+
+def check_trainer_sections(spec: TopologySpec, findings: Findings) -> None:
+    """A train: section of a trainer the server does not run (`grpo:` under `trainer: fsdp`) is ignored: say so,
+    since its knobs look as if they applied."""
+    for name, server in spec.servers.items():
+        if server.train is None:
+            continue
+        learners = [(["servers", name, "train"], server.train.trainer, server.train.model_fields_set)]
+        learners += [(["servers", name, "policies", policy, "train"], server.train.trainer, set(p.train))
+                     for policy, p in (server.policies or {}).items()]  # policies share the server's trainer
+        for where, trainer, sections in learners:
+            for section in sorted({"grpo", "fsdp"} & sections - {trainer}):
+                findings.warn([*where, section], f"ignored: trainer is {trainer}, whose knobs are under"
+                                                 f" train.{trainer}; move them there or remove {section}:")
 
 
 def check_repeats(spec: TopologySpec, findings: Findings) -> None:

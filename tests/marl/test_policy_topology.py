@@ -51,8 +51,11 @@ def test_each_policy_is_a_learner_with_its_own_config(team):
 
 def test_policies_train_on_fsdp_ranks_together(team):
     team["servers"]["team"]["train"]["trainer"] = "fsdp"
-    server = Topology.from_dict(team, check_env=False).spec.servers["team"]
+    topo = Topology.from_dict(team, check_env=False)
+    server = topo.spec.servers["team"]
     assert {server.policy_train(name).trainer for name in ("speaker", "listener")} == {"fsdp"}
+    # the listener's own grpo: section would be ignored now
+    assert [w.key for w in topo.warnings] == ["servers.team.policies.listener.train.grpo"]
 
 
 def test_the_only_policy_needs_no_name(team):

@@ -655,3 +655,14 @@ def test_cli_show_reports_errors(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "roles.listener.server: unknown server 'lstener'" in err and "did you mean 'listener_model'" in err
+
+
+def test_a_section_of_the_trainer_not_run_is_a_warning(base):
+    """`grpo:` under `trainer: fsdp` would be silently ignored: the warning names it; the run's section is quiet."""
+    base["servers"]["small"]["train"] = {**train(), "trainer": "fsdp", "grpo": {"learning_rate": 1e-4},
+                                         "fsdp": {"learning_rate": 3e-6}}
+    warnings = Topology.from_dict(base).warnings
+    assert [w.key for w in warnings] == ["servers.small.train.grpo"]
+    assert "ignored: trainer is fsdp" in warnings[0].message
+    base["servers"]["small"]["train"].pop("grpo")
+    assert Topology.from_dict(base).warnings == []
