@@ -6,6 +6,14 @@
     command.py    `marl eval` (`add_eval_parser` adds it to the `marl` command)
     periodic.py   `run.eval_every`: `marl run` evaluates its checkpoints as training goes, into evals.jsonl
 
+Exploitability (two-player zero-sum games a solver can check):
+
+    info_states.py            each information state of the game, and the conversation an agent gets there
+    policy_reading.py         a role's policy read off its server at every state (sampled, or exactly when held)
+    exploitability.py         OpenSpiel's best response against it, bootstrap intervals, reference points
+    exploit_command.py        `marl eval --exploitability`
+    exploitability_curve.py   `run.eval_exploitability`: each periodic evaluation's figure, into exploitability.jsonl
+
 Snapshots (checkpoint paths, the static server processes) are marl/league/snapshots.py; docs/eval.md is the user's
 guide.
 """

@@ -13,8 +13,10 @@ A past_of role counts as its trainable server's: `latest` is then self-play of t
 `<server> latest` the newest against the initial model.
 
 Each pairing is one line of evals.jsonl: {"step", "time", "pairing", "seats": role -> checkpoint label, "versions":
-role -> version, "roles": role -> `RoleStats` (JSON)}; `marl plot` draws evals.png from it. A checkpoint pruned
-before its server loaded it (`train.keep_checkpoints`) fails that evaluation, which is reported and skipped.
+role -> version, "roles": role -> `RoleStats` (JSON)}; `marl plot` draws evals.png from it. With
+`run.eval_exploitability`, each evaluation then measures `latest`'s exploitability into exploitability.jsonl
+(marl/eval/exploitability_curve.py). A checkpoint pruned before its server loaded it (`train.keep_checkpoints`)
+fails that evaluation, which is reported and skipped.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from marl.eval.exploitability_curve import EXPLOITABILITY_FILE, ExploitabilityCurve
+from marl.eval.info_states import NotMeasurable, PolicySeats
 from marl.eval.pairings import EvalFailed, EvalSettings, Pairing, checkpointed_roles, fleet_devices, play_pairing
 from marl.eval.stats import summarize
 from marl.games.record import GameRecord
@@ -46,8 +50,10 @@ EVALS_FILE = "evals.jsonl"
 
 
 class PeriodicEval:
-    def __init__(self, topology: Topology, run_dir: Path, token: str, *,
+    def __init__(self, topology: Topology, run_dir: Path, token: str, *, seats: PolicySeats | None = None,
                  report: Callable[[str], None] = log.info, poll_s: float = 5.0):
+        """`seats`: the game's, to measure exploitability at each evaluation (`exploitability_curve.check_measurable`
+        gives them for run.eval_exploitability); None: games only."""
         run = topology.spec.run
         assert run.eval_every is not None, "run.eval_every is not set"
         self.topology, self.run_dir, self.every = topology, Path(run_dir), run.eval_every
@@ -59,6 +65,7 @@ class PeriodicEval:
         # One fleet for the whole run: the initial models stay up; older checkpoints make room for newer ones.
         self.fleet = StaticFleet(self.run_dir / "logs" / "eval", token=token, devices=fleet_devices(topology),
                                  max_servers=2 * len(self.learners))
+        self.curve = ExploitabilityCurve(topology, seats, self.run_dir, self.fleet) if seats is not None else None
         self.evaluated: list[int] = []  # the steps evaluated, in order
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="periodic-eval", daemon=True)
@@ -111,7 +118,9 @@ class PeriodicEval:
                 if self._stop.is_set():
                     return
                 self._append(step, label, pairing, games)
-        except (EvalFailed, RuntimeError, SnapshotError) as exc:
+            if self.curve is not None:
+                self._append_exploitability(self.curve.measure(step))
+        except (EvalFailed, RuntimeError, SnapshotError, NotMeasurable) as exc:
             if not self._stop.is_set():  # else: the run is ending, which is why
                 self.report(f"evaluation at step {step} failed: {exc}")
             return
@@ -127,3 +136,12 @@ class PeriodicEval:
             f.write(json.dumps(row) + "\n")
         wins = ", ".join(f"{role} {s.win_rate:.2f} [{s.win_low:.2f}, {s.win_high:.2f}]" for role, s in stats.items())
         self.report(f"eval at step {step}, {label}: win rate {wins}")
+
+    def _append_exploitability(self, row: dict) -> None:
+        if self._stop.is_set():
+            return  # the run is ending: its servers may have gone mid-reading
+        with open(self.run_dir / EXPLOITABILITY_FILE, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        checkpoints = " ".join(f"{role}={label}" for role, label in row["checkpoints"].items())
+        self.report(f"eval at step {row['step']}, exploitability of {checkpoints}: {row['value']:.3f}"
+                    f" [{row['low']:.3f}, {row['high']:.3f}]")

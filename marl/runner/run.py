@@ -12,6 +12,8 @@ The run directory (`run.run_dir`, default `runs/<name>`) gets:
   decisions.sqlite          the two-phase commit decisions of games across several servers
                             (`marl.transaction.decision_log`)
   evals.jsonl, evals.png    with `run.eval_every`: greedy games between checkpoints as training goes (marl/eval/)
+  exploitability.jsonl,     with `run.eval_exploitability` too: each evaluation's distance from a Nash equilibrium
+  exploitability.png        (marl/eval/exploitability_curve.py)
 
 The run stops after `run.games` games (exactly that many are played and recorded), once every trainable server took
 `run.max_steps` training steps, or when it gives up: a game that failed `run.max_failures` times in a row, a local
@@ -54,6 +56,8 @@ from rich.table import Table
 from rich.text import Text
 
 from marl.client import SwarmClient, SwarmError
+from marl.eval.exploitability_curve import check_measurable
+from marl.eval.info_states import PolicySeats
 from marl.eval.periodic import PeriodicEval
 from marl.games.record import GameRecord, append_game
 from marl.games.schedule import CallbackFailed, FailedAttempt, episodes, play_games
@@ -186,13 +190,14 @@ def run(path: str, overrides: list[str] | None = None, *, console: Console | Non
     console = console or Console(soft_wrap=True)  # long lines (paths, URLs) stay whole in logs
     topology = Topology.load(path, overrides or [])
     check_memory_plan(topology, path, console)
+    seats = check_measurable(topology, path)  # run.eval_exploitability: a game a solver can check
     for warning in topology.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
     run_dir = Path(topology.spec.run.run_dir or f"runs/{topology.name}")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "topology.yaml").write_text(yaml.safe_dump(topology.to_dict(), sort_keys=False))
     started = time.monotonic()
-    session = _Session(topology, run_dir, console)
+    session = _Session(topology, run_dir, console, seats)
     previous_sigterm = _sigterm_as_ctrl_c()
     try:
         session.start()
@@ -233,8 +238,9 @@ def check_memory_plan(topology: Topology, source: str, console: Console) -> None
 class _Session:
     """One `marl run`: its local servers, monitor, coordinator and games. `shut_down` undoes whatever `start` did."""
 
-    def __init__(self, topology: Topology, run_dir: Path, console: Console):
+    def __init__(self, topology: Topology, run_dir: Path, console: Console, seats: PolicySeats | None = None):
         self.topology, self.spec, self.run_dir, self.console = topology, topology.spec, run_dir, console
+        self.seats = seats  # run.eval_exploitability: the game's seats, whose policies each evaluation measures
         self.plain = not console.is_terminal  # a pipe, a log, nohup: timestamped lines instead of the live table
         self.max_failures = self.spec.run.max_failures
         self.board = _Board(run_dir / "games.jsonl", self.spec.run.games)
@@ -288,7 +294,8 @@ class _Session:
         )
         self.stalls = _stall_watch(self.topology, endpoints)
         if run.eval_every is not None:
-            self.evals = PeriodicEval(self.topology, self.run_dir, token, report=self.console.log).start()
+            self.evals = PeriodicEval(self.topology, self.run_dir, token, seats=self.seats,
+                                      report=self.console.log).start()
 
     def _launch(self, name: str, server: ServerSpec) -> ServerProcess | RayServer:
         """Start local server `name`: a `marl serve` process here, or with run.ray a Ray actor that runs one."""

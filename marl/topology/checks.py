@@ -250,6 +250,9 @@ def check_eval_every(spec: TopologySpec, findings: Findings) -> None:
     policies, with its own train.save_freq)."""
     every = spec.run.eval_every
     if every is None:
+        if spec.run.eval_exploitability:
+            findings.bad(["run", "eval_exploitability"], "it measures at each run.eval_every evaluation, and"
+                                                         " run.eval_every is not set: set it (e.g. 10)")
         return
     trainable = {name: s for name, s in spec.servers.items() if s.trainable}
     if not trainable:

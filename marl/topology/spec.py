@@ -690,6 +690,10 @@ class RunSpec(_Spec):
                                    " eval_games greedy games between checkpoints, in the background, into"
                                    " evals.jsonl (None: off). Needs checkpoints at those steps.")
     eval_games: int = Field(8, ge=1, description="Games per pairing of each run.eval_every evaluation.")
+    eval_exploitability: bool = Field(False, description="With run.eval_every, in a two-player zero-sum OpenSpiel"
+                                      " game (or TextArena's one-round KuhnPoker): each evaluation also measures"
+                                      " how far `latest` is from a Nash equilibrium (OpenSpiel's exact best"
+                                      " response), into exploitability.jsonl and exploitability.png.")
     transcripts: Literal["full", "summary", "off"] = Field(
         "full", description="What games.jsonl keeps of each game for `marl games show`: full (every turn's"
         " observation and reply, each cut to 2000 characters, 64000 a game, and the env's summary), summary (the"

@@ -8,6 +8,8 @@
                                   each LoRA policy of a server)
     evals.png                     from evals.jsonl (`run.eval_every`): per role, the greedy win rate and mean
                                   reward of each evaluated pairing, with 95% intervals, against the training step
+    exploitability.png            from exploitability.jsonl (`run.eval_exploitability`): the exploitability of
+                                  each evaluation's `latest`, with its 95% interval, against the reference points
 
 `marl eval` writes eval.png (`plot_eval_matrix`): each role's win rate over a matrix of pairings; `marl plot RUN_DIR`
 draws it again from RUN_DIR/eval/eval.json (`replot_eval_matrix`).
@@ -27,8 +29,9 @@ from typing import Any
 
 from marl.games.record import GameRecord, as_records, read_games
 
-__all__ = ["percent", "plot_eval_matrix", "plot_evals", "plot_reward_curves", "plot_run", "plot_training",
-           "replot_eval_matrix", "reward_figure", "summarize_games", "summarize_roles"]
+__all__ = ["percent", "plot_eval_matrix", "plot_evals", "plot_exploitability", "plot_exploitability_curve",
+           "plot_reward_curves", "plot_run", "plot_training", "replot_eval_matrix", "reward_figure", "summarize_games",
+           "summarize_roles"]
 
 
 def plot_run(run_dir: Path) -> list[Path]:
@@ -43,6 +46,7 @@ def plot_run(run_dir: Path) -> list[Path]:
         data_dirs.append(run_dir)
     written += [plot_training(d) for d in data_dirs]
     written.append(plot_evals(run_dir))
+    written.append(plot_exploitability_curve(run_dir))
     written.append(replot_eval_matrix(run_dir / "eval"))
     return [p for p in written if p is not None]
 
@@ -275,6 +279,14 @@ def _matrix_layout(labels: list[dict[str, str]]):
 def _nan(value: float | None) -> float:
     """JSON's null (a NaN written by `marl eval`) back to NaN, which matplotlib leaves out."""
     return math.nan if value is None else value
+
+
+def plot_exploitability_curve(run_dir: Path) -> Path | None:
+    """exploitability.png from exploitability.jsonl (`run.eval_exploitability`): one point per evaluation."""
+    from marl.eval.exploitability_curve import EXPLOITABILITY_FILE, curve_report
+    path = Path(run_dir) / EXPLOITABILITY_FILE
+    rows = _read_jsonl(path) if path.exists() else []
+    return plot_exploitability(curve_report(rows), Path(run_dir) / "exploitability.png") if rows else None
 
 
 def plot_exploitability(report: Mapping[str, Any], path: Path) -> Path:

@@ -365,6 +365,8 @@ CASES = {
                                       ["servers.remote_7b is a remote swarm server"]),
     "eval_every without checkpoints": ({"run.eval_every": 2, "servers.small.train.save_freq": 0}, "run.eval_every",
                                        ["servers.small.train.save_freq is 0"]),
+    "eval_exploitability without eval_every": ({"run.eval_exploitability": True}, "run.eval_exploitability",
+                                               ["run.eval_every is not set"]),
 }
 
 
